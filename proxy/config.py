@@ -1,0 +1,503 @@
+"""Settings: a frozen dataclass tree with defaults, and its loader.
+
+Precedence: CLI flags > env (``UPSHIFT_*``) > YAML file > defaults. The loader
+(:func:`load_settings`) lives here too; every key of ``config.yaml`` maps to one field below.
+
+The loader is generic over the tree: a key is the dotted path of a leaf field
+(``pool.max_sockets_per_identity``), its env var is ``UPSHIFT_`` plus the path upper-cased with
+dots replaced by underscores (``UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY``), and its value is parsed
+by the field's type hint. Adding a field to a dataclass below is all it takes to add a setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
+
+import yaml
+
+from proxy.errors import ConfigError
+
+__all__ = [
+    "CONFIG_ENV",
+    "ENV_PREFIX",
+    "ApiKeySettings",
+    "LimitsSettings",
+    "LoggingSettings",
+    "MatchingSettings",
+    "PoolSettings",
+    "Settings",
+    "ShutdownSettings",
+    "TimeoutSettings",
+    "env_name",
+    "load_settings",
+    "parse_hostport",
+    "setting_keys",
+    "settings_to_dict",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeySettings:
+    """Where the upstream credential comes from."""
+
+    source: Literal["passthrough", "file", "env"] = "passthrough"
+    """``passthrough``: the app's own ``Authorization``; ``file``/``env``: inject this key."""
+    file: str = "/var/run/secrets/openai/api-key"
+    """Key file (a mounted Kubernetes Secret); re-read when it changes."""
+    env: str = "OPENAI_API_KEY"
+    """Environment variable holding the key when ``source: env``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsSettings:
+    """Request size limits."""
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body accepted from an app (413 above)."""
+    ws_frame_budget_bytes: int = 15 * 1024 * 1024
+    """Largest ``response.create`` frame sent upstream; larger requests go over HTTP."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """Upstream WebSocket pool."""
+
+    max_sockets_per_identity: int = 64
+    """Sockets per credential; at the limit the least recently used idle socket is closed."""
+    max_sockets_total: int = 1024
+    """Sockets across all credentials."""
+    idle_close_seconds: float = 900.0
+    """Close a socket unused for this long (its conversation head goes with it)."""
+    rotate_after_seconds: float = 3300.0
+    """Retire a socket this old (55 min, before the 60-minute limit), only while idle."""
+    ping_interval_seconds: float = 20.0
+    """Keepalive ping period on upstream sockets."""
+    ping_timeout_seconds: float = 20.0
+    """Drop a socket whose pong does not arrive within this time."""
+    openai_beta: str = ""
+    """``OpenAI-Beta`` header for the upgrade (empty: none, as the GA API expects)."""
+    compression: bool = False
+    """Offer permessage-deflate on upstream sockets."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutSettings:
+    """Timeouts towards the upstream."""
+
+    connect_seconds: float = 10.0
+    """TCP + TLS + WebSocket handshake."""
+    stream_idle_seconds: float = 900.0
+    """Longest silence between two upstream events of one response (slow reasoning turns)."""
+    http_total_seconds: float = 3600.0
+    """Whole-request limit for HTTP passthrough."""
+
+
+@dataclass(frozen=True, slots=True)
+class MatchingSettings:
+    """Conversation matching."""
+
+    allow_dropped_reasoning: bool = False
+    """Accept echoes that drop reasoning items (client-echo.md rule 6) as continuations."""
+    max_heads: int = 10000
+    """Conversation heads kept in memory across identities (LRU)."""
+    head_ttl_seconds: float = 3600.0
+    """Forget a head unused for this long."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingSettings:
+    """Logs."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level."""
+    access_log: bool = True
+    """One JSON line per request."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownSettings:
+    """Drain on SIGTERM."""
+
+    grace_seconds: float = 25.0
+    """Time in-flight requests get to finish after SIGTERM before sockets are closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """All settings of the sidecar."""
+
+    listen: str = "127.0.0.1:8080"
+    """API listener (the app's ``OPENAI_BASE_URL`` points here)."""
+    admin_listen: str = "0.0.0.0:9090"
+    """Admin listener: /healthz, /readyz, /metrics."""
+    upstream: str = "https://api.openai.com/v1"
+    """Upstream base URL; the WebSocket URL is this with http→ws, https→wss, plus /responses."""
+    mode: Literal["websocket", "http"] = "websocket"
+    """``http`` turns WebSocket use off entirely (pure passthrough)."""
+    api_key: ApiKeySettings = field(default_factory=ApiKeySettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    matching: MatchingSettings = field(default_factory=MatchingSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
+
+    @property
+    def ws_url(self) -> str:
+        """The upstream WebSocket URL for ``/responses``."""
+        base = self.upstream.rstrip("/")
+        if base.startswith("https://"):
+            base = "wss://" + base[len("https://") :]
+        elif base.startswith("http://"):
+            base = "ws://" + base[len("http://") :]
+        return base + "/responses"
+
+
+# --------------------------------------------------------------------------------------------
+# Loader
+# --------------------------------------------------------------------------------------------
+
+ENV_PREFIX = "UPSHIFT_"
+"""Prefix of every environment variable the loader reads."""
+CONFIG_ENV = "UPSHIFT_CONFIG"
+"""Environment variable naming the YAML file (``--config`` wins over it)."""
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+# Kubernetes injects ``<SERVICE>_SERVICE_HOST``, ``<SERVICE>_PORT_8080_TCP`` ... for every
+# Service in the namespace (enableServiceLinks); a Service called "upshift..." must not make
+# the strict env check crash every sidecar in that namespace.
+_SERVICE_LINK = re.compile(
+    r"^UPSHIFT_\w*?(?:SERVICE_HOST|SERVICE_PORT(?:_\w+)?|PORT_\d+_(?:TCP|UDP|SCTP)\w*)$"
+)
+_SERVICE_LINK_PORT = re.compile(r"^(?:tcp|udp|sctp)://")
+"""``<SERVICE>_PORT`` is matched by its value, so ``UPSHIFT_LISTEN_PORT=8080`` is still an error."""
+
+# Numbers must be >= 0 (checked generically); these must also be > 0 because zero would make
+# the sidecar unusable rather than merely switch something off.
+_POSITIVE = frozenset(
+    {
+        "limits.max_body_bytes",
+        "pool.max_sockets_per_identity",
+        "pool.max_sockets_total",
+        "timeouts.connect_seconds",
+        "timeouts.stream_idle_seconds",
+        "timeouts.http_total_seconds",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Leaf:
+    """One settable field of the tree."""
+
+    key: str
+    """Dotted path, e.g. ``pool.max_sockets_per_identity``."""
+    type: Any
+    """Resolved type hint (``int``, ``float``, ``bool``, ``str`` or a ``Literal``)."""
+
+
+def _collect_leaves(cls: type[Any], prefix: str = "") -> dict[str, _Leaf]:
+    leaves: dict[str, _Leaf] = {}
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            leaves.update(_collect_leaves(hint, f"{prefix}{f.name}."))
+        else:
+            leaves[prefix + f.name] = _Leaf(prefix + f.name, hint)
+    return leaves
+
+
+def env_name(key: str) -> str:
+    """The environment variable for a dotted key.
+
+    Args:
+        key: A dotted setting path such as ``pool.max_sockets_per_identity``.
+
+    Returns:
+        ``UPSHIFT_`` + the path upper-cased, dots as underscores
+        (``UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY``).
+    """
+    return ENV_PREFIX + key.replace(".", "_").upper()
+
+
+_LEAVES = _collect_leaves(Settings)
+_SECTIONS = frozenset(key.rpartition(".")[0] for key in _LEAVES if "." in key)
+_BY_ENV = {env_name(key): leaf for key, leaf in _LEAVES.items()}
+# Underscores join both section and key names, so two paths could map to one variable; fail
+# at import rather than silently shadowing one setting with another.
+assert len(_BY_ENV) == len(_LEAVES), "two settings map to the same UPSHIFT_* variable"
+assert CONFIG_ENV not in _BY_ENV
+
+
+def setting_keys() -> tuple[str, ...]:
+    """Every dotted setting key, in declaration order (``listen``, ..., ``shutdown.grace_seconds``)."""
+    return tuple(_LEAVES)
+
+
+def _suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, choices, n=2, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """Split ``host:port`` into its parts.
+
+    Args:
+        value: ``127.0.0.1:8080``, ``0.0.0.0:9090``, ``localhost:8080`` or ``[::1]:8080``
+            (an IPv6 address needs brackets). Port 0 means "any free port".
+
+    Returns:
+        ``(host, port)`` with the brackets of an IPv6 host removed.
+
+    Raises:
+        ConfigError: The value is not a valid ``host:port``.
+    """
+    text = value.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ConfigError(f"invalid host:port {value!r}: expected '[ipv6]:port'")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"invalid host:port {value!r}: {host!r} is not an IPv6 address") from None
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ConfigError(f"invalid host:port {value!r}: expected 'host:port'")
+        if ":" in host:
+            raise ConfigError(f"invalid host:port {value!r}: write an IPv6 address as '[{host}]:port'")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"invalid host:port {value!r}: port must be a number in 0..65535")
+    return host, int(port_text)
+
+
+def _coerce(leaf: _Leaf, raw: object, *, text: bool) -> object:
+    """Turn ``raw`` into a value of the leaf's type or raise ``ValueError`` saying why.
+
+    ``text`` is true for env vars and string flag values: those are parsed, whereas YAML
+    values already have a type and must match it.
+    """
+    tp = leaf.type
+    if text and isinstance(raw, str):
+        raw = raw.strip()
+    if get_origin(tp) is Literal:
+        choices = [str(c) for c in get_args(tp)]
+        if isinstance(raw, str) and raw.lower() in choices:
+            return raw.lower()
+        raise ValueError(f"expected one of {', '.join(choices)}; got {raw!r}")
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if text and isinstance(raw, str) and raw.lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[raw.lower()]
+        raise ValueError(f"expected a boolean (true/false/1/0/yes/no); got {raw!r}")
+    if tp is int or tp is float:
+        number: int | float
+        if isinstance(raw, bool):  # bool is an int subclass: "true" is no count
+            raise ValueError(f"expected a number; got {raw!r}")
+        if isinstance(raw, str) and text:
+            try:
+                number = int(raw) if tp is int else float(raw)
+            except ValueError:
+                kind = "an integer" if tp is int else "a number"
+                raise ValueError(f"expected {kind}; got {raw!r}") from None
+        elif isinstance(raw, int) or (tp is float and isinstance(raw, float)):
+            number = raw
+        else:
+            kind = "an integer" if tp is int else "a number"
+            raise ValueError(f"expected {kind}; got {raw!r}")
+        number = tp(number)
+        if not math.isfinite(number):
+            raise ValueError(f"expected a finite number; got {raw!r}")
+        if number < 0 or (number == 0 and leaf.key in _POSITIVE):
+            bound = "> 0" if leaf.key in _POSITIVE else ">= 0"
+            raise ValueError(f"must be {bound}; got {raw!r}")
+        return number
+    if tp is str:
+        if not isinstance(raw, str):
+            raise ValueError(f"expected a string; got {raw!r}")
+        _check_string(leaf.key, raw)
+        return raw
+    raise TypeError(f"setting {leaf.key!r} has unsupported type {tp!r}")  # a bug, not config
+
+
+def _check_string(key: str, value: str) -> None:
+    """Semantic checks of string settings, by key (the only per-key rules)."""
+    if key in ("listen", "admin_listen"):
+        try:
+            parse_hostport(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    elif key == "upstream":
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+            raise ValueError(f"expected an http(s):// or ws(s):// URL; got {value!r}")
+
+
+def _value(leaf: _Leaf, raw: object, *, text: bool, where: str) -> object:
+    try:
+        return _coerce(leaf, raw, text=text)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}", param=leaf.key) from None
+
+
+def _from_file(path: str) -> dict[str, object]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:  # an empty or all-comments file
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    out: dict[str, object] = {}
+    _flatten(data, "", path, out)
+    return out
+
+
+def _flatten(data: dict[Any, Any], prefix: str, path: str, out: dict[str, object]) -> None:
+    for name, raw in data.items():
+        key = f"{prefix}{name}"
+        if key in _SECTIONS:
+            if raw is None:  # "pool:" with every key commented out
+                continue
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{path}: key '{key}' must be a mapping", param=key)
+            _flatten(raw, key + ".", path, out)
+        elif key in _LEAVES:
+            out[key] = _value(_LEAVES[key], raw, text=False, where=f"{path}: key '{key}'")
+        else:
+            hint = _suggest(key, [*_LEAVES, *_SECTIONS])
+            raise ConfigError(f"{path}: unknown key '{key}'{hint}", param=key)
+
+
+def _is_service_link(name: str, value: str) -> bool:
+    if _SERVICE_LINK.match(name):
+        return True
+    return name.endswith("_PORT") and bool(_SERVICE_LINK_PORT.match(value))
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or _is_service_link(name, raw):
+            continue
+        leaf = _BY_ENV.get(name)
+        if leaf is None:
+            hint = _suggest(name, [*_BY_ENV, CONFIG_ENV])
+            raise ConfigError(f"environment: unknown variable {name}{hint}", param=name)
+        out[leaf.key] = _value(leaf, raw, text=True, where=f"environment: {name} ({leaf.key})")
+    return out
+
+
+def _from_flags(values: Mapping[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, raw in values.items():
+        if raw is None:  # argparse default: flag not given
+            continue
+        leaf = _LEAVES.get(key)
+        if leaf is None:
+            raise ConfigError(f"command line: unknown setting '{key}'{_suggest(key, list(_LEAVES))}")
+        out[key] = _value(leaf, raw, text=True, where=f"command line: {key}")
+    return out
+
+
+def _build(cls: type[Any], values: Mapping[str, object], prefix: str = "") -> Any:
+    hints = get_type_hints(cls)
+    kwargs: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values, key + ".")
+        elif key in values:
+            kwargs[f.name] = values[key]
+    return cls(**kwargs)
+
+
+def _check_settings(s: Settings) -> None:
+    """Checks that involve more than one key."""
+    if s.pool.max_sockets_per_identity > s.pool.max_sockets_total:
+        raise ConfigError(
+            f"settings: pool.max_sockets_per_identity ({s.pool.max_sockets_per_identity}) exceeds "
+            f"pool.max_sockets_total ({s.pool.max_sockets_total})"
+        )
+    host, port = parse_hostport(s.listen)
+    admin_host, admin_port = parse_hostport(s.admin_listen)
+    wildcard = ("0.0.0.0", "::")
+    if port and port == admin_port and (host == admin_host or host in wildcard or admin_host in wildcard):
+        raise ConfigError(f"settings: listen ({s.listen}) and admin_listen ({s.admin_listen}) share a port")
+
+
+def load_settings(
+    argv_values: Mapping[str, object] | None,
+    env: Mapping[str, str],
+    config_path: str | None,
+) -> Settings:
+    """Build the effective settings: flags > env > YAML file > defaults.
+
+    Args:
+        argv_values: Flag values by dotted key (``"listen"``, ``"logging.level"``); ``None``
+            values mean "not given". Strings are parsed like env values.
+        env: The environment (``os.environ``). Every ``UPSHIFT_*`` variable must map to a key,
+            except ``UPSHIFT_CONFIG`` and Kubernetes service-link variables.
+        config_path: YAML file to read; when ``None``, ``env["UPSHIFT_CONFIG"]`` if set, else
+            no file.
+
+    Returns:
+        The validated, frozen settings.
+
+    Raises:
+        ConfigError: Unknown key or variable, mistyped or out-of-range value, unreadable file.
+            The message names the source and the key.
+    """
+    path = config_path if config_path is not None else env.get(CONFIG_ENV) or None
+    values: dict[str, object] = {}
+    if path is not None:
+        values.update(_from_file(os.path.expanduser(path)))
+    values.update(_from_env(env))
+    values.update(_from_flags(argv_values or {}))
+    settings: Settings = _build(Settings, values)
+    _check_settings(settings)
+    return settings
+
+
+def settings_to_dict(settings: Settings) -> dict[str, Any]:
+    """The settings as nested plain dicts in declaration order (the shape of ``config.yaml``).
+
+    No setting holds a secret today (the key itself is only ever read from a file or env var,
+    never stored here); a field named like one is still left out, so adding one later cannot
+    leak it through ``--print-config``.
+    """
+    return _to_dict(settings)
+
+
+_SECRET_NAME = re.compile(r"(^|_)(secret|password|token)$")
+
+
+def _to_dict(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = _to_dict(value)
+        elif not _SECRET_NAME.search(f.name):
+            out[f.name] = value
+    return out

@@ -1,0 +1,306 @@
+"""Conversation heads: which upstream socket can continue which conversation.
+
+A *head* is the end state of one completed response: the app's input to it (as digests), the
+upstream's output items (as fingerprints), the response id, and the socket (*anchor*) whose
+default lane caches it. The upstream caches only a lane's latest response, so a socket has at
+most one head, and a head never outlives its socket.
+
+No conversation id is needed. A request continues a head when (client-echo.md §4):
+
+1. its non-input fields equal the head's (settings digest),
+2. its input starts with the head's input (prefix digest), then
+3. echoes the head's output items (per-type projection), then
+4. carries at least one new item.
+
+Among all heads of the caller's identity the longest match wins, so forks and parallel
+sub-agents that share a prefix each keep their own chain. A request whose input *equals* a
+head's input is a retry of that turn, not its successor. A head whose socket is busy is never
+used (the request goes out with full input instead). Everything is synchronous and pure; the
+clock is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
+from proxy.core.request import ParsedRequest
+
+__all__ = ["Head", "HeadTable", "Lookup", "Match", "MissReason"]
+
+
+class MissReason:
+    """Why a request went upstream with its full input (metric label values)."""
+
+    NO_HEAD = "no_head"
+    DIVERGED = "diverged"
+    SETTINGS_CHANGED = "settings_changed"
+    HEAD_BUSY = "head_busy"
+    DROPPED_REASONING = "dropped_reasoning"
+    RETRY = "retry"
+    NO_NEW_ITEMS = "no_new_items"
+    APP_CHAINED = "app_chained"
+
+
+@dataclass(slots=True)
+class Head:
+    """The end state of one completed response on one socket."""
+
+    identity: str
+    anchor: Hashable
+    response_id: str
+    settings: bytes
+    n_input: int
+    input_digest: bytes
+    output: tuple[OutputFingerprint, ...]
+    last_used: float
+    busy: bool = False
+    chained: bool = False
+    """The app chained this turn itself (``previous_response_id``): its input is a delta, so
+    the head serves only :meth:`HeadTable.anchor_for`, never full-history matching."""
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A continuation: send ``new_items`` with ``previous_response_id=response_id`` on ``anchor``."""
+
+    anchor: Hashable
+    response_id: str
+    new_items: list[Any]
+    items_avoided: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """The outcome of :meth:`HeadTable.lookup`."""
+
+    match: Match | None
+    reason: str
+    """``continuation`` or a :class:`MissReason` value."""
+    dropped_reasoning: int = 0
+    """Reasoning items of the head's output that the echo left out."""
+
+
+_Key = tuple[str, bytes, int, bytes]
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Prefix lengths present among the heads of one (identity, settings)."""
+
+    lengths: Counter[int] = field(default_factory=Counter)
+
+
+class HeadTable:
+    """Every conversation head the sidecar knows, across identities.
+
+    Args:
+        max_heads: Upper bound on heads kept; the least recently used goes first.
+        ttl_seconds: A head unused for this long is forgotten.
+        allow_dropped_reasoning: Accept echoes that leave out reasoning items.
+    """
+
+    def __init__(
+        self, *, max_heads: int, ttl_seconds: float, allow_dropped_reasoning: bool = False
+    ) -> None:
+        self.max_heads = max_heads
+        self.ttl_seconds = ttl_seconds
+        self.allow_dropped_reasoning = allow_dropped_reasoning
+        self._heads: OrderedDict[Hashable, Head] = OrderedDict()
+        self._index: dict[_Key, list[Hashable]] = {}
+        self._buckets: dict[tuple[str, bytes], _Bucket] = {}
+        self._by_response: dict[str, Hashable] = {}
+
+    def __len__(self) -> int:
+        return len(self._heads)
+
+    def __repr__(self) -> str:
+        busy = sum(1 for h in self._heads.values() if h.busy)
+        return f"<HeadTable [{len(self._heads)} heads, {busy} busy]>"
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        identity: str,
+        req: ParsedRequest,
+        now: float,
+        is_idle: Callable[[Hashable], bool],
+    ) -> Lookup:
+        """Find the head ``req`` continues, or say why there is none."""
+        if req.previous_response_id is not None:
+            return Lookup(None, MissReason.APP_CHAINED)
+        self.expire(now)
+        bucket = self._buckets.get((identity, req.settings_digest))
+        reason = MissReason.NO_HEAD
+        dropped_seen = 0
+        if bucket is not None:
+            n_items = len(req.items)
+            lengths = {n for n in bucket.lengths if n <= n_items}
+            digests = req.prefix_digests(lengths)
+            for n in sorted(lengths, reverse=True):
+                for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
+                    head = self._heads[anchor]
+                    found = self._continue(head, req.items, n)
+                    if isinstance(found, str):
+                        reason = _stronger(reason, found)
+                        continue
+                    consumed, dropped = found
+                    if dropped and not self.allow_dropped_reasoning:
+                        dropped_seen = dropped
+                        reason = _stronger(reason, MissReason.DROPPED_REASONING)
+                        continue
+                    if head.busy or not is_idle(anchor):
+                        reason = _stronger(reason, MissReason.HEAD_BUSY)
+                        continue
+                    head.last_used = now
+                    self._heads.move_to_end(anchor)
+                    new_items = req.items[n + consumed :]
+                    match = Match(anchor, head.response_id, new_items, n + consumed)
+                    return Lookup(match, "continuation", dropped)
+        if reason == MissReason.NO_HEAD and self._matches_other_settings(identity, req):
+            reason = MissReason.SETTINGS_CHANGED
+        return Lookup(None, reason, dropped_seen)
+
+    def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int] | str:
+        """Match the echo of ``head.output`` at ``items[n:]``.
+
+        Returns ``(items consumed by the echo, reasoning items dropped)``, or a miss reason.
+        """
+        if n == len(items):
+            return MissReason.RETRY
+        position = n
+        dropped = 0
+        for fp in head.output:
+            if position < len(items) and echo_matches(fp, items[position]):
+                position += 1
+            elif fp.kind == "reasoning":
+                dropped += 1
+            else:
+                return MissReason.DIVERGED
+        if position == len(items):
+            return MissReason.NO_NEW_ITEMS
+        return position - n, dropped
+
+    def _matches_other_settings(self, identity: str, req: ParsedRequest) -> bool:
+        """Whether the input extends a head of ``identity`` whose settings differ."""
+        for (ident, settings), bucket in self._buckets.items():
+            if ident != identity or settings == req.settings_digest:
+                continue
+            lengths = {n for n in bucket.lengths if n < len(req.items)}
+            for n, value in req.prefix_digests(lengths).items():
+                if (identity, settings, n, value) in self._index:
+                    return True
+        return False
+
+    def anchor_for(self, identity: str, response_id: str) -> Hashable | None:
+        """The socket holding ``response_id``, if it belongs to ``identity`` and is not busy."""
+        anchor = self._by_response.get(response_id)
+        if anchor is None:
+            return None
+        head = self._heads.get(anchor)
+        if head is None or head.identity != identity or head.busy:
+            return None
+        return anchor
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def begin(self, anchor: Hashable) -> None:
+        """A create is about to go out on ``anchor``: its head can no longer be continued."""
+        head = self._heads.get(anchor)
+        if head is not None:
+            head.busy = True
+
+    def record(
+        self,
+        identity: str,
+        anchor: Hashable,
+        req: ParsedRequest,
+        response: dict[str, Any],
+        now: float,
+    ) -> None:
+        """``response.completed`` arrived on ``anchor`` for ``req``: it becomes the head."""
+        self.discard(anchor)
+        response_id = response.get("id")
+        if not isinstance(response_id, str):
+            return
+        output = response.get("output")
+        chained = req.previous_response_id is not None
+        head = Head(
+            identity=identity,
+            anchor=anchor,
+            response_id=response_id,
+            settings=req.settings_digest,
+            n_input=len(req.items),
+            input_digest=b"" if chained else req.prefix_digest(len(req.items)),
+            output=tuple(fingerprint(i) for i in output if isinstance(i, dict))
+            if isinstance(output, list)
+            else (),
+            last_used=now,
+            chained=chained,
+        )
+        self._heads[anchor] = head
+        self._by_response[response_id] = anchor
+        if not chained:
+            self._index.setdefault(self._key(head), []).append(anchor)
+            bucket = self._buckets.setdefault((identity, head.settings), _Bucket())
+            bucket.lengths[head.n_input] += 1
+        while len(self._heads) > self.max_heads:
+            self.discard(next(iter(self._heads)))
+
+    def discard(self, anchor: Hashable) -> None:
+        """Forget the head of ``anchor`` (socket closed, reconnected or turn not completed)."""
+        head = self._heads.pop(anchor, None)
+        if head is None:
+            return
+        if self._by_response.get(head.response_id) == anchor:
+            del self._by_response[head.response_id]
+        if head.chained:
+            return
+        key = self._key(head)
+        anchors = self._index.get(key)
+        if anchors is not None:
+            anchors.remove(anchor)
+            if not anchors:
+                del self._index[key]
+        bucket_key = (head.identity, head.settings)
+        bucket = self._buckets[bucket_key]
+        bucket.lengths[head.n_input] -= 1
+        if bucket.lengths[head.n_input] <= 0:
+            del bucket.lengths[head.n_input]
+        if not bucket.lengths:
+            del self._buckets[bucket_key]
+
+    def expire(self, now: float) -> list[Hashable]:
+        """Drop heads unused for ``ttl_seconds``; returns their anchors."""
+        gone = []
+        for anchor, head in self._heads.items():
+            if now - head.last_used < self.ttl_seconds:
+                break
+            if not head.busy:
+                gone.append(anchor)
+        for anchor in gone:
+            self.discard(anchor)
+        return gone
+
+    @staticmethod
+    def _key(head: Head) -> _Key:
+        return (head.identity, head.settings, head.n_input, head.input_digest)
+
+
+_STRENGTH = {
+    MissReason.NO_HEAD: 0,
+    MissReason.DIVERGED: 1,
+    MissReason.NO_NEW_ITEMS: 2,
+    MissReason.RETRY: 3,
+    MissReason.DROPPED_REASONING: 4,
+    MissReason.HEAD_BUSY: 5,
+}
+
+
+def _stronger(current: str, candidate: str) -> str:
+    """The more specific of two miss reasons (the one closest to a continuation)."""
+    return candidate if _STRENGTH.get(candidate, 0) > _STRENGTH.get(current, 0) else current

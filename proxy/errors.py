@@ -1,0 +1,147 @@
+"""One error taxonomy for the sidecar.
+
+Blame is always the *request* (the app's fault, 4xx, never retried) or the *upstream*
+(5xx, replayed only before any byte reached the app)::
+
+    ProxyError(Exception)                     .status  .code
+    ├─ RequestError                           4xx
+    │  ├─ InvalidRequest(ValueError)          400 invalid_request_error
+    │  ├─ BodyTooLarge                        413 request_too_large
+    │  └─ UnsupportedRequest                  400 unsupported
+    ├─ UpstreamError                          5xx
+    │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
+    │  │  └─ PoolExhausted                    503 pool_exhausted
+    │  ├─ UpstreamTimeout(TimeoutError)       504 upstream_timeout
+    │  ├─ UpstreamClosed                      502 upstream_closed
+    │  └─ UpstreamProtocolError               502 upstream_protocol
+    └─ ConfigError(ValueError)                startup only: exit 1
+
+Not errors: an upstream ``error`` event or ``response.failed`` is relayed to the app with its
+own status and body; a divergence in matching is a diff result (full resend).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BodyTooLarge",
+    "ConfigError",
+    "InvalidRequest",
+    "PoolExhausted",
+    "ProxyError",
+    "RequestError",
+    "UnsupportedRequest",
+    "UpstreamClosed",
+    "UpstreamError",
+    "UpstreamProtocolError",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+]
+
+
+class ProxyError(Exception):
+    """Root of every error the sidecar raises on purpose."""
+
+    status: int = 500
+    """HTTP status the app receives."""
+    code: str = "proxy_error"
+    """OpenAI-style ``error.code``; also the ``code`` label of ``upshift_errors_total``."""
+    type: str = "server_error"
+    """OpenAI-style ``error.type``."""
+    retryable: bool = False
+    """Whether the app may retry as is (maps to ``x-should-retry``)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-shaped error body ``{"error": {message, type, param, code}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class RequestError(ProxyError):
+    """The request is at fault: 4xx, never retried."""
+
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class InvalidRequest(RequestError, ValueError):
+    """Malformed JSON, a non-object body, or a field of the wrong type."""
+
+    code = "invalid_request_error"
+
+
+class BodyTooLarge(RequestError):
+    """The body exceeds ``limits.max_body_bytes``."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class UnsupportedRequest(RequestError):
+    """A request the sidecar cannot serve (e.g. ``generate`` over HTTP)."""
+
+    code = "unsupported"
+
+
+class UpstreamError(ProxyError):
+    """The upstream is at fault: 5xx; replayed only before any byte reached the app."""
+
+    status = 502
+    code = "upstream_error"
+    retryable = True
+
+
+class UpstreamUnavailable(UpstreamError, ConnectionError):
+    """Connecting to the upstream failed (refused, DNS, TLS, refused upgrade)."""
+
+    code = "upstream_unavailable"
+
+
+class PoolExhausted(UpstreamUnavailable):
+    """No upstream socket can be had within the configured limits."""
+
+    status = 503
+    code = "pool_exhausted"
+
+
+class UpstreamTimeout(UpstreamError, TimeoutError):
+    """The upstream went silent for longer than the stream idle timeout."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamClosed(UpstreamError):
+    """The upstream socket closed before the response's terminal event."""
+
+    code = "upstream_closed"
+
+    def __init__(self, message: str, *, close_code: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.close_code = close_code
+        self.reason = reason
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The upstream sent something the protocol does not allow (bad JSON, binary frame)."""
+
+    code = "upstream_protocol"
+
+
+class ConfigError(ProxyError, ValueError):
+    """Invalid configuration; raised at startup only (exit code 1)."""
+
+    code = "config_error"

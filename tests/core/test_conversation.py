@@ -1,0 +1,209 @@
+"""HeadTable: longest match, forks, retries, busy heads, identities, settings, expiry."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.core.conversation import HeadTable, MissReason
+from proxy.core.request import ParsedRequest, parse_request
+
+BASE = {"model": "gpt-5", "tools": [{"type": "function", "name": "read"}], "store": False}
+
+
+def req(items: list[Any], **fields: Any) -> ParsedRequest:
+    body = dict(BASE, **fields)
+    body["input"] = items
+    return parse_request(orjson.dumps(body))
+
+
+def call(n: int) -> dict[str, Any]:
+    return {"id": f"fc_{n}", "type": "function_call", "status": "completed", "call_id": f"call_{n}",
+            "name": "read", "arguments": f'{{"step":{n}}}'}
+
+
+def result(n: int) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": f"call_{n}", "output": f"out {n}"}
+
+
+def reasoning(n: int) -> dict[str, Any]:
+    return {"id": f"rs_{n}", "type": "reasoning", "summary": [], "encrypted_content": f"enc{n}"}
+
+
+def response(rid: str, *output: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "response", "status": "completed", "output": list(output)}
+
+
+IDLE = lambda anchor: True  # noqa: E731
+USER = {"role": "user", "content": "do 3 steps"}
+
+
+def table(**kw: Any) -> HeadTable:
+    return HeadTable(max_heads=kw.pop("max_heads", 100), ttl_seconds=kw.pop("ttl", 600.0), **kw)
+
+
+def test_three_turn_chain_continues_with_only_new_items() -> None:
+    heads = table()
+    r1 = req([USER])
+    assert heads.lookup("id", r1, 0, IDLE).reason == MissReason.NO_HEAD
+    heads.record("id", "s1", r1, response("resp_1", call(1)), 0)
+    r2 = req([USER, call(1), result(1)])
+    found = heads.lookup("id", r2, 1, IDLE)
+    assert found.match is not None
+    assert (found.match.anchor, found.match.response_id) == ("s1", "resp_1")
+    assert found.match.new_items == [result(1)]
+    assert found.match.items_avoided == 2
+    heads.begin("s1")
+    heads.record("id", "s1", r2, response("resp_2", call(2)), 2)
+    r3 = req([USER, call(1), result(1), call(2), result(2)])
+    found = heads.lookup("id", r3, 3, IDLE)
+    assert found.match is not None and found.match.response_id == "resp_2"
+    assert found.match.new_items == [result(2)]
+
+
+def test_echo_in_another_client_shape_still_continues() -> None:
+    heads = table()
+    r1 = req([USER])
+    heads.record("id", "s1", r1, response("resp_1", reasoning(1), call(1)), 0)
+    echoed_call = {"type": "function_call", "call_id": "call_1", "name": "read", "arguments": '{"step": 1}'}
+    r2 = req([{"content": "do 3 steps", "role": "user"}, dict(reasoning(1), content=None), echoed_call, result(1)])
+    found = heads.lookup("id", r2, 1, IDLE)
+    assert found.match is not None and found.match.new_items == [result(1)]
+
+
+@pytest.mark.parametrize(
+    ("name", "items", "reason"),
+    [
+        ("edited_first_message", [{"role": "user", "content": "do 4 steps"}, call(1), result(1)], MissReason.NO_HEAD),
+        ("changed_arguments", [USER, dict(call(1), arguments='{"step":9}'), result(1)], MissReason.DIVERGED),
+        ("output_not_echoed", [USER, result(1)], MissReason.DIVERGED),
+        ("reordered", [USER, result(1), call(1)], MissReason.DIVERGED),
+        ("retry_identical_input", [USER], MissReason.RETRY),
+        ("echo_without_new_items", [USER, call(1)], MissReason.NO_NEW_ITEMS),
+        ("extra_item_inserted", [USER, {"role": "user", "content": "x"}, call(1), result(1)], MissReason.DIVERGED),
+    ],
+)
+def test_not_a_continuation(name: str, items: list[Any], reason: str) -> None:
+    heads = table()
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
+    found = heads.lookup("id", req(items), 1, IDLE)
+    assert found.match is None
+    assert found.reason == reason
+
+
+def test_settings_change_is_a_miss_and_says_so() -> None:
+    heads = table()
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
+    for change in ({"model": "gpt-5-mini"}, {"instructions": "be brief"}, {"tools": []}, {"store": True}):
+        found = heads.lookup("id", req([USER, call(1), result(1)], **change), 1, IDLE)
+        assert found.match is None and found.reason == MissReason.SETTINGS_CHANGED, change
+
+
+def test_stream_flag_and_include_order_do_not_matter() -> None:
+    heads = table()
+    heads.record("id", "s1", req([USER], include=["a", "b"], stream=True), response("resp_1", call(1)), 0)
+    found = heads.lookup("id", req([USER, call(1), result(1)], include=["b", "a"], stream=False), 1, IDLE)
+    assert found.match is not None
+
+
+def test_identities_never_share_heads() -> None:
+    heads = table()
+    heads.record("alice", "s1", req([USER]), response("resp_1", call(1)), 0)
+    assert heads.lookup("bob", req([USER, call(1), result(1)]), 1, IDLE).match is None
+    assert heads.anchor_for("bob", "resp_1") is None
+    assert heads.anchor_for("alice", "resp_1") == "s1"
+
+
+def test_forks_keep_their_own_chains_and_longest_match_wins() -> None:
+    heads = table()
+    r1 = req([USER])
+    heads.record("id", "s1", r1, response("resp_1", call(1)), 0)
+    # Two sub-agents continue the same parent on different sockets.
+    a = req([USER, call(1), result(1), {"role": "user", "content": "branch A"}])
+    heads.record("id", "s2", a, response("resp_a", call(2)), 1)
+    b = req([USER, call(1), result(1), {"role": "user", "content": "branch B"}])
+    heads.record("id", "s3", b, response("resp_b", call(3)), 1)
+    next_a = heads.lookup("id", req(a.items + [call(2), result(2)]), 2, IDLE)
+    next_b = heads.lookup("id", req(b.items + [call(3), result(3)]), 2, IDLE)
+    assert next_a.match is not None and next_a.match.response_id == "resp_a"
+    assert next_b.match is not None and next_b.match.response_id == "resp_b"
+    # The shared parent still serves a third branch (shorter match).
+    c = heads.lookup("id", req([USER, call(1), result(1), {"role": "user", "content": "C"}]), 2, IDLE)
+    assert c.match is not None and c.match.response_id == "resp_1"
+
+
+def test_busy_head_is_not_used() -> None:
+    heads = table()
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
+    nxt = req([USER, call(1), result(1)])
+    assert heads.lookup("id", nxt, 1, lambda a: False).reason == MissReason.HEAD_BUSY
+    heads.begin("s1")
+    assert heads.lookup("id", nxt, 1, IDLE).reason == MissReason.HEAD_BUSY
+    assert heads.anchor_for("id", "resp_1") is None
+
+
+def test_dropped_reasoning_rejected_by_default_and_allowed_by_setting() -> None:
+    for allow in (False, True):
+        heads = table(allow_dropped_reasoning=allow)
+        heads.record("id", "s1", req([USER]), response("resp_1", reasoning(1), call(1)), 0)
+        found = heads.lookup("id", req([USER, call(1), result(1)]), 1, IDLE)
+        assert found.dropped_reasoning == 1
+        assert (found.match is not None) is allow
+        if not allow:
+            assert found.reason == MissReason.DROPPED_REASONING
+
+
+def test_app_chained_requests_are_not_matched_but_anchor_known() -> None:
+    heads = table()
+    chained = req([result(1)], previous_response_id="resp_0")
+    assert heads.lookup("id", chained, 0, IDLE).reason == MissReason.APP_CHAINED
+    heads.record("id", "s1", chained, response("resp_1", call(2)), 0)
+    assert heads.anchor_for("id", "resp_1") == "s1"
+    assert heads.lookup("id", req([result(1), call(2), result(2)]), 1, IDLE).match is None
+
+
+def test_discard_expire_and_lru_bound() -> None:
+    heads = table(max_heads=2, ttl=10.0)
+    for n in range(3):
+        heads.record("id", f"s{n}", req([{"role": "user", "content": str(n)}]), response(f"r{n}", call(n)), n)
+    assert len(heads) == 2 and heads.anchor_for("id", "r0") is None
+    heads.discard("s1")
+    assert heads.anchor_for("id", "r1") is None and len(heads) == 1
+    assert heads.expire(100.0) == ["s2"]
+    assert len(heads) == 0 and repr(heads) == "<HeadTable [0 heads, 0 busy]>"
+
+
+def test_record_replaces_the_sockets_previous_head() -> None:
+    heads = table()
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
+    r2 = req([USER, call(1), result(1)])
+    heads.record("id", "s1", r2, response("resp_2", call(2)), 1)
+    assert len(heads) == 1
+    # The older turn's successor no longer matches: that anchor is gone from the socket.
+    assert heads.lookup("id", req([USER, call(1), result(1), {"role": "user", "content": "x"}]), 2,
+                        IDLE).match is None
+
+
+def test_string_input_then_list_input_continues() -> None:
+    heads = table()
+    r1 = parse_request(orjson.dumps(dict(BASE, input="do 3 steps")))
+    heads.record("id", "s1", r1, response("resp_1", call(1)), 0)
+    found = heads.lookup("id", req([copy.deepcopy(USER), call(1), result(1)]), 1, IDLE)
+    assert found.match is not None
+
+
+def test_is_idle_is_asked_per_anchor() -> None:
+    heads = table()
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
+    asked: list[Hashable] = []
+
+    def idle(anchor: Hashable) -> bool:
+        asked.append(anchor)
+        return True
+
+    assert heads.lookup("id", req([USER, call(1), result(1)]), 1, idle).match is not None
+    assert asked == ["s1"]
