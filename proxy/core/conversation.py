@@ -21,13 +21,24 @@ clock is passed in.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
-from proxy.core.request import ParsedRequest
+from proxy.core.rawjson import InputSpan, locate_input, parse_object_part
+from proxy.core.request import (
+    Base,
+    ParsedRequest,
+    parse_request,
+    settings_digest,
+    validate_fields,
+    validate_items,
+)
 
 __all__ = ["Head", "HeadTable", "Lookup", "Match", "MissReason"]
 
@@ -57,10 +68,34 @@ class Head:
     input_digest: bytes
     output: tuple[OutputFingerprint, ...]
     last_used: float
+    input_state: Any = None
+    """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
+    raw: _Raw | None = None
+    """Byte-level facts about the request body, for the next turn's fast parse."""
     busy: bool = False
     chained: bool = False
     """The app chained this turn itself (``previous_response_id``): its input is a delta, so
     the head serves only :meth:`HeadTable.anchor_for`, never full-history matching."""
+
+
+_PROBE = 32
+"""Bytes just before a prefix's end that index it (they hold the newest input item)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """Where the previous body's input ended, and a digest of everything before that."""
+
+    length: int
+    """The prefix of the previous body that ends right after its last input item."""
+    probe: bytes
+    """``body[length - _PROBE : length]``."""
+    digest: bytes
+    """SHA-256 of ``body[:length]`` (truncated)."""
+    state: Any
+    """The SHA-256 state behind ``digest``, extended by the next turn."""
+    span: InputSpan
+    """The previous body's input span (its key and start offsets carry over)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +148,7 @@ class HeadTable:
         self._index: dict[_Key, list[Hashable]] = {}
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
+        self._raw: dict[str, dict[int, dict[bytes, list[Hashable]]]] = {}
 
     def __len__(self) -> int:
         return len(self._heads)
@@ -122,6 +158,42 @@ class HeadTable:
         return f"<HeadTable [{len(self._heads)} heads, {busy} busy]>"
 
     # -- queries ---------------------------------------------------------------------------
+
+    def parse(self, identity: str, body: bytes) -> ParsedRequest:
+        """Parse ``body``, skipping the prefix a head of ``identity`` already holds.
+
+        Clients re-send their previous body byte for byte up to the end of its input
+        (client-echo.md §1.2). When a head's prefix digest matches, only the bytes after it
+        are parsed; otherwise (or on any doubt) the whole body is.
+
+        Raises:
+            InvalidRequest: as :func:`~proxy.core.request.parse_request`.
+        """
+        by_length = self._raw.get(identity)
+        if by_length:
+            size = len(body)
+            hasher = hashlib.sha256()
+            done = 0
+            verified: list[tuple[Head, Any]] = []
+            for length in sorted(by_length):
+                if length >= size:
+                    break
+                anchors = by_length[length].get(body[length - _PROBE : length])
+                if not anchors:
+                    continue
+                hasher.update(memoryview(body)[done:length])
+                done = length
+                value = hasher.digest()[:16]
+                for anchor in anchors:
+                    head = self._heads[anchor]
+                    if head.raw is not None and value == head.raw.digest:
+                        verified.append((head, hasher.copy()))
+            # Longest prefix first: it is the most recent turn of the conversation.
+            for head, state in reversed(verified):
+                fast = _fast_parse(head, body, state)
+                if fast is not None:
+                    return fast
+        return parse_request(body)
 
     def lookup(
         self,
@@ -134,11 +206,22 @@ class HeadTable:
         if req.previous_response_id is not None:
             return Lookup(None, MissReason.APP_CHAINED)
         self.expire(now)
+        if req.base is not None and req.tail is not None:
+            head = self._heads.get(req.base.anchor)
+            if head is not None and head.identity == identity and head.settings == req.settings_digest:
+                found = self._continue(head, req.tail, 0)
+                if not isinstance(found, str):
+                    consumed, dropped = found
+                    if (not dropped or self.allow_dropped_reasoning) and not head.busy and is_idle(head.anchor):
+                        head.last_used = now
+                        self._heads.move_to_end(head.anchor)
+                        match = Match(head.anchor, head.response_id, req.tail[consumed:], req.base.count + consumed)
+                        return Lookup(match, "continuation", dropped)
         bucket = self._buckets.get((identity, req.settings_digest))
         reason = MissReason.NO_HEAD
         dropped_seen = 0
         if bucket is not None:
-            n_items = len(req.items)
+            n_items = req.n_items
             lengths = {n for n in bucket.lengths if n <= n_items}
             digests = req.prefix_digests(lengths)
             for n in sorted(lengths, reverse=True):
@@ -229,25 +312,32 @@ class HeadTable:
             return
         output = response.get("output")
         chained = req.previous_response_id is not None
-        head = Head(
-            identity=identity,
-            anchor=anchor,
-            response_id=response_id,
-            settings=req.settings_digest,
-            n_input=len(req.items),
-            input_digest=b"" if chained else req.prefix_digest(len(req.items)),
-            output=tuple(fingerprint(i) for i in output if isinstance(i, dict))
-            if isinstance(output, list)
-            else (),
-            last_used=now,
-            chained=chained,
-        )
+        fps = tuple(fingerprint(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
+        if chained:
+            head = Head(identity, anchor, response_id, req.settings_digest, 0, b"", fps, now, chained=True)
+        else:
+            state = req.input_state()
+            head = Head(
+                identity=identity,
+                anchor=anchor,
+                response_id=response_id,
+                settings=req.settings_digest,
+                n_input=req.n_items,
+                input_digest=state.digest()[:16],
+                output=fps,
+                last_used=now,
+                input_state=state,
+                raw=_raw_facts(req),
+            )
         self._heads[anchor] = head
         self._by_response[response_id] = anchor
         if not chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket = self._buckets.setdefault((identity, head.settings), _Bucket())
             bucket.lengths[head.n_input] += 1
+            if head.raw is not None:
+                probes = self._raw.setdefault(identity, {}).setdefault(head.raw.length, {})
+                probes.setdefault(head.raw.probe, []).append(anchor)
         while len(self._heads) > self.max_heads:
             self.discard(next(iter(self._heads)))
 
@@ -260,6 +350,16 @@ class HeadTable:
             del self._by_response[head.response_id]
         if head.chained:
             return
+        if head.raw is not None:
+            by_length = self._raw[head.identity]
+            probes = by_length[head.raw.length]
+            probes[head.raw.probe].remove(anchor)
+            if not probes[head.raw.probe]:
+                del probes[head.raw.probe]
+                if not probes:
+                    del by_length[head.raw.length]
+                    if not by_length:
+                        del self._raw[head.identity]
         key = self._key(head)
         anchors = self._index.get(key)
         if anchors is not None:
@@ -304,3 +404,103 @@ _STRENGTH = {
 def _stronger(current: str, candidate: str) -> str:
     """The more specific of two miss reasons (the one closest to a continuation)."""
     return candidate if _STRENGTH.get(candidate, 0) > _STRENGTH.get(current, 0) else current
+
+
+def _raw_facts(req: ParsedRequest) -> _Raw | None:
+    """The byte-level facts a head keeps about its request body (``None`` if unknown)."""
+    span = req.span
+    if span is None:
+        return None
+    body = req.body
+    # The prefix ends right after the last item, before any blank before "]": the next
+    # turn writes "," there (pretty-printed bodies differ in the blanks that follow).
+    length = span.end
+    while length > span.start and body[length - 1] in _WS:
+        length -= 1
+    if length <= span.start + 1 or length < _PROBE:
+        return None
+    if req.base is not None:
+        state = req.base.raw_state.copy()
+        state.update(memoryview(body)[req.base.raw_len : length])
+    else:
+        state = hashlib.sha256(memoryview(body)[:length])
+    return _Raw(length, body[length - _PROBE : length], state.digest()[:16], state, span)
+
+
+_WS = b" \t\r\n"
+
+
+def _fast_parse(head: Head, body: bytes, raw_state: Any) -> ParsedRequest | None:
+    """Parse ``body`` knowing it starts with the bytes of ``head``'s request up to its last item.
+
+    Returns ``None`` whenever the shortcut is not certain to agree with a full parse; the
+    caller then parses the whole body.
+    """
+    raw = head.raw
+    assert raw is not None
+    length = raw.length
+    i = length
+    while i < len(body) and body[i] in _WS:
+        i += 1
+    if i >= len(body):
+        return None
+    prefix = b'{"input":['
+    if body[i] == ord(","):
+        j = i + 1
+        while j < len(body) and body[j] in _WS:
+            j += 1
+        if j < len(body) and body[j] == ord("]"):
+            return None  # "[a, ]" is invalid JSON; "[" + "]" would not be.
+        source = prefix + body[i + 1 :]
+        shift = (i + 1) - len(prefix)
+    elif body[i] == ord("]"):
+        source = prefix + body[i:]
+        shift = i - len(prefix)
+    else:
+        return None
+    try:
+        tail_fields = orjson.loads(source)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(tail_fields, dict):
+        return None
+    tail = tail_fields.pop("input")
+    # The members before "input" are byte-identical to last turn's; parse just those.
+    begin = 0
+    while body[begin] in _WS:
+        begin += 1
+    end = raw.span.key - 1
+    while body[end] in _WS:
+        end -= 1
+    if end == begin:
+        before: dict[str, Any] | None = {}
+    elif body[end] == ord(","):
+        before = parse_object_part(body[begin + 1 : end])
+    else:
+        return None
+    if before is None or "input" in before or not isinstance(tail, list):
+        return None
+    tail_span = locate_input(source, {"input": tail, **tail_fields})
+    if tail_span is None:
+        return None
+    # A second top-level "input" after ours would win in a full parse: then the bytes up to
+    # the located end are not one array equal to ``tail``.
+    try:
+        if orjson.loads(source[tail_span.start : tail_span.end + 1]) != tail:
+            return None
+    except orjson.JSONDecodeError:
+        return None
+    fields: dict[str, Any] = {**before, "input": tail, **tail_fields}
+    validate_fields(fields)
+    validate_items(tail, head.n_input)
+    return ParsedRequest(
+        body=body,
+        fields=fields,
+        stream=fields.get("stream") is True,
+        store=fields.get("store") is not False,
+        previous_response_id=fields.get("previous_response_id"),
+        settings_digest=settings_digest(fields),
+        span=InputSpan(raw.span.key, raw.span.start, tail_span.end + shift),
+        base=Base(head.anchor, head.n_input, head.input_state.copy(), raw_state, length),
+        tail=tail,
+    )

@@ -11,15 +11,18 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from proxy.core.items import canonical, item_key
+from proxy.core.rawjson import InputSpan, locate_input
 from proxy.errors import InvalidRequest
 
 __all__ = [
+    "Base",
     "NON_SETTINGS_FIELDS",
     "TRANSPORT_ONLY_FIELDS",
     "ParsedRequest",
@@ -27,6 +30,7 @@ __all__ = [
     "build_frame",
     "choose_transport",
     "parse_request",
+    "validate_fields",
 ]
 
 TRANSPORT_ONLY_FIELDS = frozenset({"stream", "stream_options", "background"})
@@ -64,29 +68,73 @@ class Transport(enum.Enum):
     HTTP = "http"
 
 
+@dataclass(frozen=True, slots=True)
+class Base:
+    """What a fast parse knows about the byte-identical prefix it skipped.
+
+    Attributes:
+        anchor: The head whose request body the new body extends byte for byte.
+        count: Input items in that prefix (parsed last turn, not this one).
+        input_state: SHA-256 state over those items' keys (see ``ParsedRequest.prefix_digest``).
+        raw_state: SHA-256 state over ``body[:raw_len]``.
+        raw_len: Length of the prefix: it ends right after the prefix's last input item.
+    """
+
+    anchor: Hashable
+    count: int
+    input_state: Any
+    raw_state: Any
+    raw_len: int
+
+
 @dataclass(slots=True, eq=False)
 class ParsedRequest:
     """One app request, parsed once.
 
+    A *fast* parse (``base`` set) read only the bytes after the prefix that the previous turn
+    already sent: ``tail`` holds the input items after that prefix, and :attr:`items`
+    parses the whole body only if someone asks for all items.
+
     Attributes:
         body: The raw body as received (replayed unchanged over HTTP).
-        fields: Every top-level field, parsed.
-        items: The input as a list of items (a string input is one user message).
+        fields: Every top-level field except ``input``, in body order, with ``input`` kept in
+            place as a marker (its value is the whole input for a full parse, the tail for a
+            fast one).
         stream: Whether the app asked for SSE.
         store: The effective ``store`` (default true).
         previous_response_id: The app's own ``previous_response_id``, if any.
         settings_digest: Digest of every field but those in :data:`NON_SETTINGS_FIELDS`.
+        span: Where the ``input`` array sits in ``body`` (``None``: string input or unknown).
+        base: Set by a fast parse.
+        tail: Input items after ``base``'s prefix (fast parse), else ``None``.
     """
 
     body: bytes
     fields: dict[str, Any]
-    items: list[Any]
     stream: bool
     store: bool
     previous_response_id: str | None
     settings_digest: bytes
+    span: InputSpan | None = None
+    base: Base | None = None
+    tail: list[Any] | None = None
+    _items: list[Any] | None = field(default=None, repr=False)
     _keys: list[bytes] | None = field(default=None, repr=False)
     _prefix: dict[int, bytes] = field(default_factory=dict, repr=False)
+
+    @property
+    def items(self) -> list[Any]:
+        """The whole input as a list of items (a string input is one user message)."""
+        if self._items is None:
+            self._items = parse_request(self.body).items
+        return self._items
+
+    @property
+    def n_items(self) -> int:
+        """Number of input items, without a full parse."""
+        if self.base is not None and self.tail is not None:
+            return self.base.count + len(self.tail)
+        return len(self.items)
 
     @property
     def item_keys(self) -> list[bytes]:
@@ -95,19 +143,25 @@ class ParsedRequest:
             self._keys = [item_key(item) for item in self.items]
         return self._keys
 
+    def input_state(self) -> Any:
+        """SHA-256 state over the keys of every input item (cheap after a fast parse)."""
+        if self.base is not None and self.tail is not None:
+            hasher = self.base.input_state.copy()
+            for item in self.tail:
+                hasher.update(item_key(item))
+            return hasher
+        hasher = hashlib.sha256()
+        for key in self.item_keys:
+            hasher.update(key)
+        return hasher
+
     def prefix_digest(self, n: int) -> bytes:
         """Digest of the first ``n`` input items (order-sensitive)."""
-        found = self._prefix.get(n)
-        if found is None:
-            hasher = hashlib.sha256()
-            for key in self.item_keys[:n]:
-                hasher.update(key)
-            found = self._prefix[n] = hasher.digest()[:16]
-        return found
+        return self.prefix_digests({n})[n]
 
     def prefix_digests(self, lengths: set[int]) -> dict[int, bytes]:
         """Digests for several prefix lengths in one pass."""
-        wanted = sorted(n for n in lengths if n not in self._prefix and n <= len(self.items))
+        wanted = sorted(n for n in lengths if n not in self._prefix and n <= self.n_items)
         if wanted:
             keys = self.item_keys
             hasher = hashlib.sha256()
@@ -144,6 +198,34 @@ def settings_digest(fields: dict[str, Any]) -> bytes:
     return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).digest()[:16]
 
 
+def validate_fields(fields: dict[str, Any]) -> None:
+    """Check the JSON types of the fields the sidecar relies on.
+
+    Raises:
+        InvalidRequest: naming the offending field.
+    """
+    for name, types in _TYPES.items():
+        value = fields.get(name)
+        if value is not None and not isinstance(value, types):
+            want = " or ".join(_TYPE_NAMES[t] for t in types)
+            raise InvalidRequest(f"Invalid type for '{name}': expected {want}.", param=name)
+    tools = fields.get("tools")
+    if isinstance(tools, list):
+        for index, tool in enumerate(tools):
+            if not isinstance(tool, dict):
+                raise InvalidRequest(
+                    f"Invalid type for 'tools[{index}]': expected an object.", param=f"tools[{index}]"
+                )
+
+
+def validate_items(items: list[Any], offset: int = 0) -> None:
+    """Every input item must be an object."""
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            where = f"input[{index + offset}]"
+            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param=where)
+
+
 def parse_request(body: bytes) -> ParsedRequest:
     """Parse and shallowly validate a ``POST /v1/responses`` body.
 
@@ -153,43 +235,28 @@ def parse_request(body: bytes) -> ParsedRequest:
     fields = _loads(body)
     if not isinstance(fields, dict):
         raise InvalidRequest("The request body must be a JSON object.")
-    for name, types in _TYPES.items():
-        value = fields.get(name)
-        if value is not None and not isinstance(value, types):
-            want = " or ".join(_TYPE_NAMES[t] for t in types)
-            raise InvalidRequest(f"Invalid type for '{name}': expected {want}.", param=name)
+    validate_fields(fields)
     raw_input = fields.get("input")
     if raw_input is None:
         items: list[Any] = []
     elif isinstance(raw_input, str):
         items = [{"role": "user", "content": raw_input}]
     elif isinstance(raw_input, list):
-        for index, item in enumerate(raw_input):
-            if not isinstance(item, dict):
-                raise InvalidRequest(
-                    f"Invalid type for 'input[{index}]': expected an object.", param=f"input[{index}]"
-                )
+        validate_items(raw_input)
         items = raw_input
     else:
         raise InvalidRequest(
             "Invalid type for 'input': expected a string or an array of input items.", param="input"
         )
-    tools = fields.get("tools")
-    if isinstance(tools, list):
-        for index, tool in enumerate(tools):
-            if not isinstance(tool, dict):
-                raise InvalidRequest(
-                    f"Invalid type for 'tools[{index}]': expected an object.", param=f"tools[{index}]"
-                )
-    store = fields.get("store")
     return ParsedRequest(
         body=body,
         fields=fields,
-        items=items,
         stream=fields.get("stream") is True,
-        store=store is not False,
+        store=fields.get("store") is not False,
         previous_response_id=fields.get("previous_response_id"),
         settings_digest=settings_digest(fields),
+        span=locate_input(body, fields) if isinstance(raw_input, list) and raw_input else None,
+        _items=items,
     )
 
 
@@ -222,17 +289,33 @@ def build_frame(
 ) -> bytes:
     """The ``response.create`` frame for ``req``.
 
+    A full send splices the app's ``input`` array bytes in unchanged (no re-serialisation of
+    the history); only the small settings around it are written anew.
+
     Args:
         req: The app's request.
         previous_response_id: The anchor of a continuation; ``None`` keeps the app's own.
         items: The new items of a continuation; ``None`` keeps the app's whole input.
     """
-    frame: dict[str, Any] = {"type": "response.create"}
+    before: dict[str, Any] = {"type": "response.create"}
+    after: dict[str, Any] = {}
+    side = before
     for key, value in req.fields.items():
-        if key not in TRANSPORT_ONLY_FIELDS and key != "type":
-            frame[key] = value
-    if items is not None:
-        frame["input"] = items
+        if key == "input":
+            side = after
+        elif key not in TRANSPORT_ONLY_FIELDS and key != "type":
+            side[key] = value
     if previous_response_id is not None:
-        frame["previous_response_id"] = previous_response_id
-    return orjson.dumps(frame)
+        before.pop("previous_response_id", None)
+        after.pop("previous_response_id", None)
+        after["previous_response_id"] = previous_response_id
+    if items is not None:
+        return orjson.dumps({**before, "input": items, **after})
+    if req.span is None:
+        raw_input = req.fields.get("input")
+        return orjson.dumps({**before, **({"input": raw_input} if "input" in req.fields else {}), **after})
+    head = orjson.dumps(before)[:-1] + b',"input":'
+    array = req.body[req.span.start : req.span.end + 1]
+    if after:
+        return head + array + b"," + orjson.dumps(after)[1:]
+    return head + array + b"}"

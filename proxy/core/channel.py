@@ -1,0 +1,236 @@
+"""One response on one upstream socket, as a sans-I/O state machine.
+
+Feed it each parsed upstream event with its raw bytes; it returns what to emit to the app and
+keeps the bookkeeping the shell needs: whether the response started, whether anything was
+released to the app, the terminal outcome, the final response object, the HTTP error to answer.
+
+Two rules shape it:
+
+- **Lifecycle prefix held back.** ``response.created`` / ``in_progress`` / ``queued`` are held
+  until the first other event (or a successful terminal) arrives. They carry no output, so the
+  app loses nothing by waiting, and a ``response.failed`` that says ``previous_response_not_found``
+  can still be replayed invisibly: nothing reached the app yet.
+- **The app's own ``previous_response_id``.** Every lifecycle event's ``response`` shows the
+  id the app sent (``null`` when it sent none), never the sidecar's anchor. Only those events are
+  patched and re-serialised; every other event passes through as the upstream's bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.core.retry import error_fields
+from proxy.core.sse import nested_error
+from proxy.errors import UpstreamProtocolError
+
+__all__ = ["PREFIX", "TERMINAL", "Channel", "HttpError", "Out", "Outcome"]
+
+PREFIX = frozenset({"response.created", "response.in_progress", "response.queued"})
+"""Lifecycle events before output: held back until the response is known to proceed."""
+
+
+class Outcome(enum.Enum):
+    """How a response ended."""
+
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    ERROR = "error"
+
+
+TERMINAL = {
+    "response.completed": Outcome.COMPLETED,
+    "response.incomplete": Outcome.INCOMPLETE,
+    "response.failed": Outcome.FAILED,
+    "error": Outcome.ERROR,
+}
+"""Terminal event types; the Codex backend's ``response.done`` is mapped by its status."""
+
+_DONE_STATUS = {"completed": Outcome.COMPLETED, "incomplete": Outcome.INCOMPLETE}
+
+_PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    """One event to emit to the app: the upstream's bytes, or an object to serialise."""
+
+    type: str
+    raw: bytes | None
+    """The upstream JSON bytes, unchanged (``None`` when :attr:`obj` must be serialised)."""
+    obj: dict[str, Any] | None = None
+    """A patched lifecycle event or a normalised error event."""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpError:
+    """An upstream error as the app would have got it over HTTP."""
+
+    status: int
+    body: dict[str, Any]
+    """``{"error": {"type", "code", "message", "param"}}``."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """``retry-after``, ``retry-after-ms``, ``x-ratelimit-*`` taken from the error frame."""
+
+
+def _status(event: Mapping[str, Any]) -> int:
+    for key in ("status", "status_code"):
+        value = event.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+            return value
+    return 500
+
+
+def _headers(event: Mapping[str, Any]) -> dict[str, str]:
+    inner = event.get("error")
+    found = inner.get("headers") if isinstance(inner, Mapping) else None
+    if not isinstance(found, Mapping):
+        found = event.get("headers")  # Codex reads a top-level ``headers``
+    if not isinstance(found, Mapping):
+        return {}
+    out: dict[str, str] = {}
+    for name, value in found.items():
+        lowered = str(name).lower()
+        if lowered in _PASSED_HEADERS or lowered.startswith("x-ratelimit-"):
+            text = str(value)
+            if "\n" not in text and "\r" not in text:  # never let a value forge a header
+                out[lowered] = text
+    return out
+
+
+def error_object(event: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"type", "code", "message", "param"}`` of an error event in any shape."""
+    code, message, param = error_fields(event)
+    inner = event.get("error")
+    kind = inner.get("type") if isinstance(inner, Mapping) else None
+    if not isinstance(kind, str):
+        kind = "invalid_request_error" if _status(event) < 500 else "server_error"
+    return {"type": kind, "code": code, "message": message or "An error occurred.", "param": param}
+
+
+class Channel:
+    """The events of one response, from the ``response.create`` frame to its terminal event.
+
+    Args:
+        app_previous_response_id: The app's own ``previous_response_id`` (``None`` if it sent
+            none); shown in every lifecycle event instead of the sidecar's anchor.
+    """
+
+    def __init__(self, app_previous_response_id: str | None) -> None:
+        self._app_prev = app_previous_response_id
+        self._held: list[Out] = []
+        self.started = False
+        """A ``response.*`` event arrived: the upstream began the response."""
+        self.released = False
+        """Events beyond the lifecycle prefix were released to the app: no replay any more."""
+        self.outcome: Outcome | None = None
+        """Set once the terminal event arrived."""
+        self.terminal: dict[str, Any] | None = None
+        """The terminal event itself."""
+        self.response: dict[str, Any] | None = None
+        """The final response object (patched), for ``stream: false`` and the head table."""
+        self.last_sequence = -1
+        """Highest ``sequence_number`` seen, so the sidecar's own error event comes next."""
+
+    @property
+    def done(self) -> bool:
+        """The terminal event arrived."""
+        return self.outcome is not None
+
+    def feed(self, raw: bytes, event: dict[str, Any]) -> list[Out]:
+        """Take one upstream event and return what to emit now (possibly nothing).
+
+        Raises:
+            UpstreamProtocolError: the event has no string ``type``, or arrives after the end.
+        """
+        kind = event.get("type")
+        if not isinstance(kind, str):
+            raise UpstreamProtocolError("upstream event without a string 'type'")
+        if self.outcome is not None:
+            raise UpstreamProtocolError(f"upstream event {kind!r} after the terminal event")
+        seq = event.get("sequence_number")
+        if isinstance(seq, int) and seq > self.last_sequence:
+            self.last_sequence = seq
+        if kind in PREFIX:
+            self.started = True
+            out = self._lifecycle(kind, raw, event)
+            if self.released:
+                return [out]
+            self._held.append(out)
+            return []
+        outcome = TERMINAL.get(kind)
+        if outcome is None and kind == "response.done":
+            response = event.get("response")
+            status = response.get("status") if isinstance(response, Mapping) else None
+            outcome = _DONE_STATUS.get(status if isinstance(status, str) else "", Outcome.FAILED)
+        if outcome is None:
+            if self.released:
+                return [Out(kind, raw)]
+            if not kind.startswith("response."):
+                # Backend extras (``codex.rate_limits``, timings) carry no output: hold them
+                # with the prefix so a replay stays possible.
+                self._held.append(Out(kind, raw))
+                return []
+            self.started = True
+            return self.release() + [Out(kind, raw)]
+        self.outcome = outcome
+        self.terminal = event
+        if outcome is Outcome.ERROR:
+            if self.released:
+                return [self.error_out(event)]
+            return []  # held: the shell replays, answers an HTTP error, or calls release()
+        self.started = True
+        out = self._lifecycle(kind, raw, event)
+        response = event.get("response")
+        self.response = response if isinstance(response, dict) else None
+        if outcome is Outcome.FAILED and not self.released:
+            self._held.append(out)  # a not_found in response.failed can still be replayed
+            return []
+        return self.release() + [out]
+
+    def release(self) -> list[Out]:
+        """Release every held event (the response goes to the app as it is)."""
+        self.released = True
+        held, self._held = self._held, []
+        return held
+
+    def error_out(self, event: Mapping[str, Any]) -> Out:
+        """An upstream error event, normalised to the nested shape with the next sequence number."""
+        error = error_object(event)
+        return Out("error", None, nested_error(self._next_sequence(event), **error))
+
+    def proxy_error_out(self, *, type: str, code: str, message: str) -> Out:
+        """The sidecar's own nested error event (a failure after output reached the app)."""
+        self.last_sequence += 1
+        return Out("error", None, nested_error(self.last_sequence, type=type, code=code, message=message))
+
+    def http_error(self) -> HttpError:
+        """The terminal error as an HTTP answer: ``status`` (or ``status_code``, default 500), the
+        OpenAI error body and the rate-limit headers; ``response.failed`` is 500 with
+        ``{"error": response.error}``.
+        """
+        event = self.terminal or {}
+        if self.outcome is Outcome.ERROR:
+            return HttpError(_status(event), {"error": error_object(event)}, _headers(event))
+        error = self.response.get("error") if self.response else None
+        if not isinstance(error, dict):
+            error = {"type": "server_error", "code": "server_error", "message": "The response failed."}
+        return HttpError(500, {"error": error})
+
+    def _next_sequence(self, event: Mapping[str, Any]) -> int:
+        seq = event.get("sequence_number")
+        if isinstance(seq, int) and not isinstance(seq, bool):
+            return seq
+        self.last_sequence += 1
+        return self.last_sequence
+
+    def _lifecycle(self, kind: str, raw: bytes, event: dict[str, Any]) -> Out:
+        """Show the app's own ``previous_response_id``; re-serialise only if it differs."""
+        response = event.get("response")
+        if not isinstance(response, dict) or response.get("previous_response_id") == self._app_prev:
+            return Out(kind, raw)
+        response["previous_response_id"] = self._app_prev
+        return Out(kind, None, event)

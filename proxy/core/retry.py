@@ -1,0 +1,141 @@
+"""Whether a failed turn is replayed with the app's full input, or surfaced to the app.
+
+Pure policy (protocol.md §4.1.6, pitfalls 4, 5, 9, 21). A replay is always the app's own body,
+unreshaped, without a sidecar anchor, and happens at most once per turn and only while nothing of
+the response has reached the app: a replay after output would duplicate text and tool effects.
+
+Causes:
+- ``previous_response_not_found`` in any shape (the upstream lost the anchor): replay, the same
+  socket is fine. Only when the sidecar itself chose the anchor: the app's own body would fail
+  the same way again.
+- ``websocket_connection_limit_reached`` (the socket aged out): replay on a new socket.
+- The socket closed before the response reached the app: replay on a new socket.
+- Anything else (timeouts included: delivery is ambiguous) surfaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import UpstreamClosed
+
+__all__ = [
+    "CAUSE_CLOSED",
+    "CAUSE_LIMIT",
+    "CAUSE_NOT_FOUND",
+    "Replay",
+    "Surface",
+    "classify",
+    "error_fields",
+    "is_connection_limit",
+    "is_not_found",
+]
+
+CAUSE_NOT_FOUND = "previous_response_not_found"
+CAUSE_LIMIT = "connection_limit"
+CAUSE_CLOSED = "closed_before_first_event"
+
+_STALE_WORDS = ("not_found", "stale", "missing", "expired", "invalid")
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Send the turn again with the app's full input."""
+
+    cause: str
+    """``previous_response_not_found`` | ``connection_limit`` | ``closed_before_first_event``."""
+    new_socket: bool
+    """Whether the replay needs a fresh socket (the old one is closed or aged out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """Give the app the failure as it is."""
+
+    reason: str
+    """Why there is no replay: ``emitted`` | ``attempted`` | ``app_anchor`` | ``not_retryable``."""
+
+
+def error_fields(event: Mapping[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """``(code, message, param)`` of an upstream error in any shape.
+
+    Handles the nested ``error`` event, the flat one (``code`` at top level), and
+    ``response.failed`` / ``response.done`` with ``response.error``.
+    """
+    inner: Any = event.get("error")
+    if not isinstance(inner, Mapping):
+        response = event.get("response")
+        inner = response.get("error") if isinstance(response, Mapping) else None
+    if not isinstance(inner, Mapping):
+        inner = event  # the flat shape
+    code, message, param = inner.get("code"), inner.get("message"), inner.get("param")
+    return (
+        code if isinstance(code, str) else None,
+        message if isinstance(message, str) else None,
+        param if isinstance(param, str) else None,
+    )
+
+
+def is_not_found(event: Mapping[str, Any]) -> bool:
+    """Whether ``event`` says the upstream does not know the ``previous_response_id``.
+
+    Generous on purpose: a false positive only costs a full replay, which is what the app sent.
+    """
+    code, message, param = error_fields(event)
+    if code == "previous_response_not_found":
+        return True
+    if code and "previous_response" in code and any(w in code for w in _STALE_WORDS):
+        return True  # renames such as codex_previous_response_stale
+    if param == "previous_response_id":
+        return True
+    lowered = (message or "").lower()
+    if "invalid `previous_response_id`" in lowered:
+        return True  # the parameterless message some backends send
+    return "previous response" in lowered and "not found" in lowered
+
+
+def is_connection_limit(event: Mapping[str, Any]) -> bool:
+    """Whether ``event`` is ``websocket_connection_limit_reached`` (nested or flat)."""
+    code, message, _ = error_fields(event)
+    if code == "websocket_connection_limit_reached":
+        return True
+    return code is None and "websocket connection limit reached" in (message or "").lower()
+
+
+def classify(
+    event_or_failure: Mapping[str, Any] | BaseException,
+    emitted: bool,
+    attempt: int,
+    *,
+    continuation: bool = True,
+) -> Replay | Surface:
+    """Decide what to do with a turn that did not complete.
+
+    Args:
+        event_or_failure: The upstream ``error`` / ``response.failed`` event, or the exception
+            the socket raised (mapped to :mod:`proxy.errors` already).
+        emitted: Whether anything of this response reached the app (or, for ``stream: false``,
+            would have: output events were received).
+        attempt: 0 for the first try, 1 for the replay.
+        continuation: Whether the failed frame carried an anchor the sidecar chose.
+
+    Returns:
+        :class:`Replay` or :class:`Surface`.
+    """
+    if emitted:
+        return Surface("emitted")
+    if attempt > 0:
+        return Surface("attempted")
+    if isinstance(event_or_failure, BaseException):
+        if isinstance(event_or_failure, UpstreamClosed):
+            return Replay(CAUSE_CLOSED, new_socket=True)
+        return Surface("not_retryable")
+    if is_connection_limit(event_or_failure):
+        return Replay(CAUSE_LIMIT, new_socket=True)
+    if is_not_found(event_or_failure):
+        if not continuation:
+            return Surface("app_anchor")
+        return Replay(CAUSE_NOT_FOUND, new_socket=False)
+    return Surface("not_retryable")

@@ -1,0 +1,57 @@
+"""Server-sent events framed as OpenAI frames them on ``/v1/responses``.
+
+One ``event: <type>`` line, one ``data: <compact JSON>`` line, one blank line; no ``[DONE]``
+(protocol.md §2.2). The JSON bytes are the upstream's own, passed through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CONTENT_TYPE", "encode_event", "nested_error"]
+
+CONTENT_TYPE = "text/event-stream; charset=utf-8"
+"""``Content-Type`` of a streamed ``/v1/responses`` answer."""
+
+_NEWLINES = (b"\n", b"\r")
+
+
+def _clean_name(name: str) -> bytes:
+    # A line break in the event name would end the field early and let the rest of the name
+    # pose as a field of its own; names come from upstream JSON, so never trust them.
+    raw = name.encode("utf-8", "replace")
+    if b"\n" in raw or b"\r" in raw:
+        raw = raw.replace(b"\r", b"").replace(b"\n", b"")
+    return raw
+
+
+def encode_event(event_type: str, data: bytes) -> bytes:
+    """Frame one event.
+
+    Args:
+        event_type: The event's ``type`` (also the SSE event name).
+        data: The event's JSON bytes, compact as upstream sends them.
+
+    Returns:
+        ``event: <type>\\ndata: <data>\\n\\n``. JSON with raw line breaks (pretty-printed
+        whitespace) is split over several ``data:`` lines, which SSE readers join with ``\\n``,
+        so the JSON they parse is unchanged.
+    """
+    if _NEWLINES[0] in data or _NEWLINES[1] in data:
+        data = b"\ndata: ".join(data.splitlines())
+    return b"".join((b"event: ", _clean_name(event_type), b"\ndata: ", data, b"\n\n"))
+
+
+def nested_error(
+    sequence_number: int, *, type: str, code: str | None, message: str, param: str | None = None
+) -> dict[str, Any]:
+    """The nested ``error`` event (the production shape, protocol.md §2.5).
+
+    The nested shape is the one every client reads: the openai SDK raises ``APIError`` with
+    ``.code`` and ``.message`` set for it, whereas the flat shape parses with ``error=None``.
+    """
+    return {
+        "type": "error",
+        "sequence_number": sequence_number,
+        "error": {"type": type, "code": code, "message": message, "param": param},
+    }

@@ -1,0 +1,132 @@
+"""The fast parse (skip the byte-identical prefix) must agree with a full parse, always."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.core.conversation import HeadTable
+from proxy.core.request import build_frame, parse_request
+from proxy.errors import InvalidRequest
+
+IDLE = lambda anchor: True  # noqa: E731
+
+
+def call(n: int) -> dict[str, Any]:
+    return {"id": f"fc_{n}", "type": "function_call", "status": "completed", "call_id": f"call_{n}",
+            "name": "read", "arguments": json.dumps({"path": f"src/{n}.py"})}
+
+
+def output(n: int, text: str) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": f"call_{n}", "output": text}
+
+
+def dumps(obj: dict[str, Any], style: str) -> bytes:
+    if style == "compact":
+        return orjson.dumps(obj)
+    if style == "spaced":
+        return json.dumps(obj, ensure_ascii=False).encode()
+    return json.dumps(obj, indent=1).encode()
+
+
+def body(items: list[Any], style: str = "compact", stream: bool = True, **extra: Any) -> bytes:
+    fields: dict[str, Any] = {"model": "gpt-5", "stream": stream, "include": ["reasoning.encrypted_content"]}
+    fields["input"] = items
+    fields.update({"tools": [{"type": "function", "name": "read", "parameters": {"input": []}}], "store": False})
+    fields.update(extra)
+    return dumps(fields, style)
+
+
+def run_chain(turns: int, style: str, texts: list[str]) -> tuple[HeadTable, list[Any], bytes]:
+    heads = HeadTable(max_heads=100, ttl_seconds=1e9)
+    items: list[Any] = [{"role": "user", "content": f"do {turns} steps"}]
+    raw = body(items, style)
+    for n in range(turns):
+        req = heads.parse("id", raw)
+        found = heads.lookup("id", req, n, IDLE)
+        if n:
+            assert req.base is not None, f"turn {n} was not fast-parsed"
+            assert found.match is not None, found.reason
+            assert found.match.new_items == [items[-1]]
+            frame = orjson.loads(build_frame(req, previous_response_id=found.match.response_id,
+                                             items=found.match.new_items))
+            assert frame["input"] == [items[-1]] and frame["previous_response_id"] == f"resp_{n - 1}"
+        full = orjson.loads(build_frame(req))
+        slow = parse_request(raw)
+        assert full == orjson.loads(build_frame(slow)), "full frames differ between fast and slow parse"
+        assert full["input"] == items
+        heads.begin("s1")
+        heads.record("id", "s1", req, {"id": f"resp_{n}", "output": [call(n)]}, n)
+        items = items + [call(n), output(n, texts[n % len(texts)])]
+        raw = body(items, style)
+    return heads, items, raw
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced", "indented"])
+def test_chain_is_fast_parsed_every_turn(style: str) -> None:
+    run_chain(6, style, ['tricky ","input":[ ] }', "é ✓ \\u00e9", "x" * 5000])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.text(max_size=40), min_size=1, max_size=4), st.sampled_from(["compact", "spaced"]))
+def test_fast_and_slow_parse_agree_on_any_tool_output(texts: list[str], style: str) -> None:
+    run_chain(4, style, texts)
+
+
+def test_retry_of_same_body_is_not_a_continuation() -> None:
+    heads = HeadTable(max_heads=10, ttl_seconds=1e9)
+    items = [{"role": "user", "content": "hi"}]
+    first = body(items)
+    heads.record("id", "s1", heads.parse("id", first), {"id": "resp_0", "output": [call(0)]}, 0)
+    again = heads.parse("id", first)
+    assert heads.lookup("id", again, 1, IDLE).reason == "retry"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b[:-1] + b", }",  # trailing comma in the object
+        lambda b: b.replace(b'"store":false', b'"store":"no"'),  # wrong type after input
+        lambda b: b.replace(b'{"type":"function_call_output"', b'["not an object"', 1),
+    ],
+)
+def test_invalid_bodies_are_rejected_like_a_full_parse(mutate: Any) -> None:
+    heads, items, raw = run_chain(2, "compact", ["out"])
+    bad = mutate(raw)
+    with pytest.raises(InvalidRequest):
+        parse_request(bad)
+    with pytest.raises(InvalidRequest):
+        heads.parse("id", bad)
+
+
+def test_trailing_comma_inside_input_is_rejected() -> None:
+    heads, items, raw = run_chain(2, "compact", ["out"])
+    span_end = raw.rindex(b'],"tools"')
+    bad = raw[:span_end] + b",]" + raw[span_end + 1 :]
+    with pytest.raises(InvalidRequest):
+        heads.parse("id", bad)
+
+
+def test_duplicate_input_key_falls_back_to_full_parse() -> None:
+    heads, items, raw = run_chain(2, "compact", ["out"])
+    dup = raw[:-1] + b',"input":[{"role":"user","content":"other"}]}'
+    req = heads.parse("id", dup)
+    assert req.base is None
+    assert req.items == [{"role": "user", "content": "other"}]
+
+
+def test_other_identity_gets_no_fast_parse() -> None:
+    heads, items, raw = run_chain(2, "compact", ["out"])
+    assert heads.parse("someone-else", raw).base is None
+
+
+def test_settings_change_after_input_is_seen_by_fast_parse() -> None:
+    heads, items, raw = run_chain(2, "compact", ["out"])
+    changed = raw.replace(b'"store":false', b'"store":false,"temperature":0.1')
+    req = heads.parse("id", changed)
+    assert heads.lookup("id", req, 9, IDLE).match is None
