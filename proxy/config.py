@@ -176,9 +176,7 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 # Kubernetes injects ``<SERVICE>_SERVICE_HOST``, ``<SERVICE>_PORT_8080_TCP`` ... for every
 # Service in the namespace (enableServiceLinks); a Service called "upshift..." must not make
 # the strict env check crash every sidecar in that namespace.
-_SERVICE_LINK = re.compile(
-    r"^UPSHIFT_\w*?(?:SERVICE_HOST|SERVICE_PORT(?:_\w+)?|PORT_\d+_(?:TCP|UDP|SCTP)\w*)$"
-)
+_SERVICE_LINK = re.compile(r"^UPSHIFT_\w*?(?:SERVICE_HOST|SERVICE_PORT(?:_\w+)?|PORT_\d+_(?:TCP|UDP|SCTP)\w*)$")
 _SERVICE_LINK_PORT = re.compile(r"^(?:tcp|udp|sctp)://")
 """``<SERVICE>_PORT`` is matched by its value, so ``UPSHIFT_LISTEN_PORT=8080`` is still an error."""
 
@@ -236,8 +234,8 @@ _SECTIONS = frozenset(key.rpartition(".")[0] for key in _LEAVES if "." in key)
 _BY_ENV = {env_name(key): leaf for key, leaf in _LEAVES.items()}
 # Underscores join both section and key names, so two paths could map to one variable; fail
 # at import rather than silently shadowing one setting with another.
-assert len(_BY_ENV) == len(_LEAVES), "two settings map to the same UPSHIFT_* variable"
-assert CONFIG_ENV not in _BY_ENV
+if len(_BY_ENV) != len(_LEAVES) or CONFIG_ENV in _BY_ENV:
+    raise RuntimeError("two settings map to the same UPSHIFT_* variable")
 
 
 def setting_keys() -> tuple[str, ...]:

@@ -75,7 +75,7 @@ def _langchain_v0(item: dict[str, Any]) -> dict[str, Any]:
     if item["type"] == "message":
         parts = [{"type": "output_text", "text": p["text"], "annotations": p["annotations"]}
                  for p in item["content"]]
-        return {"type": "message", "content": parts, "role": "assistant", "phase": item["phase"]}
+        return {"type": "message", "content": parts, "role": "assistant", "phase": item.get("phase")}
     return {k: v for k, v in item.items() if v is not None}
 
 
@@ -97,7 +97,7 @@ def _vercel_store_false(item: dict[str, Any]) -> dict[str, Any]:
                                         ensure_ascii=False)}
     return {"role": "assistant", "content": [{"type": "output_text", "text": p["text"]}
                                              for p in item["content"]],
-            "id": item["id"], "phase": item["phase"]}
+            "id": item["id"], "phase": item.get("phase")}
 
 
 def _vercel_default(item: dict[str, Any]) -> dict[str, Any]:

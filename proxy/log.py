@@ -1,0 +1,117 @@
+"""JSON logging: one object per line on stdout, with a redaction safety net.
+
+Every record becomes ``{"ts", "level", "logger", "msg", ...extra}``; extra fields come from
+``logger.info("...", extra={...})`` or from :func:`access_log`. Nothing should ever log a
+credential, but if something does, :func:`redact` replaces it before the line is written:
+header-shaped keys (``authorization``, ``api_key``, ...) are dropped, and strings that look like
+a bearer token, an ``sk-`` key or an ``Authorization:`` header become ``[redacted]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import IO, Any
+
+import orjson
+
+from proxy.config import LoggingSettings
+
+__all__ = ["ACCESS_LOGGER", "REDACTED", "JsonFormatter", "access_log", "redact", "setup_logging"]
+
+ACCESS_LOGGER = "upshift.access"
+"""Logger name of the one-line-per-request access log."""
+REDACTED = "[redacted]"
+"""What a secret-looking value is replaced with."""
+
+# Keys compared after lower-casing and mapping "-" to "_".
+_DROP_KEYS = frozenset({"authorization", "proxy_authorization", "api_key", "openai_api_key", "x_api_key"})
+_SECRET = re.compile(
+    r"""(?ix)
+    \bauthorization["']?\s*[:=]\s*["']?(?:(?:bearer|basic|token)\s+)?[^\s"',;}]+  # header text
+    | \bbearer\s+[A-Za-z0-9._~+/=-]+                                            # bearer token
+    | \bsk-[A-Za-z0-9_-]{8,}                                                      # OpenAI-style key
+    """
+)
+# Attributes every LogRecord has; anything else on a record came in through ``extra=``.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_HANDLER_MARK = "_upshift_handler"
+
+_access_enabled = True
+
+
+def redact(value: Any) -> Any:
+    """Return ``value`` with secret-looking strings replaced and credential keys dropped.
+
+    Recurses into mappings, lists and tuples; other values are returned unchanged.
+    """
+    if isinstance(value, str):
+        return _SECRET.sub(REDACTED, value)
+    if isinstance(value, Mapping):
+        return {str(k): redact(v) for k, v in value.items() if str(k).lower().replace("-", "_") not in _DROP_KEYS}
+    if isinstance(value, list | tuple):
+        return [redact(v) for v in value]
+    return value
+
+
+class JsonFormatter(logging.Formatter):
+    """Format a record as one JSON object (no trailing newline; the handler adds it)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render ``record`` as ``{"ts", "level", "logger", "msg", ...extra}``, redacted."""
+        ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        line: dict[str, Any] = {
+            "ts": ts.replace("+00:00", "Z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS and key not in line:
+                line[key] = value
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        # default=str: a stray object in extra= must not lose the whole line.
+        return orjson.dumps(redact(line), default=str).decode()
+
+
+def setup_logging(s: LoggingSettings, *, stream: IO[str] | None = None) -> None:
+    """Send every log record to ``stream`` (default: stdout) as a JSON line.
+
+    Idempotent: replaces the handler a previous call installed, leaves others alone.
+
+    Args:
+        s: Level and access-log switch.
+        stream: Where lines go; tests pass a buffer.
+    """
+    global _access_enabled
+    _access_enabled = s.access_log
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stdout)
+    setattr(handler, _HANDLER_MARK, True)
+    handler.setFormatter(JsonFormatter())
+    root.addHandler(handler)
+    root.setLevel(s.level.upper())
+    # websockets logs every handshake (with headers) at DEBUG; never let that through.
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+    # The sidecar writes its own access line (access_log below); aiohttp's would duplicate it.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def access_log(fields: Mapping[str, object]) -> None:
+    """Log one access line on ``upshift.access`` with ``fields`` merged into the JSON object.
+
+    Args:
+        fields: ``request_id``, ``mode``, ``reason``, ``items_in``, ``items_sent``,
+            ``bytes_in``, ``bytes_sent``, ``upstream_ms``, ``added_ms``, ``status``, ...
+            Keys that collide with LogRecord attributes (e.g. ``msg``) are prefixed ``f_``.
+    """
+    if not _access_enabled:
+        return
+    extra = {(f"f_{k}" if k in _RECORD_ATTRS else k): v for k, v in fields.items()}
+    logging.getLogger(ACCESS_LOGGER).info("access", extra=extra)
