@@ -1,0 +1,285 @@
+"""HTTP side of ``/v1/responses``: create (JSON, SSE, background), retrieve, delete, and the
+WebSocket upgrade on ``GET /v1/responses`` (handed to :class:`~.ws.WsConnection`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from . import errors
+from .appkeys import FAULTS, OWNER, REGISTRY, STATE
+from .engine import Execution, Turn, execute, finish, new_id, prepare
+from .errors import ApiError
+from .faults import Fault
+from .oracle import Segment
+from .runner import CUT_KINDS, Outcome, play
+from .state import Conversation, EmulatorState, ResponseRecord
+from .validation import validate_body
+from .ws import WsConnection
+
+__all__ = ["json_response", "routes"]
+
+JSON = Any
+routes = web.RouteTableDef()
+
+
+def json_response(data: JSON, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """Compact JSON via orjson."""
+    return web.Response(body=orjson.dumps(data), status=status, headers=headers, content_type="application/json")
+
+
+def error_response(error: ApiError) -> web.Response:
+    """An OpenAI-style error body with its status and headers (a 429 keeps ``retry-after``)."""
+    return json_response(error.http_body(), error.status, error.headers or None)
+
+
+class _SseSink:
+    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
+        self.request, self.response = request, response
+
+    async def send(self, payload: dict[str, JSON]) -> None:
+        data = orjson.dumps(payload)
+        await self.response.write(b"event: " + str(payload["type"]).encode() + b"\ndata: " + data + b"\n\n")
+
+    async def abort(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.abort()
+
+    async def close(self, code: int) -> None:
+        await self.abort()
+
+
+class _NullSink:
+    def __init__(self, request: web.Request | None) -> None:
+        self.request = request
+
+    async def send(self, payload: dict[str, JSON]) -> None:
+        return None
+
+    async def abort(self) -> None:
+        if self.request is not None and self.request.transport is not None:
+            self.request.transport.abort()
+
+    async def close(self, code: int) -> None:
+        await self.abort()
+
+
+def _fire(request: web.Request, kinds: set[str], facts: dict[str, JSON]) -> Fault | None:
+    fault = request.app[FAULTS].take(kinds, "http", facts)
+    if fault is not None:
+        request.app[STATE].stats.fault_fired(fault.kind)
+    return fault
+
+
+def _conversation(state: EmulatorState, owner: str, value: JSON) -> Conversation:
+    conv_id = value.get("id") if isinstance(value, dict) else value
+    if not isinstance(conv_id, str) or not conv_id:
+        raise ApiError(400, "Invalid 'conversation': expected an id.", param="conversation", code="invalid_value")
+    conv = state.conversations.get(conv_id)
+    if conv is None:  # created lazily: the emulator keeps it simple
+        conv = state.conversations[conv_id] = Conversation(conv_id, owner, Segment.root())
+    elif state.config.isolate_keys and conv.owner != owner:
+        raise errors.not_found("Conversation", conv_id)
+    return conv
+
+
+def _base(request: web.Request, body: dict[str, JSON], owner: str) -> tuple[Segment, bool, str | None]:
+    """(inherited chain, hydrated, conversation id) for an HTTP create."""
+    state = request.app[STATE]
+    prev = body.get("previous_response_id")
+    if body.get("conversation") is not None:
+        conv = _conversation(state, owner, body["conversation"])
+        return conv.chain, False, conv.id
+    if prev is None:
+        return Segment.root(), False, None
+    state.stats.continuations["http"] += 1
+    facts = {"previous_response_id_present": True, "previous_response_id": prev}
+    forced = _fire(request, {"miss"}, facts)
+    record = None if forced is not None else state.get(prev, owner)
+    if record is None:
+        state.stats.misses["http"] += 1
+        raise errors.previous_response_not_found(prev)
+    state.stats.hydrations["http"] += 1
+    return record.chain, True, None
+
+
+@routes.post("/v1/responses")
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses``: JSON, SSE or background."""
+    state = request.app[STATE]
+    raw = await request.read()
+    state.stats.requests["http"] += 1
+    state.stats.bytes_received["http"] += len(raw)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return error_response(ApiError(400, errors.INVALID_JSON_MESSAGE))
+    facts: dict[str, JSON] = {}
+    if isinstance(body, dict):
+        prev = body.get("previous_response_id")
+        facts = {
+            "previous_response_id_present": prev is not None,
+            "previous_response_id": prev,
+            "store": body.get("store") is not False,
+            "model": body.get("model"),
+            "stream": body.get("stream") is True,
+        }
+    delay = _fire(request, {"delay"}, facts)
+    if delay is not None:
+        await asyncio.sleep(delay.seconds)
+    try:
+        fault = _fire(request, {"error", *CUT_KINDS}, facts)
+        if fault is not None and fault.kind == "error":
+            raise fault.to_error()
+        validate_body(body, transport="http", config=state.config)
+        owner = request[OWNER]
+        base, hydrated, conv_id = _base(request, body, owner)
+        turn = prepare(
+            body,
+            config=state.config,
+            transport="http",
+            owner=owner,
+            base=base,
+            lookup_item=lambda item_id: state.item(item_id, owner),
+            input_bytes=len(raw),
+            hydrated=hydrated,
+            conversation_id=conv_id,
+        )
+    except ApiError as error:
+        state.stats.errors["http"] += 1
+        return error_response(error)
+    execution = execute(turn, state.config)
+    if body.get("background") and body.get("stream") is not True:
+        return _start_background(request, turn, execution)
+    if body.get("stream") is True:
+        return await _stream(request, turn, execution, fault)
+    outcome = await play(execution, turn, _NullSink(request), latency=state.latency, fault=fault)
+    _finish(state, turn, outcome)
+    if outcome.status == "failed":
+        failure = outcome.response["error"]
+        return json_response({"error": {**failure, "type": "server_error", "param": None}}, 500)
+    return json_response(outcome.response)
+
+
+async def _stream(request: web.Request, turn: Turn, execution: Execution, fault: Fault | None) -> web.StreamResponse:
+    state = request.app[STATE]
+    latency = state.latency
+    if latency.overhead_ms > 0:  # paid before the headers, as a real upstream would
+        await asyncio.sleep(latency.overhead_ms / 1000.0)
+        latency = dataclasses.replace(latency, overhead_ms=0.0)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    response.headers["Cache-Control"] = "no-cache"
+    await response.prepare(request)
+    try:
+        outcome = await play(execution, turn, _SseSink(request, response), latency=latency, fault=fault)
+    except ConnectionError:
+        return response
+    _finish(state, turn, outcome)
+    if outcome.status in ("dropped", "closed"):
+        return response
+    await response.write_eof()
+    return response
+
+
+def _finish(state: EmulatorState, turn: Turn, outcome: Outcome) -> ResponseRecord:
+    record = finish(state, turn, outcome.response)
+    if turn.conversation_id is not None and outcome.status in ("completed", "incomplete"):
+        state.conversations[turn.conversation_id].chain = record.chain
+    return record
+
+
+def _start_background(request: web.Request, turn: Turn, execution: Execution) -> web.Response:
+    state = request.app[STATE]
+    queued = {**execution.shell, "status": "queued"}
+    placeholder = ResponseRecord(turn.id, turn.owner, queued, [], turn.context, turn.context, turn.new_items, True)
+    state.put(placeholder)
+
+    async def run() -> None:
+        await asyncio.sleep(state.config.background_delay_s)
+        if state.store.get(turn.id) is not placeholder:  # cancelled or deleted meanwhile
+            return
+        placeholder.response = {**execution.shell, "status": "in_progress"}
+        outcome = await play(execution, turn, _NullSink(None), latency=state.latency)
+        if state.store.get(turn.id) is placeholder:
+            _finish(state, turn, outcome)
+
+    task = asyncio.create_task(run())
+    request.app[REGISTRY].tasks.add(task)
+    task.add_done_callback(request.app[REGISTRY].tasks.discard)
+    return json_response(queued)
+
+
+@routes.get("/v1/responses")
+async def upgrade(request: web.Request) -> web.StreamResponse:
+    """WebSocket mode on the same path; a plain GET is a 405 like the real API."""
+    state = request.app[STATE]
+    ws = web.WebSocketResponse(
+        autoping=True,
+        heartbeat=None,
+        compress=state.config.ws_compress,
+        max_msg_size=state.config.ws_max_message_bytes,
+    )
+    if not ws.can_prepare(request).ok:
+        return error_response(ApiError(405, "Invalid method for URL (GET /v1/responses)"))
+    refuse = request.app[FAULTS].take({"refuse_upgrade"}, "ws", {"identity": request[OWNER]})
+    if refuse is not None:
+        state.stats.fault_fired("refuse_upgrade")
+        state.stats.ws_connections["refused"] += 1
+        return error_response(refuse.to_error())
+    await ws.prepare(request)
+    request.app[REGISTRY].sockets.add(ws)
+    try:
+        await WsConnection(state, request.app[FAULTS], ws, request, request[OWNER]).run()
+    finally:
+        request.app[REGISTRY].sockets.discard(ws)
+    return ws
+
+
+def _stored(request: web.Request) -> ResponseRecord:
+    response_id = request.match_info["response_id"]
+    record = request.app[STATE].get(response_id, request[OWNER])
+    if record is None:
+        raise errors.not_found("Response", response_id)
+    return record
+
+
+@routes.get("/v1/responses/{response_id}")
+async def retrieve(request: web.Request) -> web.Response:
+    """A stored response (404 unless ``store`` was true)."""
+    return json_response(_stored(request).response)
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete(request: web.Request) -> web.Response:
+    """Delete a stored response."""
+    record = _stored(request)
+    request.app[STATE].delete(record.id, request[OWNER])
+    return json_response({"id": record.id, "object": "response.deleted", "deleted": True})
+
+
+@routes.post("/v1/responses/{response_id}/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    """Cancel a queued/in-progress background response."""
+    record = _stored(request)
+    if record.response.get("status") not in ("queued", "in_progress"):
+        raise ApiError(400, "Cannot cancel a response that is not in progress.", param="response_id")
+    cancelled = {**record.response, "status": "cancelled"}
+    request.app[STATE].put(ResponseRecord(**{**_fields(record), "response": cancelled}))
+    return json_response(cancelled)
+
+
+def _fields(record: ResponseRecord) -> dict[str, JSON]:
+    return {name: getattr(record, name) for name in ResponseRecord.__slots__}
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def input_items(request: web.Request) -> web.Response:
+    """The new input items of a stored response (ids added where missing)."""
+    record = _stored(request)
+    data = [item if "id" in item else {"id": new_id("msg"), **item} for item in record.input_items]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return json_response({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": False})

@@ -1,0 +1,245 @@
+"""Fidelity oracle: canonical form and digest of the context a response was generated from.
+
+This is the emulator's **own** implementation of client-echo.md §4; it deliberately imports
+nothing from the sidecar, so one bug cannot hide in both.
+
+Canonical item (a whitelist per type):
+
+- ``message`` (or no ``type`` but a ``role``): ``role``, ``content`` parts, ``phase`` if present.
+  Text parts (``input_text``/``output_text``/string content) become ``{"type": "text", "text"}``;
+  adjacent text parts are concatenated, so ``"content": "hi"`` equals ``[{"type": "input_text",
+  "text": "hi"}]`` and an assistant reply echoed as a string equals its ``output_text`` parts.
+- ``function_call``: ``call_id``, ``name``, ``arguments`` parsed as JSON (blank = ``{}``).
+- ``function_call_output``: ``call_id``, ``output``.
+- ``reasoning``: ``summary`` texts plus ``encrypted_content`` (or ``id`` when there is none).
+- ``custom_tool_call(_output)``, ``compaction``: their identifying fields; any other type: exact.
+
+Everywhere: parsed (not bytes), ``null`` = absent, ``async_`` = ``async``, client-added keys stripped,
+numbers by value. ``item_reference`` items are resolved by the caller before canonicalisation.
+
+Digest: sha256 over the canonical JSON lines (sorted keys, compact, one ``\\n`` after each item),
+so a chain's digest can be extended item by item (:class:`Segment`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Final
+
+import orjson
+
+__all__ = [
+    "Segment",
+    "canonical_item",
+    "canonical_line",
+    "clean",
+    "context_digest",
+    "normalize_input",
+    "settings_digest",
+]
+
+JSON = Any
+CLIENT_KEYS: Final = frozenset({"internal_chat_message_metadata_passthrough", "parsed_arguments"})
+TEXT_PART_TYPES: Final = frozenset({"input_text", "output_text", "text"})
+_MAX_SAFE_INT: Final = 2**53
+_MAX_JSON_INT: Final = 2**63
+
+
+def clean(value: JSON) -> JSON:
+    """Rules 1–4: drop ``null`` keys, ``async_`` → ``async``, strip client keys, numbers by value."""
+    if isinstance(value, dict):
+        out: dict[str, JSON] = {}
+        for key, item in value.items():
+            if item is None or key in CLIENT_KEYS:
+                continue
+            out["async" if key == "async_" else key] = clean(item)
+        return out
+    if isinstance(value, list):
+        return [clean(item) for item in value]
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < _MAX_SAFE_INT:
+        return int(value)
+    if isinstance(value, int) and abs(value) >= _MAX_JSON_INT:
+        return {"$bigint": str(value)}
+    return value
+
+
+def normalize_input(value: JSON) -> list[JSON]:
+    """Rule 7: ``"str"`` → one user message; ``None`` → no items; a list stays a list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list):
+        return list(value)
+    return [value]
+
+
+def _parts(content: JSON) -> list[JSON]:
+    raw = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+    parts: list[JSON] = []
+    for part in raw if isinstance(raw, list) else [raw]:
+        if not isinstance(part, dict):
+            parts.append(part)
+            continue
+        kind = part.get("type")
+        if kind in TEXT_PART_TYPES or (kind is None and "text" in part):
+            text = str(part.get("text", ""))
+            if parts and isinstance(parts[-1], dict) and parts[-1].get("type") == "text":
+                parts[-1] = {"type": "text", "text": parts[-1]["text"] + text}
+            else:
+                parts.append({"type": "text", "text": text})
+        elif kind == "refusal":
+            parts.append({"type": "refusal", "refusal": part.get("refusal", "")})
+        elif kind == "input_image":
+            keep = {k: part[k] for k in ("image_url", "file_id") if k in part}
+            parts.append({"type": "input_image", "detail": part.get("detail", "auto"), **keep})
+        elif kind == "input_file":
+            keep = {k: part[k] for k in ("file_id", "file_data", "file_url", "filename") if k in part}
+            parts.append({"type": "input_file", **keep})
+        else:
+            parts.append({k: v for k, v in part.items() if k not in ("annotations", "logprobs", "parsed")})
+    return parts
+
+
+def _arguments(raw: JSON) -> JSON:
+    if not isinstance(raw, str):
+        return raw if raw is not None else {}
+    if not raw.strip():
+        return {}
+    try:
+        return clean(orjson.loads(raw))
+    except orjson.JSONDecodeError:
+        return raw
+
+
+def _summary_texts(summary: JSON) -> list[str]:
+    if not isinstance(summary, list):
+        return []
+    return [str(s.get("text", "")) if isinstance(s, dict) else str(s) for s in summary]
+
+
+def canonical_item(item: JSON) -> JSON:
+    """The canonical projection of one input or output item (client-echo.md §4 rule 5)."""
+    item = clean(item)
+    if not isinstance(item, dict):
+        return item
+    kind = item.get("type") or ("message" if "role" in item else None)
+    if kind == "message":
+        out: dict[str, JSON] = {
+            "type": "message",
+            "role": item.get("role"),
+            "content": _parts(item.get("content")),
+        }
+        if "phase" in item:
+            out["phase"] = item["phase"]
+        return out
+    if kind == "function_call":
+        return {
+            "type": kind,
+            "call_id": item.get("call_id"),
+            "name": item.get("name"),
+            "arguments": _arguments(item.get("arguments")),
+        }
+    if kind == "function_call_output":
+        output = item.get("output", "")
+        return {
+            "type": kind,
+            "call_id": item.get("call_id"),
+            "output": output if isinstance(output, str) else _parts(output),
+        }
+    if kind == "reasoning":
+        out = {"type": kind, "summary": _summary_texts(item.get("summary"))}
+        if "encrypted_content" in item:
+            out["encrypted_content"] = item["encrypted_content"]
+        elif "id" in item:
+            out["id"] = item["id"]
+        return out
+    if kind == "custom_tool_call":
+        return {
+            "type": kind,
+            "call_id": item.get("call_id"),
+            "name": item.get("name"),
+            "input": item.get("input"),
+        }
+    if kind == "custom_tool_call_output":
+        return {"type": kind, "call_id": item.get("call_id"), "output": item.get("output")}
+    if kind == "compaction":
+        return {"type": kind, "encrypted_content": item.get("encrypted_content")}
+    return item
+
+
+def canonical_line(item: JSON) -> bytes:
+    """Sorted-key compact JSON of the canonical item, plus a newline."""
+    return orjson.dumps(canonical_item(item), option=orjson.OPT_SORT_KEYS) + b"\n"
+
+
+class Segment:
+    """An immutable, shareable piece of a context chain with its running digest.
+
+    ``root().extend(a).extend(b)`` has the same digest as ``root().extend(a + b)``; children share
+    their parent's items, so a long chain costs O(new items) per turn.
+    """
+
+    __slots__ = ("parent", "items", "count", "nbytes", "digest", "_hasher")
+
+    def __init__(self, parent: Segment | None, items: tuple[JSON, ...], hasher: Any, count: int, nbytes: int):
+        self.parent = parent
+        self.items = items
+        """Canonical items added by this segment."""
+        self.count = count
+        """Items in the whole chain up to and including this segment."""
+        self.nbytes = nbytes
+        """Canonical bytes of the whole chain."""
+        self._hasher = hasher
+        self.digest: str = hasher.hexdigest()
+
+    @classmethod
+    def root(cls) -> Segment:
+        """The empty context."""
+        return cls(None, (), hashlib.sha256(), 0, 0)
+
+    def extend(self, raw_items: Iterable[JSON]) -> Segment:
+        """A new segment with ``raw_items`` (canonicalised here) appended."""
+        hasher = self._hasher.copy()
+        items: list[JSON] = []
+        nbytes = self.nbytes
+        for raw in raw_items:
+            canon = canonical_item(raw)
+            line = orjson.dumps(canon, option=orjson.OPT_SORT_KEYS) + b"\n"
+            hasher.update(line)
+            nbytes += len(line)
+            items.append(canon)
+        if not items:
+            return self
+        return Segment(self, tuple(items), hasher, self.count + len(items), nbytes)
+
+    def iter_reversed(self) -> Iterator[JSON]:
+        """Canonical items from the newest back to the first."""
+        seg: Segment | None = self
+        while seg is not None:
+            yield from reversed(seg.items)
+            seg = seg.parent
+
+    def to_list(self) -> list[JSON]:
+        """All canonical items, oldest first."""
+        out = list(self.iter_reversed())
+        out.reverse()
+        return out
+
+
+def context_digest(raw_items: Sequence[JSON]) -> str:
+    """Digest of a whole context given as raw items (for tests and tools)."""
+    return Segment.root().extend(raw_items).digest
+
+
+def settings_digest(instructions: JSON, tools: JSON) -> str:
+    """Digest of the per-request settings that are not inherited: ``instructions`` and ``tools``."""
+    if isinstance(instructions, list):
+        instr: JSON = [canonical_item(item) for item in instructions]
+    else:
+        instr = clean(instructions)
+    canon = {"instructions": instr, "tools": clean(tools) or []}
+    return hashlib.sha256(orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)).hexdigest()

@@ -1,0 +1,172 @@
+"""In-memory state shared by both transports: the response store, oracle records and counters.
+
+Per-connection lane caches live with their connection (``ws.py``); everything here is global to
+one emulator instance and cleared by :meth:`EmulatorState.reset`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .config import EmulatorConfig, LatencyModel
+from .oracle import Segment
+
+__all__ = ["ConnectionStats", "Conversation", "EmulatorState", "ResponseRecord", "Stats", "identity_of"]
+
+JSON = Any
+
+
+def identity_of(authorization: str | None) -> str:
+    """A short, non-reversible identity for an ``Authorization`` header (never the secret)."""
+    return hashlib.sha256((authorization or "").encode()).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class ResponseRecord:
+    """A finished (or background) response and the chain a continuation would inherit."""
+
+    id: str
+    owner: str
+    response: dict[str, JSON]
+    """The public response object."""
+    output: list[JSON]
+    context: Segment
+    """The effective context the response was generated from."""
+    chain: Segment
+    """``context`` + ``output``: what ``previous_response_id`` = this id resolves to."""
+    input_items: list[JSON]
+    store: bool
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A ``conversation`` object (HTTP): its items are prepended to each request's input."""
+
+    id: str
+    owner: str
+    chain: Segment
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class ConnectionStats:
+    """Counters for one WebSocket connection (identity is a hash, never the key)."""
+
+    identity: str
+    opened_at: float
+    open: bool = True
+    close_code: int | None = None
+    requests: int = 0
+    continuations: int = 0
+    cache_hits: int = 0
+    hydrations: int = 0
+    misses: int = 0
+    errors: int = 0
+    bytes_received: int = 0
+    frames_received: int = 0
+    named_streams: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+
+def _per_transport() -> dict[str, int]:
+    return {"http": 0, "ws": 0}
+
+
+@dataclass(slots=True)
+class Stats:
+    """Every counter tests read. ``snapshot()`` gives a plain dict (also served on ``/_emulator/stats``)."""
+
+    requests: dict[str, int] = field(default_factory=_per_transport)
+    responses: dict[str, int] = field(default_factory=lambda: {"completed": 0, "incomplete": 0, "failed": 0})
+    errors: dict[str, int] = field(default_factory=_per_transport)
+    continuations: dict[str, int] = field(default_factory=_per_transport)
+    cache_hits: int = 0
+    hydrations: dict[str, int] = field(default_factory=_per_transport)
+    misses: dict[str, int] = field(default_factory=_per_transport)
+    generate_false: int = 0
+    bytes_received: dict[str, int] = field(default_factory=_per_transport)
+    ws_frames_received: int = 0
+    ws_connections: dict[str, int] = field(default_factory=lambda: {"opened": 0, "open": 0, "closed": 0, "refused": 0})
+    faults_fired: dict[str, int] = field(default_factory=dict)
+    input_items: dict[str, int] = field(default_factory=dict)
+    """Per response id: how many input items the request carried (the delta, not the context)."""
+    other_requests: dict[str, int] = field(default_factory=dict)
+    connections: dict[str, ConnectionStats] = field(default_factory=dict)
+
+    def fault_fired(self, kind: str) -> None:
+        """Count one fired fault of ``kind``."""
+        self.faults_fired[kind] = self.faults_fired.get(kind, 0) + 1
+
+    def other(self, name: str) -> None:
+        """Count a request to a non-Responses endpoint."""
+        self.other_requests[name] = self.other_requests.get(name, 0) + 1
+
+    def snapshot(self) -> dict[str, JSON]:
+        """A deep, JSON-ready copy."""
+        return asdict(self)
+
+
+class EmulatorState:
+    """The store, oracle records, conversations and stats of one emulator."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        self.latency: LatencyModel = config.latency
+        """Current latency model (replaceable at run time via ``/_emulator/latency``)."""
+        self.stats = Stats()
+        self.store: dict[str, ResponseRecord] = {}
+        self.items: dict[str, tuple[str, JSON]] = {}
+        """Stored output item id → (owner, item), for ``item_reference`` and reasoning by id."""
+        self.records: OrderedDict[str, dict[str, JSON]] = OrderedDict()
+        self.conversations: dict[str, Conversation] = {}
+
+    def reset(self) -> None:
+        """Forget everything except open connections' own caches; zero all counters."""
+        open_connections = {k: v for k, v in self.stats.connections.items() if v.open}
+        self.stats = Stats()
+        self.stats.connections.update(open_connections)
+        self.stats.ws_connections["open"] = len(open_connections)
+        self.store.clear()
+        self.items.clear()
+        self.records.clear()
+        self.conversations.clear()
+
+    def put(self, record: ResponseRecord) -> None:
+        """Keep a ``store: true`` response (and index its output items)."""
+        self.store[record.id] = record
+        for item in record.output:
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                self.items[item["id"]] = (record.owner, item)
+
+    def get(self, response_id: str, owner: str) -> ResponseRecord | None:
+        """A stored response visible to ``owner``."""
+        record = self.store.get(response_id)
+        if record is None or (self.config.isolate_keys and record.owner != owner):
+            return None
+        return record
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        """Remove a stored response; False if it was not visible to ``owner``."""
+        if self.get(response_id, owner) is None:
+            return False
+        del self.store[response_id]
+        return True
+
+    def item(self, item_id: str, owner: str) -> JSON | None:
+        """A stored output item by id, as emitted."""
+        entry = self.items.get(item_id)
+        if entry is None or (self.config.isolate_keys and entry[0] != owner):
+            return None
+        return entry[1]
+
+    def record(self, response_id: str, data: dict[str, JSON]) -> None:
+        """Keep an oracle record (bounded; oldest dropped first)."""
+        self.records[response_id] = data
+        self.records.move_to_end(response_id)
+        while len(self.records) > self.config.max_records:
+            self.records.popitem(last=False)

@@ -1,0 +1,154 @@
+"""Request validation shared by HTTP and WebSocket creates (the real API's 400s, same wording)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from .config import EmulatorConfig
+from .errors import ApiError, unknown_parameter
+from .oracle import canonical_item, normalize_input
+
+__all__ = ["HTTP_FIELDS", "WS_FIELDS", "check_tool_pairs", "resolve_input", "validate_body"]
+
+JSON = Any
+HTTP_FIELDS: Final = frozenset(
+    {
+        "access_programs", "background", "background_options", "client_metadata", "context_management",
+        "conversation", "image", "include", "input", "instructions", "max_output_tokens", "max_tool_calls",
+        "metadata", "model", "moderation", "parallel_tool_calls", "previous_response_id", "prompt",
+        "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning",
+        "safety_identifier", "service_tier", "store", "stream", "stream_options", "temperature", "text",
+        "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user",
+    }
+)  # fmt: skip
+"""``POST /v1/responses`` fields: openai-python 3.57 ``ResponseCreateParams`` + ``client_metadata``."""
+WS_FIELDS: Final = HTTP_FIELDS | {"type", "stream_id", "generate"}
+MIN_OUTPUT_TOKENS: Final = 16
+
+
+def _missing(name: str) -> ApiError:
+    return ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
+
+
+def _invalid_type(name: str, expected: str) -> ApiError:
+    return ApiError(400, f"Invalid type for '{name}': expected {expected}.", param=name, code="invalid_type")
+
+
+def validate_body(body: JSON, *, transport: str, config: EmulatorConfig) -> None:
+    """Raise :class:`ApiError` for what the real API rejects before generating."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "Invalid request body: expected a JSON object.")
+    if config.reject_unknown_params:
+        allowed = WS_FIELDS if transport == "ws" else HTTP_FIELDS
+        for key in body:
+            if key not in allowed:
+                raise unknown_parameter(key)
+    model = body.get("model")
+    if model is None:
+        raise _missing("model")
+    if not isinstance(model, str) or not model:
+        raise _invalid_type("model", "a string")
+    if "input" in body and body["input"] is not None and not isinstance(body["input"], str | list):
+        raise _invalid_type("input", "a string or an array of input items")
+    for index, item in enumerate(normalize_input(body.get("input"))):
+        if not isinstance(item, dict):
+            raise _invalid_type(f"input[{index}]", "an object")
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise _invalid_type("max_output_tokens", "an integer")
+        if limit < MIN_OUTPUT_TOKENS:
+            raise ApiError(
+                400,
+                "Invalid 'max_output_tokens': integer below minimum value. "
+                f"Expected a value >= {MIN_OUTPUT_TOKENS}, but got {limit} instead.",
+                param="max_output_tokens",
+                code="integer_below_min_value",
+            )
+    prev = body.get("previous_response_id")
+    if prev is not None and (not isinstance(prev, str) or not prev.startswith("resp")):
+        raise ApiError(
+            400,
+            f"Invalid 'previous_response_id': '{prev}'. Expected an ID that begins with 'resp'.",
+            param="previous_response_id",
+            code="invalid_value",
+        )
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _invalid_type("tools", "an array")
+        for index, tool in enumerate(tools):
+            if not isinstance(tool, dict) or "type" not in tool:
+                raise _missing(f"tools[{index}].type")
+            if tool["type"] == "function" and not tool.get("name"):
+                raise _missing(f"tools[{index}].name")
+    if prev is not None and body.get("conversation") is not None:
+        raise ApiError(
+            400,
+            "Mutually exclusive parameters: Ensure you are only providing one of: "
+            "'previous_response_id' or 'conversation'.",
+            param="previous_response_id",
+            code="mutually_exclusive_parameters",
+        )
+    if transport == "http" and body.get("background") and body.get("store") is False:
+        raise ApiError(400, "Background mode requires `store` to be true.", param="background")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
+        raise _invalid_type("include", "an array of strings")
+
+
+def resolve_input(items: list[JSON], *, store: bool, lookup: Callable[[str], JSON | None]) -> list[JSON]:
+    """Replace ``item_reference`` items (and id-only reasoning items) by the stored items they name.
+
+    Raises:
+        ApiError: the referenced item is not stored (with the real API's ``store: false`` hint).
+    """
+    out: list[JSON] = []
+    for item in items:
+        kind = item.get("type")
+        by_id = kind == "item_reference" or (
+            kind == "reasoning" and item.get("encrypted_content") is None and isinstance(item.get("id"), str)
+        )
+        if not by_id:
+            out.append(item)
+            continue
+        ident = str(item.get("id"))
+        found = lookup(ident)
+        if found is not None:
+            out.append(found)
+            continue
+        if not store:
+            raise ApiError(
+                400,
+                f"Item with id '{ident}' not found. Items are not persisted when `store` is set to false. "
+                "Try again with `store` set to true, or remove this item from your input.",
+                param="input",
+            )
+        raise ApiError(404, f"Item with id '{ident}' not found.", param="input")
+    return out
+
+
+def check_tool_pairs(context: list[JSON]) -> None:
+    """Every call needs a later output and every output an earlier call (real API 400s).
+
+    ``context`` may hold raw or canonical items (canonicalising is idempotent).
+    """
+    pending: dict[str, None] = {}
+    seen: set[str] = set()
+    for raw in context:
+        item = canonical_item(raw)
+        kind = item.get("type")
+        call_id = str(item.get("call_id"))
+        if kind in ("function_call", "custom_tool_call"):
+            pending[call_id] = None
+            seen.add(call_id)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            if call_id not in seen:
+                raise ApiError(
+                    400, f"No tool call found for function call output with call_id {call_id}.", param="input"
+                )
+            pending.pop(call_id, None)
+    if pending:
+        call_id = next(iter(pending))
+        raise ApiError(400, f"No tool output found for function call {call_id}.", param="input")

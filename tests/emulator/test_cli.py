@@ -1,0 +1,70 @@
+"""The command line: flags, config file, and a real ``python -m proxy.emulator`` process."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.emulator import REALISTIC_LATENCY, load_config_file
+from proxy.emulator.__main__ import build_parser, config_from_args, parse_listen
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_parse_listen() -> None:
+    assert parse_listen("127.0.0.1:9100") == ("127.0.0.1", 9100)
+    assert parse_listen("[::1]:80") == ("::1", 80)
+    assert parse_listen(":81") == ("127.0.0.1", 81)
+
+
+def test_flags_override_file(tmp_path: Path) -> None:
+    path = tmp_path / "emu.yaml"
+    path.write_text("latency:\n  preset: realistic\n  ttft_ms: 10\nws_max_age_s: 5\nreply_bytes: 300\n")
+    config = load_config_file(path)
+    assert config.latency.ttft_ms == 10 and config.latency.tokens_per_second == REALISTIC_LATENCY.tokens_per_second
+    args = build_parser().parse_args(
+        ["--config", str(path), "--ws-max-age", "1", "--require-key", "sk-a", "--ws-no-compress"]
+    )
+    merged = config_from_args(args)
+    assert merged.ws_max_age_s == 1 and merged.reply_bytes == 300 and merged.latency.ttft_ms == 10
+    assert merged.require_keys == ("sk-a",) and merged.ws_compress is False
+    (tmp_path / "bad.yaml").write_text("nope: 1\n")
+    with pytest.raises(ValueError):
+        load_config_file(tmp_path / "bad.yaml")
+
+
+def test_help_documents_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "3600" in out and "65" in out and "1000" in out and "127.0.0.1:9100" in out
+
+
+async def test_module_runs(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.emulator", "--listen", f"127.0.0.1:{port}", "--ws-max-age", "60",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/_emulator/config") as resp:
+                        config = await resp.json()
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            else:
+                pytest.fail("emulator did not start")
+        assert config["ws_max_age_s"] == 60
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
