@@ -43,7 +43,7 @@ CONTINUATION_MISSES = Counter(
     registry=REGISTRY,
 )
 """reason: no_head | diverged | settings_changed | head_busy | dropped_reasoning | retry |
-no_new_items | app_chained | pool_full (bounded set, see proxy.core.diff.MissReason)."""
+no_new_items | app_chained | pool_full (bounded set, see proxy.core.conversation.MissReason)."""
 
 DROPPED_REASONING = Counter(
     "upshift_dropped_reasoning_echoes",
