@@ -10,6 +10,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  └─ UnsupportedRequest                  400 unsupported
     ├─ UpstreamError                          5xx
     │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
+    │  │  ├─ UpstreamRefused                  502 upstream_refused (upgrade answered non-101)
     │  │  └─ PoolExhausted                    503 pool_exhausted
     │  ├─ UpstreamTimeout(TimeoutError)       504 upstream_timeout
     │  ├─ UpstreamClosed                      502 upstream_closed
@@ -35,6 +36,7 @@ __all__ = [
     "UpstreamClosed",
     "UpstreamError",
     "UpstreamProtocolError",
+    "UpstreamRefused",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -108,6 +110,24 @@ class UpstreamUnavailable(UpstreamError, ConnectionError):
     """Connecting to the upstream failed (refused, DNS, TLS, refused upgrade)."""
 
     code = "upstream_unavailable"
+
+
+class UpstreamRefused(UpstreamUnavailable):
+    """The upstream answered the WebSocket upgrade with an HTTP status instead of 101.
+
+    Kept apart because callers act on the status: a relayed upgrade answers the app with the same
+    status, and a 426 switches an identity to HTTP.
+    """
+
+    code = "upstream_refused"
+
+    def __init__(
+        self, message: str, *, http_status: int, headers: dict[str, str] | None = None, payload: bytes = b""
+    ) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+        self.headers = headers or {}
+        self.payload = payload
 
 
 class PoolExhausted(UpstreamUnavailable):

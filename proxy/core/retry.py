@@ -9,7 +9,8 @@ Causes:
   socket is fine. Only when the sidecar itself chose the anchor: the app's own body would fail
   the same way again.
 - ``websocket_connection_limit_reached`` (the socket aged out): replay on a new socket.
-- The socket closed before the response reached the app: replay on a new socket.
+- The socket closed before the response reached the app: replay on a new socket; a 1009 close
+  ("message too big") is not retryable as is (pitfall 16), so that turn goes over plain HTTP.
 - Anything else (timeouts included: delivery is ambiguous) surfaces.
 """
 
@@ -25,6 +26,7 @@ __all__ = [
     "CAUSE_CLOSED",
     "CAUSE_LIMIT",
     "CAUSE_NOT_FOUND",
+    "CAUSE_TOO_BIG",
     "Replay",
     "Surface",
     "classify",
@@ -36,6 +38,9 @@ __all__ = [
 CAUSE_NOT_FOUND = "previous_response_not_found"
 CAUSE_LIMIT = "connection_limit"
 CAUSE_CLOSED = "closed_before_first_event"
+CAUSE_TOO_BIG = "frame_too_big"
+
+_MESSAGE_TOO_BIG = 1009
 
 _STALE_WORDS = ("not_found", "stale", "missing", "expired", "invalid")
 
@@ -45,9 +50,12 @@ class Replay:
     """Send the turn again with the app's full input."""
 
     cause: str
-    """``previous_response_not_found`` | ``connection_limit`` | ``closed_before_first_event``."""
+    """``previous_response_not_found`` | ``connection_limit`` | ``closed_before_first_event`` |
+    ``frame_too_big``."""
     new_socket: bool
     """Whether the replay needs a fresh socket (the old one is closed or aged out)."""
+    over_http: bool = False
+    """Replay over plain HTTP instead (the frame itself was refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +134,9 @@ def classify(
     """
     if emitted:
         return Surface("emitted")
+    if isinstance(event_or_failure, UpstreamClosed) and event_or_failure.close_code == _MESSAGE_TOO_BIG:
+        # The same frame would be refused again; HTTP has no frame limit. Final, so no loop.
+        return Replay(CAUSE_TOO_BIG, new_socket=False, over_http=True)
     if attempt > 0:
         return Surface("attempted")
     if isinstance(event_or_failure, BaseException):

@@ -1,0 +1,264 @@
+"""HTTP handlers: ``POST /v1/responses`` over a pooled upstream socket, everything else relayed.
+
+The request path (docs/architecture.md): read the body within the limit → ``parse_request`` →
+``choose_transport`` → identity → ``HeadTable.lookup`` → ``Pool.acquire`` → ``HeadTable.begin``
+→ :func:`~proxy.streaming.pump` → ``record`` (completed) or ``discard`` (anything else) →
+``Pool.release``. A failure before anything reached the app is classified by
+:func:`proxy.core.retry.classify` and replayed once with the app's full input; after that it
+surfaces. Whenever no socket can be had, the request goes over plain HTTP: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.core.channel import Channel, Outcome
+from proxy.core.conversation import HeadTable, Lookup, MissReason
+from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport, parse_request
+from proxy.core.retry import Replay, classify, is_connection_limit
+from proxy.errors import (
+    ProxyError,
+    RequestError,
+    UnsupportedRequest,
+    UpstreamError,
+    UpstreamUnavailable,
+)
+from proxy.identity import Identity, identify
+from proxy.keys import KeySource
+from proxy.metrics import (
+    DROPPED_REASONING,
+    ERRORS,
+    INFLIGHT,
+    REPLAYS,
+    REQUEST_BYTES,
+    UPSTREAM_BYTES_SENT,
+    UPSTREAM_DURATION,
+)
+from proxy.passthrough import Passthrough
+from proxy.pool import Pool
+from proxy.streaming import Downstream, Record, json_body, new_request_id, pump, read_body
+
+__all__ = ["SERVICES", "Services", "post_responses"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Services:
+    """Everything a handler needs, shared by the whole API app."""
+
+    settings: Settings
+    keys: KeySource
+    heads: HeadTable
+    pool: Pool
+    passthrough: Passthrough
+    relays: set[web.WebSocketResponse] = field(default_factory=set)
+    """Open downstream WebSocket relays (closed with 1001 on shutdown)."""
+
+    def identity(self, request: web.Request) -> Identity:
+        """The caller's identity (and the upstream upgrade headers)."""
+        s = self.settings
+        authorization = self.keys.authorization(request.headers.get("Authorization"))
+        return identify(
+            request.headers, upstream=s.upstream, authorization=authorization, openai_beta=s.pool.openai_beta
+        )
+
+
+SERVICES = web.AppKey("upshift_services", Services)
+
+
+async def post_responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses``."""
+    started = time.perf_counter()
+    rec = Record(new_request_id())
+    INFLIGHT.inc()
+    try:
+        response = await _post(request.app[SERVICES], request, rec, started)
+        rec.status = response.status
+        return response
+    except asyncio.CancelledError:
+        rec.outcome = "cancelled"
+        raise
+    except Exception:
+        rec.outcome, rec.status = "proxy_error", 500
+        raise
+    finally:
+        INFLIGHT.dec()
+        if not rec.added_s:
+            rec.added_s = max(time.perf_counter() - started - rec.upstream_s, 0.0)
+        rec.finish()
+
+
+def _error(exc: ProxyError, headers: dict[str, str], rec: Record, started: float) -> web.Response:
+    """A request refused by the sidecar itself (nothing forwarded)."""
+    ERRORS.labels(exc.code).inc()
+    rec.outcome = "client_error" if isinstance(exc, RequestError) else "upstream_error"
+    rec.added_s = time.perf_counter() - started
+    headers = {**headers, "x-upshift-overhead-ms": f"{rec.added_s * 1000:.3f}"}
+    return web.Response(body=json_body(exc.body()), status=exc.status, content_type="application/json", headers=headers)
+
+
+async def _post(svc: Services, request: web.Request, rec: Record, started: float) -> web.StreamResponse:
+    headers = {"x-request-id": rec.request_id}
+    try:
+        body = await read_body(request, svc.settings.limits.max_body_bytes)
+        rec.bytes_in = len(body)
+        REQUEST_BYTES.inc(len(body))
+        req = parse_request(body)
+    except RequestError as exc:
+        return _error(exc, headers, rec, started)
+    rec.items_in = len(req.items)
+    s = svc.settings
+    transport, reason = choose_transport(req, mode=s.mode, frame_budget=s.limits.ws_frame_budget_bytes)
+    identity = svc.identity(request)
+    if transport is Transport.WS and svc.pool.prefers_http(identity):
+        transport, reason = Transport.HTTP, "upgrade_426"
+    if transport is Transport.HTTP:
+        return await _passthrough(svc, request, req, rec, headers, started, reason)
+    return await _websocket(svc, request, req, identity, rec, headers, started)
+
+
+async def _passthrough(
+    svc: Services,
+    request: web.Request,
+    req: ParsedRequest,
+    rec: Record,
+    headers: dict[str, str],
+    started: float,
+    reason: str,
+) -> web.StreamResponse:
+    rec.mode, rec.reason = "passthrough", reason
+    headers["x-upshift-mode"] = "passthrough"
+    if "generate" in req.fields:
+        # A warm-up over HTTP is a real, billed generation or a 400 (pitfall 18): never send it.
+        msg = "The 'generate' parameter is only supported in WebSocket mode."
+        return _error(UnsupportedRequest(msg, param="generate"), headers, rec, started)
+    fwd = await svc.passthrough.forward(request, headers=headers, body=req.body, started=started)
+    rec.items_sent, rec.bytes_sent = rec.items_in, fwd.bytes_sent
+    rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+    return fwd.response
+
+
+async def _websocket(
+    svc: Services,
+    request: web.Request,
+    req: ParsedRequest,
+    identity: Identity,
+    rec: Record,
+    headers: dict[str, str],
+    started: float,
+) -> web.StreamResponse:
+    heads, pool = svc.heads, svc.pool
+    lookup: Lookup = heads.lookup(identity.digest, req, time.monotonic(), pool.is_idle)
+    match = lookup.match
+    if lookup.dropped_reasoning:
+        DROPPED_REASONING.labels("true" if match else "false").inc()
+    anchor = match.anchor if match else None
+    if anchor is None and req.previous_response_id is not None:
+        # The app chains itself: relay its id as is, on the socket that produced it if known.
+        anchor = heads.anchor_for(identity.digest, req.previous_response_id)
+    down = Downstream(request, stream=req.stream, headers=headers, started=started)
+    full_frame: bytes | None = None
+    attempt, fresh = 0, False
+    while True:
+        try:
+            lease = await pool.acquire(identity, anchor, fresh=fresh)
+        except UpstreamUnavailable as exc:
+            log.info("upstream socket unavailable, using HTTP: %s", exc.message)
+            rec.upstream_s = down.upstream_wait
+            return await _passthrough(svc, request, req, rec, headers, started, "ws_unavailable")
+        if lease is None:
+            return await _passthrough(svc, request, req, rec, headers, started, "pool_full")
+        continuation = match is not None and lease.anchored and attempt == 0
+        if match is not None and continuation:
+            frame = build_frame(req, previous_response_id=match.response_id, items=match.new_items)
+            rec.mode, rec.reason = "continuation", "continuation"
+            rec.items_sent, rec.items_avoided = len(match.new_items), match.items_avoided
+        else:
+            frame = full_frame = full_frame or build_frame(req)
+            rec.mode, rec.items_sent = "full", len(req.items)
+            if attempt == 0:
+                rec.reason = lookup.reason if match is None else MissReason.HEAD_BUSY
+        headers["x-upshift-mode"] = rec.mode
+        heads.begin(lease.key)
+        channel = Channel(req.previous_response_id)
+        failure: UpstreamError | None = None
+        sent_at = time.perf_counter()
+        try:
+            await pump(lease.socket, frame, channel, down, svc.settings.timeouts.stream_idle_seconds)
+        except UpstreamError as exc:
+            pool.release(lease, reusable=False)
+            failure = exc
+        except BaseException:
+            pool.release(lease, reusable=False)  # cancelled mid-response: never reuse the socket
+            raise
+        else:
+            UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
+            done = channel.outcome is Outcome.COMPLETED and channel.response is not None
+            if done and channel.response is not None:
+                heads.record(identity.digest, lease.key, req, channel.response, time.monotonic())
+            else:
+                heads.discard(lease.key)
+            # After the age-limit error the upstream closes the socket: never reuse it.
+            aged = channel.terminal is not None and is_connection_limit(channel.terminal)
+            pool.release(lease, reusable=not aged, head=done)
+        rec.bytes_sent += len(frame)
+        UPSTREAM_BYTES_SENT.labels("websocket").inc(len(frame))
+        rec.upstream_s = down.upstream_wait
+        if failure is None and channel.released:
+            return await _finish(down, channel, rec)
+        terminal = failure if failure is not None else (channel.terminal or {})
+        decision = classify(terminal, channel.released, attempt, continuation=continuation)
+        if isinstance(decision, Replay):
+            REPLAYS.labels(decision.cause).inc()
+            if decision.over_http:
+                rec.replays += 1
+                return await _passthrough(svc, request, req, rec, headers, started, decision.cause)
+            log.info("replaying with full input (%s)", decision.cause)
+            attempt, rec.replays, anchor = attempt + 1, rec.replays + 1, None
+            fresh, rec.reason = decision.new_socket, decision.cause
+            continue
+        return await _surface(down, channel, failure, rec)
+
+
+async def _finish(down: Downstream, channel: Channel, rec: Record) -> web.StreamResponse:
+    """The response reached its terminal event after output was released."""
+    rec.added_s = down.added()
+    if channel.outcome in (Outcome.FAILED, Outcome.ERROR):
+        rec.outcome = "upstream_error"
+    if down.stream:
+        return await down.end()
+    if channel.outcome in (Outcome.COMPLETED, Outcome.INCOMPLETE) and channel.response is not None:
+        return down.json(200, json_body(channel.response))
+    err = channel.http_error()
+    return down.json(err.status, json_body(err.body), err.headers)
+
+
+async def _surface(
+    down: Downstream, channel: Channel, failure: UpstreamError | None, rec: Record
+) -> web.StreamResponse:
+    """Give the app the failure as it is: an HTTP error if nothing was written, else one nested
+    SSE ``error`` event and a clean end."""
+    rec.added_s = down.added()
+    rec.outcome = "upstream_error"
+    if failure is not None:
+        ERRORS.labels(failure.code).inc()
+        if down.stream and down.written:
+            await down.write([channel.proxy_error_out(type=failure.type, code=failure.code, message=failure.message)])
+            return await down.end()
+        return down.json(failure.status, json_body(failure.body()))
+    if (channel.outcome is Outcome.ERROR and not channel.started) or not down.stream:
+        err = channel.http_error()
+        rec.outcome = "client_error" if err.status < 500 else "upstream_error"
+        return down.json(err.status, json_body(err.body), err.headers)
+    outs = channel.release()
+    if channel.outcome is Outcome.ERROR and channel.terminal is not None:
+        outs.append(channel.error_out(channel.terminal))
+    await down.write(outs)
+    return await down.end()

@@ -1,0 +1,214 @@
+"""The sidecar process: the API listener, the admin listener, and the drain on SIGTERM.
+
+:class:`Server` binds both listeners and owns the shared services (key source, head table,
+pool, HTTP relay). :func:`run` serves until SIGTERM/SIGINT, then drains: ``/readyz`` fails at
+once, the API listener stops accepting, in-flight requests get ``shutdown.grace_seconds`` to
+finish, WebSocket relays and upstream sockets close with 1001; exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from proxy.config import Settings
+from proxy.core.conversation import HeadTable
+from proxy.handlers import SERVICES, Services, post_responses
+from proxy.health import Lifecycle, make_admin_app
+from proxy.keys import KeySource
+from proxy.log import setup_logging
+from proxy.passthrough import Passthrough
+from proxy.pool import Pool
+from proxy.relay import relay_websocket
+from proxy.streaming import Record, json_body, new_request_id
+
+__all__ = ["Server", "build_app", "run", "split_hostport"]
+
+log = logging.getLogger(__name__)
+
+
+class _MalformedRequestFilter(logging.Filter):
+    """Keep the bytes of a malformed request out of the logs.
+
+    aiohttp logs a parse failure with the exception, whose text quotes the offending header
+    line: it may hold a credential the redaction net does not recognise (``x-api-key``).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "malformed HTTP request refused (%s)", (type(exc).__name__,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_FILTER = _MalformedRequestFilter()
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    """``"127.0.0.1:8080"``, ``"[::1]:8080"`` or ``":8080"`` → (host, port)."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+async def _get_responses(request: web.Request) -> web.StreamResponse:
+    # The SDK's WebSocket URL is the POST path with a ws:// scheme (protocol.md §3.2).
+    if request.headers.get("Upgrade", "").lower() == "websocket":
+        return await relay_websocket(request)
+    return await _passthrough(request)
+
+
+async def _passthrough(request: web.Request) -> web.StreamResponse:
+    started = time.perf_counter()
+    rec = Record(new_request_id(), route="other", mode="passthrough")
+    try:
+        fwd = await request.app[SERVICES].passthrough.forward(
+            request,
+            headers={"x-request-id": rec.request_id, "x-upshift-mode": "passthrough"},
+            body=None,
+            started=started,
+        )
+        rec.status, rec.bytes_sent = fwd.status, fwd.bytes_sent
+        rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+        return fwd.response
+    finally:
+        rec.finish()
+
+
+async def _not_found(request: web.Request) -> web.Response:
+    body = {
+        "error": {
+            "message": f"Invalid URL ({request.method} {request.path})",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    return web.Response(body=json_body(body), status=404, content_type="application/json")
+
+
+def build_app(services: Services) -> web.Application:
+    """The API application (``listen``): ``/v1/responses`` and a relay for the rest of ``/v1``."""
+    # The body limit is enforced by handlers.read_body while reading; aiohttp's own limit would
+    # answer its own 413 shape, so it is set above ours.
+    app = web.Application(client_max_size=services.settings.limits.max_body_bytes + 1)
+    app[SERVICES] = services
+    app.router.add_post("/v1/responses", post_responses)
+    app.router.add_get("/v1/responses", _get_responses)
+    app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
+    app.router.add_route("*", "/{tail:.*}", _not_found)
+
+    async def _lifespan(app: web.Application) -> AsyncIterator[None]:
+        await services.passthrough.start()
+        services.pool.start()
+        yield
+        await services.pool.close(1001)
+        await services.passthrough.close()
+
+    async def _going_away(app: web.Application) -> None:
+        # Runs before aiohttp waits for in-flight handlers: relays are sessions, not streams,
+        # so they are told to go away now (1001) rather than holding the drain for its grace.
+        services.pool.close_code = 1001
+        for ws in list(services.relays):
+            await ws.close(code=1001, message=b"going away")
+
+    app.cleanup_ctx.append(_lifespan)
+    app.on_shutdown.append(_going_away)
+    return app
+
+
+class Server:
+    """Both listeners and the shared services of one sidecar.
+
+    Args:
+        settings: All settings; ``listen``/``admin_listen`` may use port 0 (tests).
+        lifecycle: Shared with the admin app (a new one if omitted).
+    """
+
+    def __init__(self, settings: Settings, lifecycle: Lifecycle | None = None) -> None:
+        self.settings = settings
+        self.lifecycle = lifecycle or Lifecycle()
+        server_log = logging.getLogger("aiohttp.server")
+        if _FILTER not in server_log.filters:
+            server_log.addFilter(_FILTER)
+        m = settings.matching
+        heads = HeadTable(
+            max_heads=m.max_heads, ttl_seconds=m.head_ttl_seconds, allow_dropped_reasoning=m.allow_dropped_reasoning
+        )
+        keys = KeySource(settings.api_key)
+        self.services = Services(settings, keys, heads, Pool(settings, heads, spare=True), Passthrough(settings, keys))
+        self._api = web.AppRunner(
+            build_app(self.services),
+            access_log=None,
+            shutdown_timeout=settings.shutdown.grace_seconds,
+            handle_signals=False,
+        )
+        self._admin = web.AppRunner(make_admin_app(self.lifecycle), access_log=None, handle_signals=False)
+        self.api_address: tuple[str, int] = ("", 0)
+        """Bound (host, port) of the API listener."""
+        self.admin_address: tuple[str, int] = ("", 0)
+        """Bound (host, port) of the admin listener."""
+
+    async def start(self) -> None:
+        """Bind both listeners, then mark the sidecar ready."""
+        await self._admin.setup()
+        host, port = split_hostport(self.settings.admin_listen)
+        admin = web.TCPSite(self._admin, host, port)
+        await admin.start()
+        self.admin_address = _bound(self._admin)
+        await self._api.setup()
+        host, port = split_hostport(self.settings.listen)
+        await web.TCPSite(self._api, host, port).start()
+        self.api_address = _bound(self._api)
+        self.lifecycle.mark_ready()
+        log.info("upshift listening on %s:%d (admin %s:%d)", *self.api_address, *self.admin_address)
+
+    async def stop(self) -> None:
+        """Drain and stop: ``/readyz`` fails, no new connections, in-flight requests get the
+        grace period, relays and upstream sockets close with 1001, then the admin listener stops.
+        """
+        self.lifecycle.mark_draining()
+        await self._api.cleanup()
+        await self._admin.cleanup()
+
+
+def _bound(runner: web.AppRunner) -> tuple[str, int]:
+    address = runner.addresses[0]
+    return str(address[0]), int(address[1])
+
+
+async def _serve(settings: Settings) -> int:
+    server = Server(settings)
+    try:
+        await server.start()
+    except OSError as exc:  # e.g. the port is taken: say so plainly, exit 1
+        log.error("cannot listen: %s", exc)
+        await server.stop()
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received, draining for up to %g s", settings.shutdown.grace_seconds)
+    await server.stop()
+    return 0
+
+
+def run(settings: Settings) -> int:
+    """Serve until SIGTERM or SIGINT, drain, and return the exit code (0)."""
+    setup_logging(settings.logging)
+    try:
+        import uvloop
+    except ImportError:  # optional speedup
+        return asyncio.run(_serve(settings))
+    return uvloop.run(_serve(settings))

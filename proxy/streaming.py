@@ -1,0 +1,233 @@
+"""The app's side of one ``POST /v1/responses``, and the loop that feeds it from upstream.
+
+``stream: true``: an SSE ``StreamResponse``, prepared when the first event is released (so an
+error before any response event can still become an HTTP status), one write per upstream event
+(or per released batch), the upstream's JSON bytes unchanged. ``stream: false``: nothing is
+written until the terminal event; then one JSON body.
+
+``x-upshift-overhead-ms`` is the sidecar's own time up to the moment the headers go out: wall
+time since the request arrived minus the time spent waiting on the upstream (inside
+:meth:`UpstreamSocket.recv`). For a stream that is the overhead before the first byte; the
+access log and ``upshift_added_latency_seconds`` record the same measure at the end of the
+response. A failed first attempt that is replayed counts as the sidecar's time, not upstream's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.core.channel import Channel, Out
+from proxy.core.sse import CONTENT_TYPE, encode_event
+from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamProtocolError
+from proxy.log import access_log
+from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, REQUESTS
+from proxy.upstream import UpstreamSocket
+
+__all__ = ["Downstream", "Record", "json_body", "new_request_id", "pump", "read_body"]
+
+_MAX_BATCH = 64
+"""Most events written to the app in one write."""
+
+
+def json_body(obj: Any) -> bytes:
+    """Compact JSON bytes (orjson)."""
+    return orjson.dumps(obj)
+
+
+def _frame(out: Out) -> bytes:
+    return encode_event(out.type, out.raw if out.raw is not None else orjson.dumps(out.obj))
+
+
+class Downstream:
+    """What goes back to the app for one request.
+
+    Args:
+        request: The app's request.
+        stream: Whether the app asked for SSE.
+        headers: Headers for the answer (``x-request-id``, ``x-upshift-mode``); the caller may
+            update them until the answer starts.
+        started: ``time.perf_counter()`` when the request arrived.
+    """
+
+    def __init__(self, request: web.Request, *, stream: bool, headers: dict[str, str], started: float) -> None:
+        self.request = request
+        self.stream = stream
+        self.headers = headers
+        self.started = started
+        self.response: web.StreamResponse | None = None
+        """The SSE response once prepared."""
+        self.gone = False
+        """The app went away mid-stream; the rest of the response is drained, not written."""
+        self.upstream_wait = 0.0
+        """Seconds spent waiting on the upstream."""
+        self.bytes_out = 0
+        """SSE bytes written to the app."""
+
+    @property
+    def written(self) -> bool:
+        """Whether headers (and maybe events) already went to the app."""
+        return self.response is not None
+
+    def added(self) -> float:
+        """The sidecar's own time so far, in seconds."""
+        return max(time.perf_counter() - self.started - self.upstream_wait, 0.0)
+
+    def _overhead_header(self) -> dict[str, str]:
+        return {"x-upshift-overhead-ms": f"{self.added() * 1000:.3f}"}
+
+    async def write(self, outs: list[Out]) -> None:
+        """Write released events as SSE (prepares the response on the first call)."""
+        if self.gone:
+            return
+        data = _frame(outs[0]) if len(outs) == 1 else b"".join(_frame(o) for o in outs)
+        try:
+            if self.response is None:
+                response = web.StreamResponse(
+                    status=200,
+                    headers={"Content-Type": CONTENT_TYPE, **self.headers, **self._overhead_header()},
+                )
+                self.response = response
+                await response.prepare(self.request)
+            await self.response.write(data)
+            self.bytes_out += len(data)
+        except ConnectionResetError:
+            # The app closed its connection; keep reading upstream to the terminal event so
+            # the socket stays usable (pitfall 20), but write nothing more.
+            self.gone = True
+
+    async def end(self) -> web.StreamResponse:
+        """Finish the SSE stream cleanly (no ``[DONE]``)."""
+        assert self.response is not None
+        if not self.gone:
+            try:
+                await self.response.write_eof()
+            except ConnectionResetError:
+                self.gone = True
+        return self.response
+
+    def json(self, status: int, body: bytes, extra: dict[str, str] | None = None) -> web.Response:
+        """A JSON answer (``stream: false``, or an error before anything was written)."""
+        headers = {**(extra or {}), **self.headers, **self._overhead_header()}
+        return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+
+
+async def pump(sock: UpstreamSocket, frame: bytes, channel: Channel, down: Downstream, idle_timeout: float) -> None:
+    """Send ``frame`` and move its response's events to the app until the channel is done.
+
+    Returns when the terminal event arrived; what the app gets for it (if it was held) is the
+    caller's decision.
+
+    Raises:
+        UpstreamClosed | UpstreamTimeout | UpstreamProtocolError: from the socket or a bad frame.
+    """
+    await sock.send(frame)
+    stream = down.stream
+    clock = time.perf_counter
+    batch: list[Out] = []
+    while not channel.done:
+        waited = clock()
+        raw = await sock.recv(idle_timeout)
+        down.upstream_wait += clock() - waited
+        try:
+            event = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamProtocolError(f"The upstream sent a frame that is not JSON: {exc}") from exc
+        if not isinstance(event, dict):
+            raise UpstreamProtocolError("The upstream sent a frame that is not a JSON object.")
+        outs = channel.feed(raw, event)
+        if outs and stream:
+            batch += outs
+            # Events that arrived together leave together: one write (one wakeup of the app)
+            # per burst instead of one per event; never held back while upstream is silent.
+            if not sock.pending() or len(batch) >= _MAX_BATCH:
+                await down.write(batch)
+                batch = []
+    if batch:
+        await down.write(batch)
+
+
+def new_request_id() -> str:
+    """``req_`` + 32 hex digits, as OpenAI's ``x-request-id``."""
+    return "req_" + os.urandom(16).hex()
+
+
+@dataclass(slots=True)
+class Record:
+    """One access-log line, filled in along the way (never content, never credentials)."""
+
+    request_id: str
+    route: str = "responses"
+    mode: str = "full"
+    reason: str = ""
+    items_in: int = 0
+    items_sent: int = 0
+    items_avoided: int = 0
+    bytes_in: int = 0
+    bytes_sent: int = 0
+    status: int = 0
+    outcome: str = ""
+    replays: int = 0
+    upstream_s: float = 0.0
+    added_s: float = 0.0
+
+    def finish(self) -> None:
+        """Emit the metrics and the access line."""
+        if not self.outcome:
+            self.outcome = "ok" if self.status < 400 else "client_error" if self.status < 500 else "upstream_error"
+        REQUESTS.labels(self.route, self.mode, self.outcome).inc()
+        if self.mode == "continuation":
+            INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
+        elif self.reason and not self.replays and (self.mode == "full" or self.reason == "pool_full"):
+            # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
+            CONTINUATION_MISSES.labels(self.reason).inc()
+        ADDED_LATENCY.observe(self.added_s)
+        access_log(
+            {
+                "request_id": self.request_id,
+                "route": self.route,
+                "mode": self.mode,
+                "reason": self.reason,
+                "items_in": self.items_in,
+                "items_sent": self.items_sent,
+                "bytes_in": self.bytes_in,
+                "bytes_sent": self.bytes_sent,
+                "status": self.status,
+                "outcome": self.outcome,
+                "replays": self.replays,
+                "upstream_ms": round(self.upstream_s * 1000, 3),
+                "added_ms": round(self.added_s * 1000, 3),
+            }
+        )
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """Read the body, refusing more than ``limit`` bytes while reading (never unbounded).
+
+    Raises:
+        BodyTooLarge: over the limit (declared or actual).
+        InvalidRequest: the body ended before its declared length.
+    """
+    message = f"The request body is larger than the sidecar's limit of {limit} bytes."
+    length = request.content_length
+    if length is not None:
+        if length > limit:
+            raise BodyTooLarge(message)
+        try:
+            return await request.content.readexactly(length)
+        except asyncio.IncompleteReadError:
+            raise InvalidRequest("The request body ended before its Content-Length.") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(message)
+        chunks.append(chunk)
+    return b"".join(chunks)

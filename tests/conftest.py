@@ -1,0 +1,54 @@
+"""Shared fixtures for the whole test suite."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from proxy.emulator import Emulator
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[Emulator]:
+    """A started emulated upstream on 127.0.0.1 (free port, zero latency)."""
+    async with Emulator() as emu:
+        yield emu
+
+
+# -- the sidecar (tests/sidecar.py) -------------------------------------------------------
+
+from collections.abc import Awaitable, Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+from tests.sidecar import Sidecar  # noqa: E402
+
+SidecarFactory = Callable[..., Awaitable[Sidecar]]
+
+
+@pytest.fixture
+async def make_sidecar(emulator: Emulator) -> AsyncIterator[SidecarFactory]:
+    """Start sidecars in front of ``emulator`` with settings overrides (see tests/sidecar.py)."""
+    started: list[Sidecar] = []
+
+    async def make(**changes: Any) -> Sidecar:
+        sidecar = Sidecar(emulator.base_url, **changes)
+        await sidecar.start()
+        started.append(sidecar)
+        return sidecar
+
+    yield make
+    for sidecar in started:
+        await sidecar.stop()
+
+
+@pytest.fixture
+async def sidecar(make_sidecar: SidecarFactory) -> Sidecar:
+    """A started sidecar with default settings in front of ``emulator``."""
+    return await make_sidecar()
+
+
+@pytest.fixture
+async def stack(emulator: Emulator, sidecar: Sidecar) -> tuple[Emulator, Sidecar]:
+    """``(emulator, sidecar)``: an app points at ``sidecar.base_url``."""
+    return emulator, sidecar

@@ -1,0 +1,151 @@
+"""One upstream socket against the emulator (and a header-capturing server): each failure mode
+and the error it maps to; identities."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import orjson
+import pytest
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request
+
+from proxy.config import PoolSettings, Settings, TimeoutSettings
+from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
+from proxy.identity import USER_AGENT, identify
+from proxy.upstream import UpstreamSocket, open_websocket
+
+KEY = "sk-test"
+
+
+def settings_for(url: str, **pool: Any) -> Settings:
+    return Settings(upstream=url, pool=PoolSettings(**pool))
+
+
+async def open_socket(settings: Settings, key: str = KEY) -> UpstreamSocket:
+    identity = identify({"Authorization": f"Bearer {key}"}, upstream=settings.upstream, authorization=f"Bearer {key}")
+    ws = await open_websocket(settings.ws_url, identity.headers, settings)
+    return UpstreamSocket(1, ws, 0.0)
+
+
+async def test_one_response_over_the_socket(emulator: Any) -> None:
+    sock = await open_socket(settings_for(emulator.base_url))
+    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}')
+    types = []
+    while not types or types[-1] != "response.completed":
+        types.append(orjson.loads(await sock.recv(5))["type"])
+    assert types[0] == "response.created"
+    await sock.close()
+    assert sock.closed
+
+
+async def test_handshake_headers() -> None:
+    seen: list[Request] = []
+
+    def capture(connection: ServerConnection, request: Request) -> None:
+        seen.append(request)
+
+    async def handler(connection: ServerConnection) -> None:
+        await connection.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0, process_request=capture) as server:
+        port = server.sockets[0].getsockname()[1]
+        settings = settings_for(f"http://127.0.0.1:{port}/v1", openai_beta="responses_websockets=2026-02-06")
+        app = {
+            "Authorization": "Bearer sk-app",
+            "OpenAI-Organization": "org-1",
+            "OpenAI-Project": "proj-1",
+            "Cookie": "session=1",
+            "X-Other": "no",
+        }
+        identity = identify(
+            app, upstream=settings.upstream, authorization="Bearer sk-app", openai_beta=settings.pool.openai_beta
+        )
+        ws = await open_websocket(settings.ws_url, identity.headers, settings)
+        await ws.close()
+    headers = seen[0].headers
+    assert seen[0].path == "/v1/responses"
+    assert headers["Authorization"] == "Bearer sk-app"
+    assert headers["OpenAI-Organization"] == "org-1" and headers["OpenAI-Project"] == "proj-1"
+    assert headers["OpenAI-Beta"] == "responses_websockets=2026-02-06"
+    assert headers["User-Agent"] == USER_AGENT and USER_AGENT.startswith("upshift/")
+    assert "Cookie" not in headers and "X-Other" not in headers
+    assert "Sec-WebSocket-Extensions" not in headers  # compression off by default
+
+
+async def test_compression_is_offered_when_configured(emulator: Any) -> None:
+    sock = await open_socket(settings_for(emulator.base_url, compression=True))
+    assert sock.ws.protocol.extensions  # permessage-deflate negotiated
+    await sock.close()
+
+
+async def test_refused_upgrade_keeps_status_and_body(emulator: Any) -> None:
+    with pytest.raises(UpstreamRefused) as info:
+        await open_socket(settings_for(emulator.base_url), key="sk-bad-key")
+    assert info.value.http_status == 401
+    assert orjson.loads(info.value.payload)["error"]["code"] == "invalid_api_key"
+    assert isinstance(info.value, UpstreamUnavailable)
+
+
+async def test_unreachable_is_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UpstreamUnavailable) as info:
+        await open_socket(settings_for(f"http://127.0.0.1:{port}/v1"))
+    assert info.value.status == 502
+
+
+async def test_close_maps_to_upstream_closed_with_code(emulator: Any) -> None:
+    emulator.faults.arm("close", after_events=1, close_code=1011)
+    sock = await open_socket(settings_for(emulator.base_url))
+    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}')
+    await sock.recv(5)
+    with pytest.raises(UpstreamClosed) as info:
+        await sock.recv(5)
+    assert info.value.close_code == 1011
+    with pytest.raises(UpstreamClosed):
+        await sock.send(b"{}")
+
+
+async def test_silence_maps_to_upstream_timeout(emulator: Any) -> None:
+    sock = await open_socket(settings_for(emulator.base_url))
+    with pytest.raises(UpstreamTimeout):
+        await sock.recv(0.05)
+    await sock.close()
+
+
+async def test_handshake_timeout_is_unavailable() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", timeouts=TimeoutSettings(connect_seconds=0.1))
+    with pytest.raises(UpstreamUnavailable):
+        await open_socket(settings)
+    server.close()
+
+
+def test_identity_parts() -> None:
+    base = {"Authorization": "Bearer a"}
+    up = "https://api.openai.com/v1"
+    one = identify(base, upstream=up, authorization="Bearer a")
+    assert one == identify(dict(base), upstream=up, authorization="Bearer a")
+    different = [
+        identify({"Authorization": "Bearer b"}, upstream=up, authorization="Bearer b"),
+        identify({**base, "OpenAI-Organization": "o"}, upstream=up, authorization="Bearer a"),
+        identify({**base, "OpenAI-Project": "p"}, upstream=up, authorization="Bearer a"),
+        identify({**base, "OpenAI-Beta": "x"}, upstream=up, authorization="Bearer a"),
+        identify(base, upstream=up, authorization="Bearer a", openai_beta="y"),
+        identify(base, upstream="https://other/v1", authorization="Bearer a"),
+        identify(base, upstream=up, authorization="Bearer injected"),
+    ]
+    assert len({one, *different}) == len(different) + 1
+    # an injected key: tenants with different own headers stay apart
+    t1 = identify({"Authorization": "Bearer t1"}, upstream=up, authorization="Bearer key")
+    t2 = identify({"Authorization": "Bearer t2"}, upstream=up, authorization="Bearer key")
+    assert t1 != t2 and t1.headers == t2.headers == (("Authorization", "Bearer key"),)
+    assert "Bearer" not in repr(t1)
