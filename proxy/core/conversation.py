@@ -34,8 +34,8 @@ from proxy.core.rawjson import InputSpan, locate_input, parse_object_part
 from proxy.core.request import (
     Base,
     ParsedRequest,
+    make_request,
     parse_request,
-    settings_digest,
     validate_fields,
     validate_items,
 )
@@ -493,14 +493,10 @@ def _fast_parse(head: Head, body: bytes, raw_state: Any) -> ParsedRequest | None
     fields: dict[str, Any] = {**before, "input": tail, **tail_fields}
     validate_fields(fields)
     validate_items(tail, head.n_input)
-    return ParsedRequest(
-        body=body,
-        fields=fields,
-        stream=fields.get("stream") is True,
-        store=fields.get("store") is not False,
-        previous_response_id=fields.get("previous_response_id"),
-        settings_digest=settings_digest(fields),
-        span=InputSpan(raw.span.key, raw.span.start, tail_span.end + shift),
+    return make_request(
+        body,
+        fields,
+        InputSpan(raw.span.key, raw.span.start, tail_span.end + shift),
         base=Base(head.anchor, head.n_input, head.input_state.copy(), raw_state, length),
         tail=tail,
     )

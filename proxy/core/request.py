@@ -29,6 +29,7 @@ __all__ = [
     "Transport",
     "build_frame",
     "choose_transport",
+    "make_request",
     "parse_request",
     "validate_fields",
 ]
@@ -248,6 +249,20 @@ def parse_request(body: bytes) -> ParsedRequest:
         raise InvalidRequest(
             "Invalid type for 'input': expected a string or an array of input items.", param="input"
         )
+    span = locate_input(body, fields) if isinstance(raw_input, list) and raw_input else None
+    return make_request(body, fields, span, items=items)
+
+
+def make_request(
+    body: bytes,
+    fields: dict[str, Any],
+    span: InputSpan | None,
+    *,
+    items: list[Any] | None = None,
+    base: Base | None = None,
+    tail: list[Any] | None = None,
+) -> ParsedRequest:
+    """Build a :class:`ParsedRequest` from validated fields (full or fast parse)."""
     return ParsedRequest(
         body=body,
         fields=fields,
@@ -255,7 +270,9 @@ def parse_request(body: bytes) -> ParsedRequest:
         store=fields.get("store") is not False,
         previous_response_id=fields.get("previous_response_id"),
         settings_digest=settings_digest(fields),
-        span=locate_input(body, fields) if isinstance(raw_input, list) and raw_input else None,
+        span=span,
+        base=base,
+        tail=tail,
         _items=items,
     )
 
