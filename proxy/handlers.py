@@ -1,6 +1,6 @@
 """HTTP handlers: ``POST /v1/responses`` over a pooled upstream socket, everything else relayed.
 
-The request path (docs/architecture.md): read the body within the limit → ``parse_request`` →
+The request path (docs/architecture.md): read the body within the limit → ``HeadTable.parse`` →
 ``choose_transport`` → identity → ``HeadTable.lookup`` → ``Pool.acquire`` → ``HeadTable.begin``
 → :func:`~proxy.streaming.pump` → ``record`` (completed) or ``discard`` (anything else) →
 ``Pool.release``. A failure before anything reached the app is classified by
@@ -20,7 +20,7 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.core.channel import Channel, Outcome
 from proxy.core.conversation import HeadTable, Lookup, MissReason
-from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport, parse_request
+from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport
 from proxy.core.retry import Replay, classify, is_connection_limit
 from proxy.errors import (
     ProxyError,
@@ -110,13 +110,14 @@ async def _post(svc: Services, request: web.Request, rec: Record, started: float
         body = await read_body(request, svc.settings.limits.max_body_bytes)
         rec.bytes_in = len(body)
         REQUEST_BYTES.inc(len(body))
-        req = parse_request(body)
+        identity = svc.identity(request)
+        # Skips the history prefix this identity's previous turn already sent, byte for byte.
+        req = svc.heads.parse(identity.digest, body)
     except RequestError as exc:
         return _error(exc, headers, rec, started)
-    rec.items_in = len(req.items)
+    rec.items_in = req.n_items
     s = svc.settings
     transport, reason = choose_transport(req, mode=s.mode, frame_budget=s.limits.ws_frame_budget_bytes)
-    identity = svc.identity(request)
     if transport is Transport.WS and svc.pool.prefers_http(identity):
         transport, reason = Transport.HTTP, "upgrade_426"
     if transport is Transport.HTTP:
@@ -182,7 +183,7 @@ async def _websocket(
             rec.items_sent, rec.items_avoided = len(match.new_items), match.items_avoided
         else:
             frame = full_frame = full_frame or build_frame(req)
-            rec.mode, rec.items_sent = "full", len(req.items)
+            rec.mode, rec.items_sent = "full", req.n_items
             if attempt == 0:
                 rec.reason = lookup.reason if match is None else MissReason.HEAD_BUSY
         headers["x-upshift-mode"] = rec.mode

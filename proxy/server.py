@@ -14,6 +14,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -24,6 +25,7 @@ from proxy.handlers import SERVICES, Services, post_responses
 from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
 from proxy.log import setup_logging
+from proxy.metrics import ERRORS
 from proxy.passthrough import Passthrough
 from proxy.pool import Pool
 from proxy.relay import relay_websocket
@@ -95,11 +97,35 @@ async def _not_found(request: web.Request) -> web.Response:
     return web.Response(body=json_body(body), status=404, content_type="application/json")
 
 
+@web.middleware
+async def _bugs_as_openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A bug becomes an OpenAI-shaped 500 (logged with its traceback), never a text page."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        ERRORS.labels("internal_error").inc()
+        body = {
+            "error": {
+                "message": "The sidecar failed to process the request (an internal error; see its logs).",
+                "type": "server_error",
+                "param": None,
+                "code": "internal_error",
+            }
+        }
+        return web.Response(body=json_body(body), status=500, content_type="application/json")
+
+
 def build_app(services: Services) -> web.Application:
     """The API application (``listen``): ``/v1/responses`` and a relay for the rest of ``/v1``."""
     # The body limit is enforced by handlers.read_body while reading; aiohttp's own limit would
     # answer its own 413 shape, so it is set above ours.
-    app = web.Application(client_max_size=services.settings.limits.max_body_bytes + 1)
+    app = web.Application(
+        client_max_size=services.settings.limits.max_body_bytes + 1, middlewares=[_bugs_as_openai_errors]
+    )
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)
     app.router.add_get("/v1/responses", _get_responses)
@@ -148,7 +174,9 @@ class Server:
         self._api = web.AppRunner(
             build_app(self.services),
             access_log=None,
-            shutdown_timeout=settings.shutdown.grace_seconds,
+            # aiohttp waits shutdown_timeout for handlers, then as long again after cancelling
+            # only their payload: half of it each keeps the whole drain within the grace.
+            shutdown_timeout=settings.shutdown.grace_seconds / 2,
             handle_signals=False,
         )
         self._admin = web.AppRunner(make_admin_app(self.lifecycle), access_log=None, handle_signals=False)

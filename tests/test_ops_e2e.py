@@ -254,12 +254,6 @@ async def test_sigterm_drains_in_flight_stream(spawn: Any, session: aiohttp.Clie
         assert await sc.wait(15) == 0, sc.logs()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the drain lasts 2 x shutdown.grace_seconds. aiohttp's RequestHandler.shutdown waits "
-    "shutdown_timeout for the handler, then 'cancels' only the request payload and waits shutdown_timeout "
-    "again while the stream goes on; server.py passes grace_seconds as shutdown_timeout.",
-)
 async def test_drain_is_bounded_by_grace(spawn: Any, session: aiohttp.ClientSession) -> None:
     grace = 1.0
     # ~200 output tokens at 50 tokens/s: the stream would last about 4 s, well past the grace.

@@ -175,18 +175,32 @@ class ParsedRequest:
         return {n: self._prefix[n] for n in lengths if n in self._prefix}
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _loads(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        # orjson refuses integers beyond 64 bits, which are valid JSON; the stdlib parser is
-        # the judge of last resort (it also rejects invalid UTF-8 and NaN-free JSON errors).
+        # orjson refuses lone surrogate escapes ("\ud800"), which the JSON grammar allows but
+        # no upstream can carry as text; the stdlib parser tells a grammar error from those.
         try:
-            return json.loads(body.decode("utf-8"))
+            value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+            json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("The request body contains invalid Unicode (a lone surrogate).") from None
         except (UnicodeDecodeError, ValueError, RecursionError):
-            raise InvalidRequest(
-                f"We could not parse the JSON body of your request. ({exc})"
-            ) from None
+            raise InvalidRequest(f"We could not parse the JSON body of your request. ({exc})") from None
+        return value
+
+
+def _dumps(value: Any) -> bytes:
+    """orjson, or the stdlib for what orjson cannot write (integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def settings_digest(fields: dict[str, Any]) -> bytes:
@@ -281,8 +295,9 @@ def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tup
     """Pick WebSocket mode or plain HTTP for a request, with the reason for HTTP.
 
     ``background`` and ``conversation`` do not exist in WebSocket mode; ``generate`` and
-    ``stream_id`` exist *only* there, so an app sending them over HTTP gets the upstream's
-    own HTTP answer. A body over the frame budget would be closed with 1009.
+    ``stream_id`` exist *only* there, so they never travel in a frame built from an HTTP body
+    (the handler refuses ``generate`` itself: over HTTP it would be a billed generation).
+    A body over the frame budget would be closed with 1009.
     """
     if mode == "http":
         return Transport.HTTP, "mode_http"
@@ -327,12 +342,12 @@ def build_frame(
         after.pop("previous_response_id", None)
         after["previous_response_id"] = previous_response_id
     if items is not None:
-        return orjson.dumps({**before, "input": items, **after})
+        return _dumps({**before, "input": items, **after})
     if req.span is None:
         raw_input = req.fields.get("input")
-        return orjson.dumps({**before, **({"input": raw_input} if "input" in req.fields else {}), **after})
-    head = orjson.dumps(before)[:-1] + b',"input":'
+        return _dumps({**before, **({"input": raw_input} if "input" in req.fields else {}), **after})
+    head = _dumps(before)[:-1] + b',"input":'
     array = req.body[req.span.start : req.span.end + 1]
     if after:
-        return head + array + b"," + orjson.dumps(after)[1:]
+        return head + array + b"," + _dumps(after)[1:]
     return head + array + b"}"
