@@ -1,0 +1,211 @@
+"""The emulator and the sidecar as separate OS processes (own process groups, always cleaned up).
+
+Separate processes keep the bench client off their event loops and let psutil read the
+sidecar's own CPU time and RSS. Everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+__all__ = ["EmulatorProc", "Managed", "SidecarProc", "free_port", "stop_all"]
+
+JSON = Any
+_LIVE: list[Managed] = []
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def stop_all() -> None:
+    """Stop every process still running (atexit and signal safety net)."""
+    for proc in list(_LIVE):
+        proc.stop()
+
+
+atexit.register(stop_all)
+
+
+class Managed:
+    """A child process in its own session; :meth:`stop` kills the whole group."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_dir / f"{name}.log"
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.ps: psutil.Process | None = None
+
+    def start(self, cpus: list[int] | None = None) -> None:
+        """Spawn the process (optionally pinned to ``cpus``)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.env, start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+        log.close()
+        _LIVE.append(self)
+        self.ps = psutil.Process(self.popen.pid)
+        if cpus:
+            with contextlib.suppress(psutil.Error, AttributeError):
+                self.ps.cpu_affinity(cpus)
+
+    @property
+    def pid(self) -> int:
+        """The child's pid."""
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.popen is not None and self.popen.poll() is None
+
+    async def wait_ready(self, url: str, timeout: float = 30.0) -> None:
+        """Poll ``url`` until it answers 200 (or fail with the log tail)."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                        if resp.status == 200:
+                            return
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the process's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds used so far."""
+        assert self.ps is not None
+        times = self.ps.cpu_times()
+        return float(times.user + times.system)
+
+    def rss(self) -> int:
+        """Resident set size in bytes."""
+        assert self.ps is not None
+        return int(self.ps.memory_info().rss)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM the process group, then SIGKILL after ``grace`` seconds."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(grace)
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+class EmulatorProc(Managed):
+    """``python -m proxy.emulator`` on a free port."""
+
+    def __init__(self, log_dir: Path, latency: dict[str, float], extra: list[str] | None = None) -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "proxy.emulator", "--listen", f"127.0.0.1:{self.port}", "--log-level", "WARNING"]
+        for key, value in latency.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        super().__init__("emulator", argv + (extra or []), log_dir)
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT/v1``."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def root(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    async def ready(self) -> None:
+        """Wait for the health endpoint."""
+        await self.wait_ready(self.root + "/_emulator/health")
+
+    async def _call(self, method: str, path: str, body: JSON = None) -> JSON:
+        async with aiohttp.ClientSession() as session:
+            async with session.request(method, self.root + path, json=body) as resp:
+                resp.raise_for_status()
+                return await resp.json()
+
+    async def set_latency(self, latency: dict[str, float]) -> JSON:
+        """Replace the live latency model (zero-based: unspecified fields become 0)."""
+        return await self._call("POST", "/_emulator/latency", {"preset": "zero", **latency})
+
+    async def reset(self) -> None:
+        """Forget responses and zero the counters."""
+        await self._call("POST", "/_emulator/reset")
+
+    async def stats(self) -> JSON:
+        """``/_emulator/stats`` without the per-connection and per-response tables."""
+        data = await self._call("GET", "/_emulator/stats")
+        data.pop("connections", None)
+        data.pop("input_items", None)
+        return data
+
+    async def record(self, response_id: str) -> JSON:
+        """The oracle record of one response."""
+        return await self._call("GET", f"/_emulator/responses/{response_id}")
+
+
+class SidecarProc(Managed):
+    """``python -m proxy`` pointed at the emulator, admin on its own port."""
+
+    def __init__(self, log_dir: Path, upstream: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        argv = [
+            sys.executable, "-m", "proxy", "--listen", f"127.0.0.1:{self.port}",
+            "--admin-listen", f"127.0.0.1:{self.admin_port}", "--upstream", upstream,
+        ]  # fmt: skip
+        defaults = {
+            "UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "8192",
+            "UPSHIFT_POOL_MAX_SOCKETS_TOTAL": "8192",
+            "UPSHIFT_MATCHING_MAX_HEADS": "20000",
+        }
+        super().__init__("sidecar", argv, log_dir, {**defaults, **(env or {})})
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT/v1``."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def ready(self) -> None:
+        """Wait for ``/readyz``."""
+        await self.wait_ready(f"http://127.0.0.1:{self.admin_port}/readyz")
+
+    async def metrics(self) -> str:
+        """The Prometheus exposition text."""
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{self.admin_port}/metrics") as resp:
+                return await resp.text()

@@ -1,0 +1,1 @@
+"""Reliability and security suite: every fault, bad input and attack of docs/reliability.md."""
