@@ -28,7 +28,7 @@ from . import report as rpt
 from .memory import run_memory
 from .overhead import parse_size, run_overhead
 from .phases import LoadMonitor, meta, profile_pass, quiet_stderr, rollouts_phase, wait_quiet
-from .procs import EmulatorProc, SidecarProc, stop_all
+from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
 from .stall import run_stall
 from .summary import targets
 from .workload import RolloutSpec
@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="before each phase and setup run, wait up to this long for other work on the machine to calm down",
+        help="before each phase and concurrency level, wait up to this long for other work on the machine to calm down",
     )
     p.add_argument("--quick", action="store_true", help="short smoke run (< 60 s), JSON only")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for <date>.json")
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         _apply_quick(args)
     quiet_stderr()
+    install_signal_handlers()
     started = time.perf_counter()
     try:
         report = asyncio.run(run(args, argv))

@@ -11,6 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .procs import track
+
 __all__ = ["available", "rank", "start", "stop"]
 
 JSON = Any
@@ -30,7 +32,9 @@ def start(pid: int, out: Path, rate: int = 1000) -> subprocess.Popen[bytes] | No
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--output", str(out),
             "--nonblocking"]  # fmt: skip
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    track(proc)
+    return proc
 
 
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 20.0) -> str:

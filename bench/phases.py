@@ -21,7 +21,7 @@ from .rollout import SETUPS, Urls, run_setup
 from .summary import compare, summarize_setup
 from .workload import RolloutSpec
 
-__all__ = ["LoadMonitor", "meta", "profile_pass", "quiet_stderr", "rollouts_phase"]
+__all__ = ["LoadMonitor", "meta", "profile_pass", "quiet_stderr", "rollouts_phase", "wait_quiet"]
 
 JSON = Any
 Log = Callable[[str], None]
@@ -100,6 +100,7 @@ async def rollouts_phase(
     tool_seconds: float,
     log: Log,
     monitor: LoadMonitor | None = None,
+    quiet_s: float = 0.0,
 ) -> list[JSON]:
     """A, B, C at each concurrency (order rotated per level); one comparison per (level, client)."""
     urls = Urls(emu.base_url, side.base_url if side else None)
@@ -120,6 +121,7 @@ async def rollouts_phase(
         for client in clients_at_first if level_no == 0 else ["raw"]:
             order = setups[level_no % len(setups) :] + setups[: level_no % len(setups)]
             results, sums = {}, {}
+            await wait_quiet(quiet_s, log)
             for setup in order:
                 await emu.reset()
                 if monitor is not None:
@@ -227,6 +229,30 @@ class LoadMonitor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+async def wait_quiet(limit_s: float, log: Log, threshold: float = 20.0) -> float:
+    """Wait (at most ``limit_s``) until the machine is under ``threshold`` % busy for 2 s in a row.
+
+    Called between phases and setup runs, when the bench's own processes are idle: whatever
+    keeps the machine busy then is someone else's work, which would skew the next measurement.
+    Returns the last busy figure.
+    """
+    import psutil
+
+    if limit_s <= 0:
+        return float("nan")
+    deadline = asyncio.get_running_loop().time() + limit_s
+    psutil.cpu_percent(None)
+    calm, busy = 0, 100.0
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(1.0)
+        busy = float(psutil.cpu_percent(None))
+        calm = calm + 1 if busy < threshold else 0
+        if calm >= 2:
+            return busy
+    log(f"  machine still {busy:.0f} % busy after waiting {limit_s:.0f} s; measuring anyway")
+    return busy
 
 
 def quiet_stderr() -> None:

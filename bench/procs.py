@@ -21,10 +21,11 @@ from typing import Any
 import aiohttp
 import psutil
 
-__all__ = ["EmulatorProc", "Managed", "SidecarProc", "free_port", "stop_all"]
+__all__ = ["EmulatorProc", "Managed", "SidecarProc", "free_port", "install_signal_handlers", "stop_all", "track"]
 
 JSON = Any
 _LIVE: list[Managed] = []
+_HELPERS: list[subprocess.Popen[bytes]] = []
 
 
 def free_port() -> int:
@@ -34,10 +35,31 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def stop_all() -> None:
+def stop_all(grace: float = 5.0) -> None:
     """Stop every process still running (atexit and signal safety net)."""
     for proc in list(_LIVE):
-        proc.stop()
+        proc.stop(grace)
+    for child in list(_HELPERS):
+        with contextlib.suppress(OSError):
+            child.kill()
+        _HELPERS.remove(child)
+
+
+def track(child: subprocess.Popen[bytes]) -> None:
+    """Kill ``child`` (a helper such as py-spy) with the managed processes on exit."""
+    _HELPERS.append(child)
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """SIGINT/SIGTERM: kill every child process group now, then exit (no half-cancelled event loop)."""
+    stop_all(grace=1.0)
+    os._exit(128 + signum)
+
+
+def install_signal_handlers() -> None:
+    """Make Ctrl-C and SIGTERM always clean up the emulator, the sidecar and helpers."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
 
 
 atexit.register(stop_all)
