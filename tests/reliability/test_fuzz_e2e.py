@@ -2,8 +2,9 @@
 
 The core-level half lives in tests/test_fuzz_matcher.py; this half runs whole conversations over
 sockets: random histories (plain replies, tool calls, parallel calls, reasoning), every client echo
-style of client-echo.md, and meaning-changing mutations (an edited earlier message, a reordered
-item, a changed argument value, a dropped tool output). For every turn:
+style of client-echo.md, and meaning-changing mutations (an edited earlier message, an edited item
+in the echo of the last reply, a reordered item, a changed argument value, a dropped tool output).
+For every turn:
 
 1. the context the upstream generated from (the emulator's oracle record) equals the app's
    input, whether the sidecar sent a continuation or the full history;
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.timeout(120)
 
 EXAMPLES = {"fast": 25, "deep": 400}[os.environ.get("UPSHIFT_FUZZ", "fast")]
 FAITHFUL = [name for name in ECHO_STYLES if name != "agents_reasoning_id_omitted"]
-MUTATIONS = ["edit_message", "reorder", "change_argument", "drop_tool_output"]
+MUTATIONS = ["edit_message", "edit_last_reply", "reorder", "change_argument", "drop_tool_output"]
 TOOLS = [
     {
         "type": "function",
@@ -60,10 +61,28 @@ def prompts(draw: st.DrawFn) -> str:
     return text
 
 
-def mutate(items: list[dict[str, Any]], kind: str, pick: int) -> list[dict[str, Any]] | None:
-    """``items`` with one meaning-changing edit, or None if the history has nothing to edit."""
+def mutate(items: list[dict[str, Any]], kind: str, pick: int, echo: range) -> list[dict[str, Any]] | None:
+    """``items`` with one meaning-changing edit, or None if the history has nothing to edit.
+
+    ``echo`` is where the echo of the last response sits: the slice a continuation would skip,
+    so edits there are the matcher's hardest cases.
+    """
     out = copy.deepcopy(items)
-    if kind == "edit_message":
+    if kind == "edit_last_reply":
+        if not echo:
+            return None
+        i = echo[pick % len(echo)]
+        item = out[i]
+        if item.get("type") == "function_call":
+            item["arguments"] = json.dumps({"path": f"edited/{pick}.txt"})
+        elif item.get("type") == "reasoning":
+            item["summary"] = [{"type": "summary_text", "text": "an edited summary"}]
+            item.pop("id", None)
+        elif item.get("type") == "item_reference":
+            out[i] = {"role": "assistant", "content": "an edited reply"}
+        else:
+            out[i] = {**item, "content": "an edited reply"}
+    elif kind == "edit_message":
         where = [i for i, it in enumerate(out) if it.get("role") == "user"]
         if not where:
             return None
@@ -123,11 +142,13 @@ async def test_continuation_only_for_the_same_context_and_same_answer_as_direct(
     by_id: dict[str, dict[str, Any]] = {}
     app_items: list[dict[str, Any]] = [{"role": "user", "content": data.draw(prompts(), label="first")}]
     faithful_next = False
+    echo_slice = range(0)
     for turn in range(data.draw(st.integers(1, 5), label="turns")):
         sent = app_items
         mutation = data.draw(st.sampled_from(["none"] * 3 + MUTATIONS), label="mutation") if turn else "none"
         if mutation != "none":
-            sent = mutate(app_items, mutation, data.draw(st.integers(0, 99), label="where")) or app_items
+            pick = data.draw(st.integers(0, 99), label="where")
+            sent = mutate(app_items, mutation, pick, echo_slice) or app_items
         mutated = sent != app_items
         stream = data.draw(st.booleans(), label="stream")
         reply = await post(http, sidecar.base_url, {**fields, "input": sent, "stream": stream}, key=key)
@@ -162,4 +183,5 @@ async def test_continuation_only_for_the_same_context_and_same_answer_as_direct(
         else:
             new = [{"role": "user", "content": data.draw(prompts(), label="next")}]
         app_items = sent + echo + new
+        echo_slice = range(len(sent), len(sent) + len(echo))
         faithful_next = style in FAITHFUL

@@ -360,53 +360,74 @@ async def test_admin_listener_exposes_no_request_data(
 # -- memory bounded under a flood --------------------------------------------------------------
 
 
-async def test_flood_of_conversations_and_identities_stays_within_limits(
-    http: aiohttp.ClientSession, emulator: Emulator, make_sidecar: SidecarFactory
+@pytest.mark.parametrize(
+    "keys",
+    [2, 300],
+    ids=["500-conversations-2-keys", "500-conversations-300-keys"],
+)
+async def test_flood_of_conversations_stays_within_limits(
+    http: aiohttp.ClientSession, emulator: Emulator, make_sidecar: SidecarFactory, keys: int
 ) -> None:
-    limits = {"max_heads": 16, "per_identity": 6, "total": 10}
+    # 2 keys: the per-identity socket limit binds; 300 keys: the total limit does. The head LRU
+    # (smaller than either) binds in both.
+    limits = {"max_heads": 4, "per_identity": 3, "total": 10}
     sc = await make_sidecar(
         matching={"max_heads": limits["max_heads"]},
         pool={"max_sockets_per_identity": limits["per_identity"], "max_sockets_total": limits["total"]},
     )
     peaks = {"heads": 0, "sockets": 0, "per_identity": 0}
 
-    async def sample() -> None:
-        while True:
-            peaks["heads"] = max(peaks["heads"], len(sc.heads))
-            peaks["sockets"] = max(peaks["sockets"], sc.pool.count())
-            counts = sc.pool._counts.values()
-            peaks["per_identity"] = max([peaks["per_identity"], *counts])
-            await asyncio.sleep(0.002)
+    def sample() -> None:
+        peaks["heads"] = max(peaks["heads"], len(sc.heads))
+        peaks["sockets"] = max(peaks["sockets"], sc.pool.count())
+        peaks["per_identity"] = max([peaks["per_identity"], *sc.pool._counts.values()])
 
-    sampler = asyncio.create_task(sample())
+    async def sampler() -> None:
+        while True:
+            sample()
+            await asyncio.sleep(0.001)
+
     gate = asyncio.Semaphore(25)
-    keys = [f"sk-flood-{i:03d}-0123456789" for i in range(50)]
+    names = [f"sk-flood-{i:03d}-0123456789" for i in range(keys)]
 
     async def one(i: int) -> None:
         async with gate:
-            conv = Conversation(http, sc.base_url, emulator, key=keys[i % len(keys)], name=f"flood{i}")
+            conv = Conversation(http, sc.base_url, emulator, key=names[i % keys], name=f"flood{i}")
             await conv.turn()
+            sample()
             await conv.turn()
+            sample()
 
+    task = asyncio.create_task(sampler())
     try:
-        await asyncio.gather(*(one(i) for i in range(500)))  # 500 conversations, 1,000 turns
+        await asyncio.gather(*(one(i) for i in range(500)))  # 500 conversations, 1,000 checked turns
     finally:
-        sampler.cancel()
+        task.cancel()
     assert peaks["heads"] <= limits["max_heads"], peaks
     assert peaks["sockets"] <= limits["total"], peaks
     assert peaks["per_identity"] <= limits["per_identity"], peaks
+    assert peaks["heads"] == limits["max_heads"], peaks  # each limit was reached, and held
+    if keys == 2:
+        assert peaks["per_identity"] == limits["per_identity"], peaks
+    else:
+        assert peaks["sockets"] == limits["total"], peaks
     assert_pool_quiet(sc)
     assert await wait_for(lambda: emulator.stats.ws_connections["open"] <= limits["total"], 5)
+    assert len(sc.heads._by_response) <= limits["max_heads"]
 
 
 async def test_heads_and_sockets_expire_by_ttl_and_idle_time(
     http: aiohttp.ClientSession, emulator: Emulator, make_sidecar: SidecarFactory
 ) -> None:
-    sc = await make_sidecar(matching={"head_ttl_seconds": 0.4}, pool={"idle_close_seconds": 0.6})
+    sc = await make_sidecar(matching={"head_ttl_seconds": 0.4}, pool={"idle_close_seconds": 1.5})
     await asyncio.gather(*(Conversation(http, sc.base_url, emulator, name=f"t{i}").turn() for i in range(40)))
     assert len(sc.heads) == 40
-    assert await wait_for(lambda: len(sc.heads) == 0, timeout=3), repr(sc.heads)  # housekeeping expires heads
-    assert await wait_for(lambda: sc.pool.count() == 0, timeout=3), repr(sc.pool)  # and closes idle sockets
+    sockets = sc.pool.count()
+    # Heads go by their TTL (housekeeping) while their sockets are still open ...
+    assert await wait_for(lambda: len(sc.heads) == 0, timeout=1.2), repr(sc.heads)
+    assert sc.pool.count() >= 40, repr(sc.pool)
+    # ... and idle sockets close after idle_close_seconds.
+    assert await wait_for(lambda: sc.pool.count() == 0, timeout=3), repr(sc.pool)
     assert await wait_for(lambda: emulator.stats.ws_connections["open"] == 0, timeout=3)
+    assert sockets >= 40
     await Conversation(http, sc.base_url, emulator, name="later").turn()
-

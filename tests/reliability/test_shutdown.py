@@ -83,3 +83,55 @@ async def test_sigterm_lets_in_flight_streams_finish(
     assert await wait_for(lambda: emu.stats.ws_connections["open"] == 0), emu.stats.ws_connections
     codes = {c.close_code for c in emu.stats.connections.values()}
     assert codes == {1001}, codes
+
+
+async def stream_through_a_short_grace(
+    http: aiohttp.ClientSession, make_emulator: EmulatorFactory, spawn: Callable[..., SidecarProcess]
+) -> tuple[bytes, str, float, float, int]:
+    """A ~5 s stream, SIGTERM after its first delta with a 1 s grace; returns (bytes received,
+    client error name or "", seconds from SIGTERM to the end of the stream, to the exit, exit code)."""
+    emu = await make_emulator(latency=LatencyModel(tokens_per_second=50.0))
+    sc = spawn(emu.base_url, env={"UPSHIFT_SHUTDOWN_GRACE_SECONDS": "1"})
+    await sc.wait_ready(http)
+    body = {"model": MODEL, "store": False, "stream": True, "input": "a long story reply_bytes=1000"}
+    data, error, signalled = b"", "", 0.0
+    try:
+        async with http.post(sc.base_url + "/responses", json=body, headers=auth()) as resp:
+            async for chunk in resp.content.iter_any():
+                data += chunk
+                if not signalled and b"output_text.delta" in data:
+                    sc.proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+    except aiohttp.ClientError as exc:
+        error = type(exc).__name__
+    ended = time.monotonic() - signalled
+    code = await asyncio.to_thread(sc.proc.wait, 20)
+    return data, error, ended, time.monotonic() - signalled, code
+
+
+async def test_sigterm_drain_is_bounded_by_the_grace(
+    http: aiohttp.ClientSession, make_emulator: EmulatorFactory, spawn: Callable[..., SidecarProcess]
+) -> None:
+    data, error, ended, exited, code = await stream_through_a_short_grace(http, make_emulator, spawn)
+    assert code == 0
+    assert ended < 2.5, f"a stream outlived the 1 s grace by {ended - 1:.1f} s"
+    assert exited < 4.5, f"the process exited {exited:.1f} s after SIGTERM (grace 1 s)"
+    # Never a clean end of a cut stream: either an error event, or a visibly incomplete body.
+    types = [name for name, _ in parse_sse(data.rsplit(b"\n\n", 1)[0] + b"\n\n")] if data else []
+    assert "response.completed" not in types
+    assert error or (types and types[-1] == "error"), (error, types[-3:])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG-7 (low): at the end of the grace an in-flight stream is cut at the TCP level (an "
+    "incomplete chunked body behind a 200; the SDK turns it into APIConnectionError) instead of "
+    "ending with one nested error event and a clean end, as every other failure after output does",
+)
+async def test_stream_cut_by_the_grace_ends_with_an_error_event(
+    http: aiohttp.ClientSession, make_emulator: EmulatorFactory, spawn: Callable[..., SidecarProcess]
+) -> None:
+    data, error, _, _, _ = await stream_through_a_short_grace(http, make_emulator, spawn)
+    assert error == "", f"the stream was cut: {error}"
+    events = [event for _, event in parse_sse(data)]
+    assert events[-1]["type"] == "error" and set(events[-1]["error"]) == {"type", "code", "message", "param"}

@@ -122,6 +122,26 @@ async def test_closed_before_first_event_is_replayed(
 
 
 @STREAM
+async def test_close_1009_before_first_event_goes_over_http(
+    http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar, stream: bool
+) -> None:
+    # 1009 says the frame itself was too big: the same frame would be refused again (pitfall 16),
+    # so the turn goes over plain HTTP with the app's own body, once.
+    conv = await started(http, sidecar, emulator)
+    before = replays("frame_too_big")
+    requests = dict(emulator.stats.requests)
+    emulator.faults.arm("close", after_events=0, close_code=1009)
+    reply = await conv.send("next", stream=stream)
+    record = conv.accept(reply)
+    assert reply.mode == "passthrough" and record["transport"] == "http"
+    assert replays("frame_too_big") == before + 1
+    assert emulator.stats.requests == {"ws": requests["ws"] + 1, "http": requests["http"] + 1}
+    if stream:
+        assert_no_duplicates(reply)
+    assert_pool_quiet(sidecar)
+
+
+@STREAM
 async def test_drop_after_lifecycle_events_before_output_is_replayed(
     http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar, stream: bool
 ) -> None:
@@ -227,6 +247,48 @@ async def test_sdk_raises_api_error_on_mid_stream_close(emulator: Emulator, side
         await client.close()
 
 
+async def test_response_failed_mid_stream_is_relayed_and_never_anchored(
+    http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar
+) -> None:
+    # The upstream's own terminal failure after output (pitfalls 1 and 6): relayed as it is, the
+    # turn ends (no hang, no replay) and the failed response never becomes a head.
+    conv = await started(http, sidecar, emulator)
+    requests = emulator.stats.requests["ws"]
+    emulator.faults.arm("fail", after_events=MID_STREAM_EVENTS)
+    reply = await conv.send("next", stream=True)
+    assert reply.status == 200 and reply.types[-1] == "response.failed", reply.types
+    assert "response.output_text.delta" in reply.types and "error" not in reply.types
+    assert_no_duplicates(reply)
+    failed_id = reply.events[-1]["response"]["id"]
+    assert emulator.record(failed_id)["status"] == "failed"  # type: ignore[index]
+    assert emulator.stats.requests["ws"] == requests + 1
+    assert failed_id not in head_response_ids(sidecar)
+    assert_pool_quiet(sidecar)
+    assert_heads_completed(sidecar, emulator)
+    conv.items.pop()
+    record = conv.accept(await conv.send("next", stream=True))
+    assert record["continuation"] is False  # the anchor consumed by the failed turn is gone
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG-6: for stream:false a response.failed becomes 500 {'error': response.error}, which "
+    "has only code and message (core/channel.py Channel.http_error); HTTP gives {message, type, "
+    "param, code}",
+)
+async def test_response_failed_non_streaming_is_what_http_gives(
+    http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar
+) -> None:
+    emulator.faults.arm("fail", after_events=MID_STREAM_EVENTS, transport="http")
+    direct = await post(http, emulator.base_url, {"model": MODEL, "input": "hi", "store": False})
+    conv = await started(http, sidecar, emulator)
+    emulator.faults.arm("fail", after_events=MID_STREAM_EVENTS, transport="ws")
+    reply = await conv.send("next")
+    assert_openai_error(reply, direct.status, "server_error")
+    assert reply.json == direct.json
+    assert head_response_ids(sidecar) == []
+
+
 # -- previous_response_not_found, every shape -------------------------------------------------------
 
 
@@ -248,7 +310,7 @@ async def test_not_found_in_every_shape_is_replayed(
     if stream:
         assert_no_duplicates(reply)
         assert "error" not in reply.types and "response.failed" not in reply.types
-    await conv.turn()  # the new head continues normally
+    assert (await conv.turn())["continuation"] is True  # the replay's response is the new head
     assert_pool_quiet(sidecar)
 
 
@@ -383,6 +445,9 @@ async def test_refused_upgrade_falls_back_to_http(
     assert record["transport"] == "http"
     assert emulator.stats.ws_connections["refused"] == 1
     assert_pool_quiet(sidecar)
+    # One refusal pins nothing: the next turn is back on WebSocket mode.
+    reply = await conv.send("next", stream=stream)
+    assert conv.accept(reply)["transport"] == "ws" and reply.mode == "full"
 
 
 @STREAM
