@@ -1,0 +1,1 @@
+"""upshift benchmarks: ``python -m bench`` (see docs/benchmarks.md)."""

@@ -83,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-conversations", type=int, default=2000)
     p.add_argument("--stall-streams", type=int, default=8)
     p.add_argument("--stall-size", default="3m")
+    p.add_argument("--stall-repeats", type=int, default=3, help="rounds of each stall scenario (medians reported)")
     p.add_argument("--no-sidecar", action="store_true", help="setups A and C only")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile of the sidecar")
     p.add_argument("--pin", action="store_true", help="pin the sidecar to CPU 0, emulator and bench to CPU 1")
@@ -105,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _apply_quick(args: argparse.Namespace) -> None:
     args.turns, args.conversations, args.sizes, args.reps = 3, "1,4", "1k,200k", 12
-    args.memory_conversations, args.stall_streams, args.stall_size = 100, 2, "500k"
+    args.memory_conversations, args.stall_streams, args.stall_size, args.stall_repeats = 100, 2, "500k", 1
     args.clients_at_first, args.no_profile = "sdk", True
     if args.latency == "realistic":
         args.latency = "quick"
@@ -202,7 +203,8 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
                 monitor.phase()
                 log("phase stall: one large request while others stream")
                 report["stall"] = await run_stall(emu, side, streams=args.stall_streams,
-                                                  big_bytes=parse_size(args.stall_size), seed=args.seed)  # fmt: skip
+                                                  big_bytes=parse_size(args.stall_size), seed=args.seed,
+                                                  repeats=args.stall_repeats)  # fmt: skip
                 load["stall"] = monitor.phase()
         if side is None and not args.no_sidecar:
             report["missing"] = "sidecar not runnable: setup B, overhead, memory and stall were skipped"

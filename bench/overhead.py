@@ -198,6 +198,7 @@ async def run_overhead(
     seed: int,
     warmup: int = 6,
     log: Any = print,
+    per_chain: int | None = None,
 ) -> list[SizeResult]:
     """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency."""
     await emu.set_latency({})
@@ -205,10 +206,10 @@ async def run_overhead(
     results = []
     for label in sizes:
         size = parse_size(label)
-        per_chain = 3 if size < 20_000 else 10
+        turns = per_chain or (3 if size < 20_000 else 10)
         n = reps if size < 2_000_000 else max(10, reps // 2)
         started = time.perf_counter()
-        res = await _measure_size(label, size, n, per_chain, emu, side, seed)
+        res = await _measure_size(label, size, n, turns, emu, side, seed)
         rep = res.report()
         log(
             f"  overhead {label}: added p50 {rep['added_ms']['p50']:.2f} ms p99 {rep['added_ms']['p99']:.2f} ms "

@@ -152,14 +152,19 @@ async def rollouts_phase(
 
 
 async def profile_pass(emu: EmulatorProc, side: SidecarProc, out: Path, *, reps: int, seed: int, log: Log) -> JSON:
-    """Re-run continuation turns at 200 KB and 1 MB under py-spy (kept apart from the timed runs)."""
+    """Re-run continuation turns at 200 KB and 1 MB under py-spy (kept apart from the timed runs).
+
+    Conversations of 31 turns, so the first (full) turn of each weighs 1/31 of the samples.
+    """
     if not hotspots.available():
         log("  py-spy not installed: no profile (pip install py-spy)")
         return {"samples": 0, "self": [], "inclusive_proxy": [], "note": "py-spy not installed"}
     proc = hotspots.start(side.pid, out)
     await asyncio.sleep(1.0)
     try:
-        await run_overhead(emu, side, ["200k", "1m"], reps=reps, seed=seed + 7, warmup=2, log=lambda _: None)
+        await run_overhead(
+            emu, side, ["200k", "1m"], reps=reps, seed=seed + 7, warmup=2, log=lambda _: None, per_chain=30
+        )
     finally:
         err = hotspots.stop(proc)
     ranked = hotspots.rank(out)
@@ -251,7 +256,8 @@ async def wait_quiet(limit_s: float, log: Log, threshold: float = 20.0) -> float
         calm = calm + 1 if busy < threshold else 0
         if calm >= 2:
             return busy
-    log(f"  machine still {busy:.0f} % busy after waiting {limit_s:.0f} s; measuring anyway")
+    if calm == 0:
+        log(f"  machine still {busy:.0f} % busy after waiting {limit_s:.0f} s; measuring anyway")
     return busy
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import orjson
+
 __all__ = [
     "MODEL",
     "TOOLS",
@@ -280,8 +282,6 @@ def history_of_size(target_bytes: int, seed: int, tag: str, steps: int) -> list[
     Earlier turns are client-built ``function_call``/``function_call_output`` pairs of up to 10 KB,
     as a resumed coding session replays them. ``tag`` makes the content unique per conversation.
     """
-    import orjson  # local: only the overhead bench needs exact sizes
-
     rng = random.Random(f"{seed}:{tag}")
     text = corpus(seed)
     head: JSON = {"role": "user", "content": f"[{tag}] Resume the session."}

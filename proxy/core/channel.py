@@ -210,15 +210,21 @@ class Channel:
     def http_error(self) -> HttpError:
         """The terminal error as an HTTP answer: ``status`` (or ``status_code``, default 500), the
         OpenAI error body and the rate-limit headers; ``response.failed`` is 500 with
-        ``{"error": response.error}``.
+        ``response.error`` completed to the four-key OpenAI error shape.
         """
         event = self.terminal or {}
         if self.outcome is Outcome.ERROR:
             return HttpError(_status(event), {"error": error_object(event)}, _headers(event))
         error = self.response.get("error") if self.response else None
-        if not isinstance(error, dict):
-            error = {"type": "server_error", "code": "server_error", "message": "The response failed."}
-        return HttpError(500, {"error": error})
+        error = error if isinstance(error, dict) else {}
+        # response.error carries only code and message; HTTP error bodies have all four keys.
+        body = {
+            "message": error.get("message") or "The response failed.",
+            "type": error.get("type") or "server_error",
+            "param": error.get("param"),
+            "code": error.get("code") or "server_error",
+        }
+        return HttpError(500, {"error": body})
 
     def _next_sequence(self, event: Mapping[str, Any]) -> int:
         seq = event.get("sequence_number")

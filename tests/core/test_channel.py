@@ -97,7 +97,8 @@ def test_failed_before_output_is_held_for_a_replay_decision() -> None:
     )
     assert feed(channel, [ev("response.created", 0, response=resp()), failed]) == []
     assert channel.outcome is Outcome.FAILED and not channel.released
-    assert channel.http_error() == HttpError(500, {"error": {"code": "previous_response_not_found", "message": "m"}})
+    want = {"message": "m", "type": "server_error", "param": None, "code": "previous_response_not_found"}
+    assert channel.http_error() == HttpError(500, {"error": want})
     assert [o.type for o in channel.release()] == ["response.created", "response.failed"]
 
 

@@ -270,12 +270,6 @@ async def test_response_failed_mid_stream_is_relayed_and_never_anchored(
     assert record["continuation"] is False  # the anchor consumed by the failed turn is gone
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG-6: for stream:false a response.failed becomes 500 {'error': response.error}, which "
-    "has only code and message (core/channel.py Channel.http_error); HTTP gives {message, type, "
-    "param, code}",
-)
 async def test_response_failed_non_streaming_is_what_http_gives(
     http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar
 ) -> None:
