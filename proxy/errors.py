@@ -7,6 +7,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     ├─ RequestError                           4xx
     │  ├─ InvalidRequest(ValueError)          400 invalid_request_error
     │  ├─ BodyTooLarge                        413 request_too_large
+    │  ├─ ForeignResponse                     400 previous_response_not_found
     │  └─ UnsupportedRequest                  400 unsupported
     ├─ UpstreamError                          5xx
     │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
@@ -28,6 +29,7 @@ from typing import Any
 __all__ = [
     "BodyTooLarge",
     "ConfigError",
+    "ForeignResponse",
     "InvalidRequest",
     "PoolExhausted",
     "ProxyError",
@@ -96,6 +98,19 @@ class UnsupportedRequest(RequestError):
     """A request the sidecar cannot serve (e.g. ``generate`` over HTTP)."""
 
     code = "unsupported"
+
+
+class ForeignResponse(RequestError):
+    """The app chains on a response id that another identity created through this sidecar.
+
+    Answered exactly as the upstream answers an unknown id, so nothing about the other tenant
+    is revealed; nothing is forwarded (behind one injected key the upstream store is shared).
+    """
+
+    code = "previous_response_not_found"
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Previous response with id '{response_id}' not found.", param="previous_response_id")
 
 
 class UpstreamError(ProxyError):

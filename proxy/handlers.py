@@ -23,6 +23,7 @@ from proxy.core.conversation import HeadTable, Lookup, MissReason
 from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport
 from proxy.core.retry import Replay, classify, is_connection_limit
 from proxy.errors import (
+    ForeignResponse,
     ProxyError,
     RequestError,
     UnsupportedRequest,
@@ -113,6 +114,10 @@ async def _post(svc: Services, request: web.Request, rec: Record, started: float
         identity = svc.identity(request)
         # Skips the history prefix this identity's previous turn already sent, byte for byte.
         req = svc.heads.parse(identity.digest, body)
+        owner = svc.heads.owner_of(req.previous_response_id) if req.previous_response_id else None
+        if owner is not None and owner != identity.digest:
+            # Another tenant's response: behind an injected key the upstream would serve it.
+            raise ForeignResponse(str(req.previous_response_id))
     except RequestError as exc:
         return _error(exc, headers, rec, started)
     rec.items_in = req.n_items
@@ -206,6 +211,9 @@ async def _websocket(
                 heads.record(identity.digest, lease.key, req, channel.response, time.monotonic())
             else:
                 heads.discard(lease.key)
+                rid = channel.response.get("id") if channel.response else None
+                if isinstance(rid, str):
+                    heads.note_owner(identity.digest, rid)  # an incomplete response is chainable too
             # After the age-limit error the upstream closes the socket: never reuse it.
             aged = channel.terminal is not None and is_connection_limit(channel.terminal)
             pool.release(lease, reusable=not aged, head=done)

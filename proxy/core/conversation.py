@@ -149,6 +149,9 @@ class HeadTable:
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
         self._raw: dict[str, dict[int, dict[bytes, list[Hashable]]]] = {}
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        self.max_owners = max(4 * max_heads, 1024)
+        """Response ids remembered with their identity (LRU), for :meth:`owner_of`."""
 
     def __len__(self) -> int:
         return len(self._heads)
@@ -279,6 +282,17 @@ class HeadTable:
                     return True
         return False
 
+    def note_owner(self, identity: str, response_id: str) -> None:
+        """Remember that ``identity`` created ``response_id`` (bounded, least recent first out)."""
+        self._owners[response_id] = identity
+        self._owners.move_to_end(response_id)
+        while len(self._owners) > self.max_owners:
+            self._owners.popitem(last=False)
+
+    def owner_of(self, response_id: str) -> str | None:
+        """The identity that created ``response_id`` through this sidecar, if remembered."""
+        return self._owners.get(response_id)
+
     def anchor_for(self, identity: str, response_id: str) -> Hashable | None:
         """The socket holding ``response_id``, if it belongs to ``identity`` and is not busy."""
         anchor = self._by_response.get(response_id)
@@ -331,6 +345,7 @@ class HeadTable:
             )
         self._heads[anchor] = head
         self._by_response[response_id] = anchor
+        self.note_owner(identity, response_id)
         if not chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket = self._buckets.setdefault((identity, head.settings), _Bucket())

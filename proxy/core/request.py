@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -313,6 +314,11 @@ def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tup
     return Transport.WS, ""
 
 
+_HUGE_NUMBER = re.compile(rb"[0-9][eE]\+?(?:19|[2-9][0-9]|[0-9]{3})")
+"""A float of 1e19 or more in orjson's output: possibly an integer beyond 64 bits that orjson
+parsed as a float, which must reach the upstream with its exact digits."""
+
+
 def build_frame(
     req: ParsedRequest,
     *,
@@ -322,17 +328,41 @@ def build_frame(
     """The ``response.create`` frame for ``req``.
 
     A full send splices the app's ``input`` array bytes in unchanged (no re-serialisation of
-    the history); only the small settings around it are written anew.
+    the history); only the small settings around it are written anew. ``items`` (the new items
+    of a continuation) is always a suffix of the app's input.
 
     Args:
         req: The app's request.
         previous_response_id: The anchor of a continuation; ``None`` keeps the app's own.
         items: The new items of a continuation; ``None`` keeps the app's whole input.
     """
+    frame = _frame(req, req.fields, previous_response_id, items)
+    if _HUGE_NUMBER.search(frame if items is not None or req.span is None else _written_part(req, frame)):
+        # Rare: re-read the body with the stdlib parser, which keeps every integer exact.
+        exact = json.loads(req.body.decode("utf-8"))
+        if items is not None:
+            raw_input = exact.get("input")
+            exact_items = [{"role": "user", "content": raw_input}] if isinstance(raw_input, str) else raw_input
+            items = exact_items[len(exact_items) - len(items) :] if items else []
+        frame = _frame(req, exact, previous_response_id, items)
+    return frame
+
+
+def _written_part(req: ParsedRequest, frame: bytes) -> bytes:
+    """The bytes of a spliced full frame that were written anew (all but the input array)."""
+    assert req.span is not None
+    size = req.span.end + 1 - req.span.start
+    at = frame.index(b',"input":') + len(b',"input":')
+    return frame[:at] + frame[at + size :]
+
+
+def _frame(
+    req: ParsedRequest, fields: dict[str, Any], previous_response_id: str | None, items: list[Any] | None
+) -> bytes:
     before: dict[str, Any] = {"type": "response.create"}
     after: dict[str, Any] = {}
     side = before
-    for key, value in req.fields.items():
+    for key, value in fields.items():
         if key == "input":
             side = after
         elif key not in TRANSPORT_ONLY_FIELDS and key != "type":
@@ -344,8 +374,8 @@ def build_frame(
     if items is not None:
         return _dumps({**before, "input": items, **after})
     if req.span is None:
-        raw_input = req.fields.get("input")
-        return _dumps({**before, **({"input": raw_input} if "input" in req.fields else {}), **after})
+        raw_input = fields.get("input")
+        return _dumps({**before, **({"input": raw_input} if "input" in fields else {}), **after})
     head = _dumps(before)[:-1] + b',"input":'
     array = req.body[req.span.start : req.span.end + 1]
     if after:

@@ -207,3 +207,15 @@ def test_is_idle_is_asked_per_anchor() -> None:
 
     assert heads.lookup("id", req([USER, call(1), result(1)]), 1, idle).match is not None
     assert asked == ["s1"]
+
+
+def test_owners_are_remembered_per_identity_and_bounded() -> None:
+    heads = table(max_heads=1)
+    heads.record("alice", "s1", req([USER]), response("resp_1", call(1)), 0)
+    heads.note_owner("alice", "resp_incomplete")
+    assert heads.owner_of("resp_1") == "alice" and heads.owner_of("resp_incomplete") == "alice"
+    assert heads.owner_of("resp_unknown") is None
+    for n in range(heads.max_owners):
+        heads.note_owner("bob", f"r{n}")
+    assert heads.owner_of("resp_1") is None  # the oldest went first
+    assert heads.owner_of(f"r{heads.max_owners - 1}") == "bob"

@@ -40,6 +40,10 @@ def test_bad_input_is_invalid_request(body: bytes, param: str | None) -> None:
 def test_big_integers_are_valid_json() -> None:
     parsed = parse_request(b'{"model":"m","input":"x","metadata":{"n":123456789012345678901234567890}}')
     assert parsed.fields["metadata"]["n"] == pytest.approx(123456789012345678901234567890)
+    # orjson reads it as a float; the frame still carries the exact digits.
+    assert b'"n":123456789012345678901234567890' in build_frame(parsed)
+    delta = build_frame(parsed, previous_response_id="resp_1", items=parsed.items)
+    assert b'"n":123456789012345678901234567890' in delta
 
 
 def test_defaults() -> None:

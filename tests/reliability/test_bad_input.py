@@ -148,11 +148,6 @@ async def test_non_json_constants_are_a_400(
     nothing_forwarded(emulator, frames)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG-2c: orjson.loads parses integers >= 2**64 as floats without an error (so the stdlib "
-    "fallback in core/request.py _loads never runs) and build_frame sends 1.8446744073709552e+19",
-)
 async def test_big_integers_reach_the_upstream_unchanged(
     http: aiohttp.ClientSession, sidecar: Sidecar, frames: list[bytes]
 ) -> None:

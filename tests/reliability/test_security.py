@@ -118,18 +118,12 @@ async def test_app_previous_response_id_only_goes_on_its_own_identitys_socket(
     assert_openai_error(reply, 400, "previous_response_not_found")
     assert emulator.stats.connections[alice_connection].requests == before, "sent on Alice's socket"
     bob = [c for c in emulator.stats.connections.values() if c.identity == identity_of(f"Bearer {BOB}")]
-    assert sum(c.misses for c in bob) == 1
+    assert sum(c.requests for c in bob) == 0, "the sidecar knows the id is Alice's: nothing is forwarded"
     # Alice's own chain is intact.
     record = await alice.turn()
     assert record["continuation"] is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RISK-1: behind one injected key the upstream store is shared, so a tenant that sends "
-    "another tenant's previous_response_id (store=true) is hydrated with that tenant's context; "
-    "the sidecar knows the id's owner (HeadTable._by_response) but forwards it anyway",
-)
 async def test_injected_key_tenant_cannot_chain_on_another_tenants_response(
     http: aiohttp.ClientSession, emulator: Emulator, make_sidecar: SidecarFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,8 +132,14 @@ async def test_injected_key_tenant_cannot_chain_on_another_tenants_response(
     alice = Conversation(http, sc.base_url, emulator, key=ALICE, store=True)
     await alice.turn("alice's secret plan")
     body = {"model": MODEL, "store": True, "previous_response_id": head_response_ids(sc)[0], "input": [user("go")]}
+    frames_before = emulator.stats.snapshot()["ws_frames_received"]
     reply = await post(http, sc.base_url, body, key=BOB)
-    assert reply.status >= 400, "Bob continued Alice's conversation"
+    assert reply.status == 400, "Bob continued Alice's conversation"
+    assert reply.json["error"]["code"] == "previous_response_not_found"
+    assert emulator.stats.snapshot()["ws_frames_received"] == frames_before, "the foreign id was forwarded"
+    # Alice herself may still chain on it.
+    own = await post(http, sc.base_url, dict(body, input=[user("go on")]), key=ALICE)
+    assert own.status == 200
 
 
 # -- no secrets or content in logs --------------------------------------------------------------
