@@ -11,6 +11,7 @@ surfaces. Whenever no socket can be had, the request goes over plain HTTP: slowe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class Services:
     passthrough: Passthrough
     relays: set[web.WebSocketResponse] = field(default_factory=set)
     """Open downstream WebSocket relays (closed with 1001 on shutdown)."""
+    streams: set[tuple[Downstream, Channel]] = field(default_factory=set)
+    """Responses being pumped to apps right now (ended by :func:`cut_stream` if the drain's
+    grace runs out)."""
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""
@@ -196,6 +200,8 @@ async def _websocket(
         channel = Channel(req.previous_response_id)
         failure: UpstreamError | None = None
         sent_at = time.perf_counter()
+        entry = (down, channel)
+        svc.streams.add(entry)
         try:
             await pump(lease.socket, frame, channel, down, svc.settings.timeouts.stream_idle_seconds)
         except UpstreamError as exc:
@@ -217,6 +223,8 @@ async def _websocket(
             # After the age-limit error the upstream closes the socket: never reuse it.
             aged = channel.terminal is not None and is_connection_limit(channel.terminal)
             pool.release(lease, reusable=not aged, head=done)
+        finally:
+            svc.streams.discard(entry)
         rec.bytes_sent += len(frame)
         UPSTREAM_BYTES_SENT.labels("websocket").inc(len(frame))
         rec.upstream_s = down.upstream_wait
@@ -271,3 +279,22 @@ async def _surface(
         outs.append(channel.error_out(channel.terminal))
     await down.write(outs)
     return await down.end()
+
+
+async def cut_stream(down: Downstream, channel: Channel) -> None:
+    """End an in-flight SSE stream now, with one error event the app can act on.
+
+    Used when the drain's grace runs out: like any failure after output, never a truncated
+    body behind a 200. Later writes of the handler are dropped (``down.gone``).
+    """
+    if not down.stream or not down.written or down.gone:
+        return
+    out = channel.proxy_error_out(
+        type="server_error",
+        code="shutting_down",
+        message="The sidecar shut down before the response finished; retry the request.",
+    )
+    with contextlib.suppress(Exception):
+        await down.write([out])
+        await down.end()
+    down.gone = True

@@ -21,7 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
-from proxy.handlers import SERVICES, Services, post_responses
+from proxy.handlers import SERVICES, Services, cut_stream, post_responses
 from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
 from proxy.log import setup_logging
@@ -204,8 +204,20 @@ class Server:
         grace period, relays and upstream sockets close with 1001, then the admin listener stops.
         """
         self.lifecycle.mark_draining()
-        await self._api.cleanup()
+        cutter = asyncio.create_task(self._cut_streams_at_grace())
+        try:
+            await self._api.cleanup()
+        finally:
+            cutter.cancel()
         await self._admin.cleanup()
+
+    async def _cut_streams_at_grace(self) -> None:
+        """Just before the grace runs out, end streams still in flight with an error event
+        (aiohttp would then close their connections mid-body)."""
+        grace = self.settings.shutdown.grace_seconds
+        await asyncio.sleep(max(grace - min(0.25, grace / 4), 0.0))
+        for down, channel in list(self.services.streams):
+            await cut_stream(down, channel)
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:

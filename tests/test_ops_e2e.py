@@ -270,12 +270,11 @@ async def test_drain_is_bounded_by_grace(spawn: Any, session: aiohttp.ClientSess
                 await asyncio.sleep(0.01)
             sc.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            # Past the grace the stream is cut: the app sees an incomplete body.
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(reader, 15)
+            # At the end of the grace the stream ends with one error event (then a clean end).
+            await asyncio.wait_for(reader, 15)
         cut_after = time.monotonic() - signalled
         assert await sc.wait(15) == 0, sc.logs()
-    assert events[-1][1] != "response.completed"
+    assert events[-1][1] == "error", events[-3:]
     assert cut_after < grace + 0.6, f"in-flight stream cut {cut_after:.2f} s after SIGTERM (grace {grace} s)"
 
 

@@ -122,12 +122,6 @@ async def test_sigterm_drain_is_bounded_by_the_grace(
     assert error or (types and types[-1] == "error"), (error, types[-3:])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG-7 (low): at the end of the grace an in-flight stream is cut at the TCP level (an "
-    "incomplete chunked body behind a 200; the SDK turns it into APIConnectionError) instead of "
-    "ending with one nested error event and a clean end, as every other failure after output does",
-)
 async def test_stream_cut_by_the_grace_ends_with_an_error_event(
     http: aiohttp.ClientSession, make_emulator: EmulatorFactory, spawn: Callable[..., SidecarProcess]
 ) -> None:
