@@ -122,6 +122,7 @@ class ParsedRequest:
     tail: list[Any] | None = None
     _items: list[Any] | None = field(default=None, repr=False)
     _keys: list[bytes] | None = field(default=None, repr=False)
+    _partial: list[bytes] = field(default_factory=list, repr=False)
     _prefix: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
@@ -142,8 +143,26 @@ class ParsedRequest:
     def item_keys(self) -> list[bytes]:
         """:func:`~proxy.core.items.item_key` of every input item, computed once."""
         if self._keys is None:
-            self._keys = [item_key(item) for item in self.items]
+            self.warm_keys(len(self.items))
+            assert self._keys is not None
         return self._keys
+
+    def warm_keys(self, count: int) -> bool:
+        """Compute up to ``count`` more item keys; ``True`` once all are known.
+
+        Lets an I/O shell spread the canonicalisation of a huge full-history body over
+        several event-loop turns instead of stalling other streams.
+        """
+        if self._keys is not None:
+            return True
+        items = self.items
+        done = self._partial
+        for item in items[len(done) : len(done) + count]:
+            done.append(item_key(item))
+        if len(done) < len(items):
+            return False
+        self._keys = done
+        return True
 
     def input_state(self) -> Any:
         """SHA-256 state over the keys of every input item (cheap after a fast parse)."""
