@@ -138,7 +138,7 @@ async def _post(svc: Services, request: web.Request, rec: Record, started: float
     s = svc.settings
     transport, reason = choose_transport(req, mode=s.mode, frame_budget=s.limits.ws_frame_budget_bytes)
     if transport is Transport.WS and svc.pool.prefers_http(identity):
-        transport, reason = Transport.HTTP, "upgrade_426"
+        transport, reason = Transport.HTTP, "upgrade_refused"
     if transport is Transport.HTTP:
         return await _passthrough(svc, request, req, rec, headers, started, reason)
     return await _websocket(svc, request, req, identity, rec, headers, started)

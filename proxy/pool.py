@@ -38,6 +38,27 @@ __all__ = ["Lease", "Pool", "SocketState"]
 
 _HTTP_AFTER_426_SECONDS = 300.0
 """How long an identity uses HTTP after an upgrade answered 426 (pitfall 17: not for good)."""
+_HTTP_AFTER_AUTH_REFUSAL_SECONDS = 30.0
+"""Hold-off after a 401/403 upgrade refusal without ``retry-after``: a revoked key would
+otherwise cost two upstream round trips per request."""
+_MAX_HOLD_OFF_SECONDS = 300.0
+
+
+def hold_off_seconds(status: int, headers: dict[str, str]) -> float:
+    """How long an identity uses plain HTTP after its upgrade was refused with ``status``.
+
+    426 means "use HTTP" (5 minutes); a ``retry-after`` is honoured (capped at 5 minutes);
+    401/403 hold off 30 s; any other refusal without ``retry-after`` pins nothing.
+    """
+    if status == 426:
+        return _HTTP_AFTER_426_SECONDS
+    try:
+        retry_after = float(headers.get("retry-after", ""))
+    except ValueError:
+        retry_after = 0.0
+    if retry_after > 0:
+        return min(retry_after, _MAX_HOLD_OFF_SECONDS)
+    return _HTTP_AFTER_AUTH_REFUSAL_SECONDS if status in (401, 403) else 0.0
 
 _GAUGES = {"open": SOCKETS.labels("open"), "busy": SOCKETS.labels("busy"), "idle": SOCKETS.labels("idle")}
 
@@ -154,7 +175,8 @@ class Pool:
         return entry is not None and entry.state is SocketState.IDLE and self._usable(entry, self._clock())
 
     def prefers_http(self, identity: Identity) -> bool:
-        """Whether the upstream recently answered this identity's upgrade with 426."""
+        """Whether the upstream recently refused this identity's upgrade (see
+        :func:`hold_off_seconds`): then its requests use plain HTTP."""
         until = self._http_until.get(identity)
         if until is None:
             return False
@@ -294,8 +316,9 @@ class Pool:
         except BaseException as exc:
             if entry.state is SocketState.CONNECTING:
                 self._retire(entry)
-            if isinstance(exc, UpstreamRefused) and exc.http_status == 426:
-                self._http_until[identity] = self._clock() + _HTTP_AFTER_426_SECONDS
+            hold_off = hold_off_seconds(exc.http_status, exc.headers) if isinstance(exc, UpstreamRefused) else 0.0
+            if hold_off > 0:
+                self._http_until[identity] = self._clock() + hold_off
             raise
         entry.socket = UpstreamSocket(entry.key, ws, self._clock())
         entry.created_at = entry.used_at = entry.socket.created_at

@@ -233,7 +233,7 @@ async def test_generate_is_never_sent_over_http(stack: tuple[Emulator, Sidecar])
     assert emulator.stats.requests == {"http": 0, "ws": 0}
 
 
-@pytest.mark.parametrize("status", [403, 426])
+@pytest.mark.parametrize("status", [403, 426, 500])
 async def test_refused_upgrade_falls_back_to_http(stack: tuple[Emulator, Sidecar], status: int) -> None:
     emulator, sidecar = stack
     emulator.faults.arm("refuse_upgrade", status=status)
@@ -241,9 +241,10 @@ async def test_refused_upgrade_falls_back_to_http(stack: tuple[Emulator, Sidecar
     raw = await c.responses.with_raw_response.create(model="gpt-5", input="hi")
     assert raw.headers["x-upshift-mode"] == "passthrough"
     assert raw.parse().status == "completed"
-    # 426 means "use HTTP": the identity stays on HTTP for a while; another status does not pin it.
+    # 426 means "use HTTP" and 403 a refused key: the identity stays on HTTP for a while;
+    # a bare 500 (transient) pins nothing.
     raw = await c.responses.with_raw_response.create(model="gpt-5", input="hi")
-    assert raw.headers["x-upshift-mode"] == ("passthrough" if status == 426 else "full")
+    assert raw.headers["x-upshift-mode"] == ("full" if status == 500 else "passthrough")
 
 
 async def test_mode_http_never_opens_a_socket(emulator: Emulator, make_sidecar: SidecarFactory) -> None:

@@ -439,7 +439,10 @@ async def test_refused_upgrade_falls_back_to_http(
     assert record["transport"] == "http"
     assert emulator.stats.ws_connections["refused"] == 1
     assert_pool_quiet(sidecar)
-    # One refusal pins nothing: the next turn is back on WebSocket mode.
+    # The refusal's retry-after (1 s) is honoured, then the next turn is back on WebSocket mode.
+    reply = await conv.send("meanwhile", stream=stream)
+    assert conv.accept(reply)["transport"] == "http" and reply.mode == "passthrough"
+    await asyncio.sleep(1.05)
     reply = await conv.send("next", stream=stream)
     assert conv.accept(reply)["transport"] == "ws" and reply.mode == "full"
 
