@@ -28,7 +28,7 @@ from . import report as rpt
 from .memory import run_memory
 from .overhead import parse_size, run_overhead
 from .phases import LoadMonitor, meta, profile_pass, quiet_stderr, rollouts_phase, wait_quiet
-from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
+from .procs import EmulatorProc, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
 from .stall import run_stall
 from .summary import targets
 from .workload import RolloutSpec
@@ -96,6 +96,13 @@ def parser() -> argparse.ArgumentParser:
         help="before each phase and concurrency level, wait up to this long for other work on the machine to calm down",
     )
     p.add_argument("--quick", action="store_true", help="short smoke run (< 60 s), JSON only")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="abort (exit code 3, children killed) if the run takes longer; 0 = none (--quick: 150)",
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for <date>.json")
     p.add_argument(
         "--docs", default=None, help="markdown file to update (default docs/benchmarks.md; none with --quick)"
@@ -108,6 +115,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.turns, args.conversations, args.sizes, args.reps = 3, "1,4", "1k,200k", 12
     args.memory_conversations, args.stall_streams, args.stall_size, args.stall_repeats = 100, 2, "500k", 1
     args.clients_at_first, args.no_profile = "sdk", True
+    args.deadline = args.deadline or 150.0
     if args.latency == "realistic":
         args.latency = "quick"
     args.no_plot = True
@@ -175,7 +183,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             if not args.no_profile:
                 log("profile: py-spy on the sidecar during continuation turns")
                 raw = logs / "sidecar.pyspy.txt"
-                reps = max(20, args.reps // 2)
+                reps = max(20, args.reps)
                 report["profile"] = await profile_pass(emu, side, raw, reps=reps, seed=args.seed, log=log)
                 monitor.phase()
         if "rollouts" in phases:
@@ -235,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         _apply_quick(args)
     quiet_stderr()
     install_signal_handlers()
+    if args.deadline > 0:
+        arm_watchdog(args.deadline)
     started = time.perf_counter()
     try:
         report = asyncio.run(run(args, argv))

@@ -14,7 +14,9 @@ Every turn yields a :class:`TurnRecord`; times are ``time.perf_counter()`` secon
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -43,6 +45,8 @@ __all__ = [
 JSON = Any
 TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
 API_KEY = "sk-bench-0000"
+READ_TIMEOUT = 120.0
+"""Longest wait for the next event of a turn before the bench gives up on it (never hang)."""
 
 
 def sdk_headers(api_key: str = API_KEY) -> dict[str, str]:
@@ -108,6 +112,17 @@ def _float(value: str | None) -> float | None:
         return None
 
 
+async def _deadline(source: Any, seconds: float) -> AsyncIterator[Any]:
+    """Iterate an async iterable, giving up when one item takes longer than ``seconds``."""
+    iterator = source.__aiter__()
+    while True:
+        try:
+            item = await asyncio.wait_for(iterator.__anext__(), seconds)
+        except StopAsyncIteration:
+            return
+        yield item
+
+
 class SdkHttpAgent:
     """Full history over HTTP through the SDK (setup A: emulator; setup B: sidecar)."""
 
@@ -168,7 +183,7 @@ class SdkWsAgent:
         await self.conn.send(frame)
         ttfb = last = gap = 0.0
         final: Any = None
-        async for event in self.conn:
+        async for event in _deadline(self.conn, READ_TIMEOUT):
             now = time.perf_counter() - start
             if ttfb == 0.0:
                 ttfb = last = now
@@ -248,7 +263,7 @@ async def ws_create(ws: Any, frame: bytes) -> tuple[float, float, JSON, str, flo
     await ws.send(frame.decode())
     ttfb = last = gap = 0.0
     while True:
-        message = await ws.recv()
+        message = await asyncio.wait_for(ws.recv(), READ_TIMEOUT)
         now = time.perf_counter() - start
         if ttfb == 0.0:
             ttfb = last = now

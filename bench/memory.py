@@ -130,7 +130,8 @@ async def run_memory(emu: EmulatorProc, side: SidecarProc, n: int, *, warm: int 
     headers = sdk_headers()
     connector = aiohttp.TCPConnector(limit=parallel)
     modes: dict[str, int] = {}
-    async with aiohttp.ClientSession(connector=connector) as session:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def create(first: int, count: int) -> None:
             queue = iter(range(first, first + count))

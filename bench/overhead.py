@@ -29,7 +29,7 @@ import aiohttp
 import orjson
 import websockets
 
-from .clients import API_KEY, echo_items, post_sse, sdk_headers, ws_create
+from .clients import API_KEY, READ_TIMEOUT, echo_items, post_sse, sdk_headers, ws_create
 from .procs import EmulatorProc, SidecarProc
 from .stats import summary
 from .workload import body_fields, corpus, history_of_size
@@ -130,7 +130,8 @@ async def _measure_size(
     rng = random.Random(size)
     sidecar_requests = 0
     cpu_before = side.cpu_seconds()
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+    timeout = aiohttp.ClientTimeout(total=300, sock_read=READ_TIMEOUT)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         chain_no = 0
         while len(result.added_total) < reps:
             chain = _Chain(size, f"{label}-{seed}-{chain_no}-{time.monotonic_ns()}", per_chain + 1, seed)

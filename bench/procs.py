@@ -21,7 +21,16 @@ from typing import Any
 import aiohttp
 import psutil
 
-__all__ = ["EmulatorProc", "Managed", "SidecarProc", "free_port", "install_signal_handlers", "stop_all", "track"]
+__all__ = [
+    "EmulatorProc",
+    "Managed",
+    "SidecarProc",
+    "arm_watchdog",
+    "free_port",
+    "install_signal_handlers",
+    "stop_all",
+    "track",
+]
 
 JSON = Any
 _LIVE: list[Managed] = []
@@ -54,6 +63,20 @@ def _on_signal(signum: int, frame: object) -> None:
     """SIGINT/SIGTERM: kill every child process group now, then exit (no half-cancelled event loop)."""
     stop_all(grace=1.0)
     os._exit(128 + signum)
+
+
+def arm_watchdog(seconds: float) -> None:
+    """Hard stop (children killed, exit code 3) if the run is still going after ``seconds``."""
+    import threading
+
+    def fire() -> None:
+        print(f"bench: watchdog: still running after {seconds:.0f} s; stopping", file=sys.stderr, flush=True)
+        stop_all(grace=1.0)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
 
 
 def install_signal_handlers() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -13,7 +14,7 @@ import aiohttp
 import httpx2 as httpx
 from openai import AsyncOpenAI
 
-from .clients import API_KEY, Agent, RawHttpAgent, RawWsAgent, SdkHttpAgent, SdkWsAgent, TurnRecord
+from .clients import API_KEY, READ_TIMEOUT, Agent, RawHttpAgent, RawWsAgent, SdkHttpAgent, SdkWsAgent, TurnRecord
 from .workload import Rollout, RolloutSpec, body_fields, make_rollout
 
 __all__ = ["ConversationResult", "SetupResult", "Urls", "run_conversation", "run_setup"]
@@ -92,7 +93,8 @@ async def run_conversation(agent: Agent, rollout: Rollout, max_turns: int, tool_
     except Exception as exc:  # noqa: BLE001 - a failed rollout is reported, not fatal
         result.error = f"{type(exc).__name__}: {exc}"[:500]
     finally:
-        await agent.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(agent.close(), 10.0)
     return result
 
 
@@ -100,7 +102,7 @@ def _sdk_client(base_url: str, concurrency: int) -> AsyncOpenAI:
     limits = httpx.Limits(
         max_connections=max(100, concurrency * 2), max_keepalive_connections=max(100, concurrency * 2)
     )
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(READ_TIMEOUT, connect=30.0))
     return AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, http_client=http)
 
 
@@ -135,7 +137,8 @@ async def run_setup(
         sdk = _sdk_client(base, concurrency)
     else:
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=READ_TIMEOUT)
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout)
 
     def make_agent() -> Agent:
         if setup == "C":

@@ -103,7 +103,9 @@ async def run_stall(
     runs: dict[str, list[JSON]] = {"control": [], "new": [], "continuation": []}
     baselines: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=120, sock_read=60)
+    ) as session:
         for rep in range(repeats):
             continuation = await _continuation_body(session, side_url, headers, big_bytes, seed, f"stall-big-{rep}")
             history = history_of_size(big_bytes, seed, f"stall-new-{rep}", 2)
