@@ -111,6 +111,11 @@ class MatchingSettings:
     """Conversation heads kept in memory across identities (LRU)."""
     head_ttl_seconds: float = 3600.0
     """Forget a head unused for this long."""
+    hot_prefix_bytes: int = 256 * 1024 * 1024
+    """Request bodies kept, in total, so the next turn's history prefix is checked by a byte
+    comparison instead of a SHA-256 digest (faster; same answer)."""
+    hot_prefix_seconds: float = 120.0
+    """A kept body is let go this long after its turn (idle heads keep only digests)."""
 
 
 @dataclass(frozen=True, slots=True)

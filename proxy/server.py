@@ -167,7 +167,11 @@ class Server:
             server_log.addFilter(_FILTER)
         m = settings.matching
         heads = HeadTable(
-            max_heads=m.max_heads, ttl_seconds=m.head_ttl_seconds, allow_dropped_reasoning=m.allow_dropped_reasoning
+            max_heads=m.max_heads,
+            ttl_seconds=m.head_ttl_seconds,
+            allow_dropped_reasoning=m.allow_dropped_reasoning,
+            hot_bytes=m.hot_prefix_bytes,
+            hot_seconds=m.hot_prefix_seconds,
         )
         keys = KeySource(settings.api_key)
         self.services = Services(settings, keys, heads, Pool(settings, heads, spare=True), Passthrough(settings, keys))

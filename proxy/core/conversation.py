@@ -21,24 +21,14 @@ clock is passed in.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
-from proxy.core.rawjson import InputSpan, locate_input, parse_object_part
-from proxy.core.request import (
-    Base,
-    ParsedRequest,
-    make_request,
-    parse_request,
-    validate_fields,
-    validate_items,
-)
+from proxy.core.request import ParsedRequest, parse_request
 
 __all__ = ["Head", "HeadTable", "Lookup", "Match", "MissReason"]
 
@@ -70,32 +60,12 @@ class Head:
     last_used: float
     input_state: Any = None
     """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
-    raw: _Raw | None = None
+    raw: RawPrefix | None = None
     """Byte-level facts about the request body, for the next turn's fast parse."""
     busy: bool = False
     chained: bool = False
     """The app chained this turn itself (``previous_response_id``): its input is a delta, so
     the head serves only :meth:`HeadTable.anchor_for`, never full-history matching."""
-
-
-_PROBE = 32
-"""Bytes just before a prefix's end that index it (they hold the newest input item)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Raw:
-    """Where the previous body's input ended, and a digest of everything before that."""
-
-    length: int
-    """The prefix of the previous body that ends right after its last input item."""
-    probe: bytes
-    """``body[length - _PROBE : length]``."""
-    digest: bytes
-    """SHA-256 of ``body[:length]`` (truncated)."""
-    state: Any
-    """The SHA-256 state behind ``digest``, extended by the next turn."""
-    span: InputSpan
-    """The previous body's input span (its key and start offsets carry over)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +106,26 @@ class HeadTable:
         max_heads: Upper bound on heads kept; the least recently used goes first.
         ttl_seconds: A head unused for this long is forgotten.
         allow_dropped_reasoning: Accept echoes that leave out reasoning items.
+        hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
+            in total (least recently recorded dropped first).
+        hot_seconds: A body is dropped this long after its turn (the head then verifies the
+            next prefix with its digest: slower, same answer).
     """
 
     def __init__(
-        self, *, max_heads: int, ttl_seconds: float, allow_dropped_reasoning: bool = False
+        self,
+        *,
+        max_heads: int,
+        ttl_seconds: float,
+        allow_dropped_reasoning: bool = False,
+        hot_bytes: int = 256 * 1024 * 1024,
+        hot_seconds: float = 120.0,
     ) -> None:
         self.max_heads = max_heads
+        self.hot_bytes = hot_bytes
+        self.hot_seconds = hot_seconds
+        self._hot: OrderedDict[Hashable, float] = OrderedDict()
+        self._hot_size = 0
         self.ttl_seconds = ttl_seconds
         self.allow_dropped_reasoning = allow_dropped_reasoning
         self._heads: OrderedDict[Hashable, Head] = OrderedDict()
@@ -175,27 +159,17 @@ class HeadTable:
         by_length = self._raw.get(identity)
         if by_length:
             size = len(body)
-            hasher = hashlib.sha256()
-            done = 0
-            verified: list[tuple[Head, Any]] = []
-            for length in sorted(by_length):
-                if length >= size:
-                    break
-                anchors = by_length[length].get(body[length - _PROBE : length])
-                if not anchors:
-                    continue
-                hasher.update(memoryview(body)[done:length])
-                done = length
-                value = hasher.digest()[:16]
-                for anchor in anchors:
-                    head = self._heads[anchor]
-                    if head.raw is not None and value == head.raw.digest:
-                        verified.append((head, hasher.copy()))
             # Longest prefix first: it is the most recent turn of the conversation.
-            for head, state in reversed(verified):
-                fast = _fast_parse(head, body, state)
-                if fast is not None:
-                    return fast
+            for length in sorted(by_length, reverse=True):
+                if length >= size:
+                    continue
+                for anchor in by_length[length].get(body[length - PROBE : length], ()):
+                    head = self._heads[anchor]
+                    if head.raw is None or not head.raw.starts(body):
+                        continue
+                    fast = fast_parse(head.raw, anchor, head.n_input, head.input_state, body)
+                    if fast is not None:
+                        return fast
         return parse_request(body)
 
     def lookup(
@@ -341,7 +315,7 @@ class HeadTable:
                 output=fps,
                 last_used=now,
                 input_state=state,
-                raw=_raw_facts(req),
+                raw=raw_prefix(req),
             )
         self._heads[anchor] = head
         self._by_response[response_id] = anchor
@@ -353,6 +327,11 @@ class HeadTable:
             if head.raw is not None:
                 probes = self._raw.setdefault(identity, {}).setdefault(head.raw.length, {})
                 probes.setdefault(head.raw.probe, []).append(anchor)
+                if head.raw.body is not None:
+                    self._hot[anchor] = now
+                    self._hot_size += len(head.raw.body)
+                    while self._hot_size > self.hot_bytes and self._hot:
+                        self._cool(next(iter(self._hot)))
         while len(self._heads) > self.max_heads:
             self.discard(next(iter(self._heads)))
 
@@ -366,6 +345,7 @@ class HeadTable:
         if head.chained:
             return
         if head.raw is not None:
+            self._cool(anchor, head)
             by_length = self._raw[head.identity]
             probes = by_length[head.raw.length]
             probes[head.raw.probe].remove(anchor)
@@ -389,8 +369,23 @@ class HeadTable:
         if not bucket.lengths:
             del self._buckets[bucket_key]
 
+    def _cool(self, anchor: Hashable, head: Head | None = None) -> None:
+        """Let go of the body a head keeps for the byte comparison (the digest stays)."""
+        if self._hot.pop(anchor, None) is None:
+            return
+        head = head or self._heads.get(anchor)
+        if head is not None and head.raw is not None and head.raw.body is not None:
+            self._hot_size -= len(head.raw.body)
+            head.raw.body = None
+
     def expire(self, now: float) -> list[Hashable]:
-        """Drop heads unused for ``ttl_seconds``; returns their anchors."""
+        """Drop heads unused for ``ttl_seconds`` and bodies older than ``hot_seconds``;
+        returns the anchors of the heads dropped."""
+        while self._hot:
+            anchor, since = next(iter(self._hot.items()))
+            if now - since < self.hot_seconds:
+                break
+            self._cool(anchor)
         gone = []
         for anchor, head in self._heads.items():
             if now - head.last_used < self.ttl_seconds:
@@ -419,99 +414,3 @@ _STRENGTH = {
 def _stronger(current: str, candidate: str) -> str:
     """The more specific of two miss reasons (the one closest to a continuation)."""
     return candidate if _STRENGTH.get(candidate, 0) > _STRENGTH.get(current, 0) else current
-
-
-def _raw_facts(req: ParsedRequest) -> _Raw | None:
-    """The byte-level facts a head keeps about its request body (``None`` if unknown)."""
-    span = req.span
-    if span is None:
-        return None
-    body = req.body
-    # The prefix ends right after the last item, before any blank before "]": the next
-    # turn writes "," there (pretty-printed bodies differ in the blanks that follow).
-    length = span.end
-    while length > span.start and body[length - 1] in _WS:
-        length -= 1
-    if length <= span.start + 1 or length < _PROBE:
-        return None
-    if req.base is not None:
-        state = req.base.raw_state.copy()
-        state.update(memoryview(body)[req.base.raw_len : length])
-    else:
-        state = hashlib.sha256(memoryview(body)[:length])
-    return _Raw(length, body[length - _PROBE : length], state.digest()[:16], state, span)
-
-
-_WS = b" \t\r\n"
-
-
-def _fast_parse(head: Head, body: bytes, raw_state: Any) -> ParsedRequest | None:
-    """Parse ``body`` knowing it starts with the bytes of ``head``'s request up to its last item.
-
-    Returns ``None`` whenever the shortcut is not certain to agree with a full parse; the
-    caller then parses the whole body.
-    """
-    raw = head.raw
-    assert raw is not None
-    length = raw.length
-    i = length
-    while i < len(body) and body[i] in _WS:
-        i += 1
-    if i >= len(body):
-        return None
-    prefix = b'{"input":['
-    if body[i] == ord(","):
-        j = i + 1
-        while j < len(body) and body[j] in _WS:
-            j += 1
-        if j < len(body) and body[j] == ord("]"):
-            return None  # "[a, ]" is invalid JSON; "[" + "]" would not be.
-        source = prefix + body[i + 1 :]
-        shift = (i + 1) - len(prefix)
-    elif body[i] == ord("]"):
-        source = prefix + body[i:]
-        shift = i - len(prefix)
-    else:
-        return None
-    try:
-        tail_fields = orjson.loads(source)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(tail_fields, dict):
-        return None
-    tail = tail_fields.pop("input")
-    # The members before "input" are byte-identical to last turn's; parse just those.
-    begin = 0
-    while body[begin] in _WS:
-        begin += 1
-    end = raw.span.key - 1
-    while body[end] in _WS:
-        end -= 1
-    if end == begin:
-        before: dict[str, Any] | None = {}
-    elif body[end] == ord(","):
-        before = parse_object_part(body[begin + 1 : end])
-    else:
-        return None
-    if before is None or "input" in before or not isinstance(tail, list):
-        return None
-    tail_span = locate_input(source, {"input": tail, **tail_fields})
-    if tail_span is None:
-        return None
-    # A second top-level "input" after ours would win in a full parse: then the bytes up to
-    # the located end are not one array equal to ``tail``.
-    try:
-        if orjson.loads(source[tail_span.start : tail_span.end + 1]) != tail:
-            return None
-    except orjson.JSONDecodeError:
-        return None
-    fields: dict[str, Any] = {**before, "input": tail, **tail_fields}
-    validate_fields(fields)
-    validate_items(tail, head.n_input)
-    return make_request(
-        body,
-        fields,
-        InputSpan(raw.span.key, raw.span.start, tail_span.end + shift),
-        base=Base(head.anchor, head.n_input, head.input_state.copy(), raw_state, length),
-        tail=tail,
-    )

@@ -42,8 +42,8 @@ def body(items: list[Any], style: str = "compact", stream: bool = True, **extra:
     return dumps(fields, style)
 
 
-def run_chain(turns: int, style: str, texts: list[str]) -> tuple[HeadTable, list[Any], bytes]:
-    heads = HeadTable(max_heads=100, ttl_seconds=1e9)
+def run_chain(turns: int, style: str, texts: list[str], hot: bool = True) -> tuple[HeadTable, list[Any], bytes]:
+    heads = HeadTable(max_heads=100, ttl_seconds=1e9, hot_bytes=1 << 30 if hot else 0)
     items: list[Any] = [{"role": "user", "content": f"do {turns} steps"}]
     raw = body(items, style)
     for n in range(turns):
@@ -67,9 +67,24 @@ def run_chain(turns: int, style: str, texts: list[str]) -> tuple[HeadTable, list
     return heads, items, raw
 
 
+@pytest.mark.parametrize("hot", [True, False], ids=["bytes-compared", "digest-compared"])
 @pytest.mark.parametrize("style", ["compact", "spaced", "indented"])
-def test_chain_is_fast_parsed_every_turn(style: str) -> None:
-    run_chain(6, style, ['tricky ","input":[ ] }', "é ✓ \\u00e9", "x" * 5000])
+def test_chain_is_fast_parsed_every_turn(style: str, hot: bool) -> None:
+    run_chain(6, style, ['tricky ","input":[ ] }', "é ✓ \\u00e9", "x" * 5000], hot)
+
+
+def test_hot_bodies_are_bounded_and_cool_down() -> None:
+    heads = HeadTable(max_heads=10, ttl_seconds=1e9, hot_bytes=1000, hot_seconds=5.0)
+    for n in range(3):
+        items = [{"role": "user", "content": f"{n}" * 400}]
+        heads.record("id", f"s{n}", heads.parse("id", body(items)), {"id": f"r{n}", "output": [call(n)]}, float(n))
+    hot = [a for a in ("s0", "s1", "s2") if heads._heads[a].raw.body is not None]  # type: ignore[union-attr]
+    assert hot == ["s2"]  # two ~500-byte bodies do not fit in 1000 bytes
+    heads.expire(100.0)
+    assert heads._heads["s2"].raw.body is None  # type: ignore[union-attr]
+    # Cold heads still fast-parse (digest comparison).
+    items = [{"role": "user", "content": "2" * 400}, call(2), output(2, "x")]
+    assert heads.parse("id", body(items)).base is not None
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,145 @@
+"""The fast parse: read only the bytes after the history prefix the previous turn sent.
+
+Clients re-send their previous body byte for byte up to the end of its input (client-echo.md
+§1.2). A head keeps where that prefix ends (:class:`RawPrefix`); a new body that starts with
+the same bytes is parsed from there on only, and :func:`fast_parse` returns ``None`` whenever
+the shortcut is not certain to agree with a full parse.
+
+The prefix is verified with a byte comparison while the previous body is still held (a *hot*
+head: a conversation in the middle of its agent loop), otherwise with a SHA-256 digest, whose
+state is carried from turn to turn so each turn hashes only its own new bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.core.rawjson import InputSpan, locate_input, parse_object_part
+from proxy.core.request import Base, ParsedRequest, make_request, validate_fields, validate_items
+
+__all__ = ["PROBE", "RawPrefix", "fast_parse", "raw_prefix"]
+
+PROBE = 32
+"""Bytes just before a prefix's end that index it (they hold the newest input item)."""
+
+_WS = b" \t\r\n"
+
+
+@dataclass(slots=True)
+class RawPrefix:
+    """Where the previous body's input ended, and how to recognise everything before that."""
+
+    length: int
+    """The prefix of the previous body that ends right after its last input item."""
+    probe: bytes
+    """``body[length - PROBE : length]``."""
+    digest: bytes
+    """SHA-256 of ``body[:length]`` (truncated)."""
+    state: Any
+    """The SHA-256 state behind ``digest``, extended by the next turn."""
+    span: InputSpan
+    """The previous body's input span (its key and start offsets carry over)."""
+    body: bytes | None = None
+    """The previous body itself while the head is hot (a byte comparison beats hashing)."""
+
+    def starts(self, body: bytes) -> bool:
+        """Whether ``body`` starts with this prefix."""
+        if self.body is not None:
+            return body.startswith(memoryview(self.body)[: self.length])
+        return hashlib.sha256(memoryview(body)[: self.length]).digest()[:16] == self.digest
+
+
+def raw_prefix(req: ParsedRequest) -> RawPrefix | None:
+    """The byte-level facts a head keeps about its request body (``None`` if unknown)."""
+    span = req.span
+    if span is None:
+        return None
+    body = req.body
+    # The prefix ends right after the last item, before any blank before "]": the next
+    # turn writes "," there (pretty-printed bodies differ in the blanks that follow).
+    length = span.end
+    while length > span.start and body[length - 1] in _WS:
+        length -= 1
+    if length <= span.start + 1 or length < PROBE:
+        return None
+    if req.base is not None:
+        state = req.base.raw_state.copy()
+        state.update(memoryview(body)[req.base.raw_len : length])
+    else:
+        state = hashlib.sha256(memoryview(body)[:length])
+    return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, span, body)
+
+
+def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any, body: bytes) -> ParsedRequest | None:
+    """Parse ``body`` knowing it starts with ``raw``'s prefix (``n_input`` items).
+
+    Returns ``None`` whenever the shortcut is not certain to agree with a full parse; the
+    caller then parses the whole body.
+    """
+    length = raw.length
+    i = length
+    while i < len(body) and body[i] in _WS:
+        i += 1
+    if i >= len(body):
+        return None
+    prefix = b'{"input":['
+    if body[i] == ord(","):
+        j = i + 1
+        while j < len(body) and body[j] in _WS:
+            j += 1
+        if j < len(body) and body[j] == ord("]"):
+            return None  # "[a, ]" is invalid JSON; "[" + "]" would not be.
+        source = prefix + body[i + 1 :]
+        shift = (i + 1) - len(prefix)
+    elif body[i] == ord("]"):
+        source = prefix + body[i:]
+        shift = i - len(prefix)
+    else:
+        return None
+    try:
+        tail_fields = orjson.loads(source)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(tail_fields, dict):
+        return None
+    tail = tail_fields.pop("input")
+    # The members before "input" are byte-identical to last turn's; parse just those.
+    begin = 0
+    while body[begin] in _WS:
+        begin += 1
+    end = raw.span.key - 1
+    while body[end] in _WS:
+        end -= 1
+    if end == begin:
+        before: dict[str, Any] | None = {}
+    elif body[end] == ord(","):
+        before = parse_object_part(body[begin + 1 : end])
+    else:
+        return None
+    if before is None or "input" in before or not isinstance(tail, list):
+        return None
+    tail_span = locate_input(source, {"input": tail, **tail_fields})
+    if tail_span is None:
+        return None
+    # A second top-level "input" after ours would win in a full parse: then the bytes up to
+    # the located end are not one array equal to ``tail``.
+    try:
+        if orjson.loads(source[tail_span.start : tail_span.end + 1]) != tail:
+            return None
+    except orjson.JSONDecodeError:
+        return None
+    fields: dict[str, Any] = {**before, "input": tail, **tail_fields}
+    validate_fields(fields)
+    validate_items(tail, n_input)
+    return make_request(
+        body,
+        fields,
+        InputSpan(raw.span.key, raw.span.start, tail_span.end + shift),
+        base=Base(anchor, n_input, input_state.copy(), raw.state.copy(), length),
+        tail=tail,
+    )
