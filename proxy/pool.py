@@ -135,6 +135,7 @@ class Pool:
         self._idle: dict[Identity, OrderedDict[int, _Entry]] = {}
         self._counts: dict[Identity, int] = {}
         self._http_until: dict[Identity, float] = {}
+        self._swept: dict[Identity, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._housekeeper: asyncio.Task[None] | None = None
         self._closed = False
@@ -234,8 +235,17 @@ class Pool:
     ) -> tuple[Lease | None, list[_Entry]]:
         """Pick or reserve a socket. Synchronous: no other request interleaves."""
         pool = self.settings.pool
-        to_close = [self._retire(e) for e in list(self._idle.get(identity, {}).values()) if not self._usable(e, now)]
+        to_close: list[_Entry] = []
+        # Sweep expired idle sockets at most once a second per identity (not per request: with
+        # hundreds of conversations per key that scan would cost more than the request).
+        if now - self._swept.get(identity, -1.0) >= 1.0:
+            self._swept[identity] = now
+            idle_now = list(self._idle.get(identity, {}).values())
+            to_close = [self._retire(e) for e in idle_now if not self._usable(e, now)]
         wanted = self._entries.get(anchor) if isinstance(anchor, int) and not fresh else None
+        if wanted is not None and wanted.state is SocketState.IDLE and not self._usable(wanted, now):
+            to_close.append(self._retire(wanted))
+            wanted = None
         if wanted is not None and wanted.identity == identity and wanted.state is SocketState.IDLE:
             self._take(wanted)
             return Lease(wanted, anchored=True, fresh=False), to_close
@@ -243,13 +253,16 @@ class Pool:
         if idle and not fresh:
             for candidate in reversed(idle.values()):
                 if not candidate.holds_head:
+                    if not self._usable(candidate, now):
+                        to_close.append(self._retire(candidate))
+                        break  # the dict changed; a new socket is opened below if allowed
                     self._take(candidate)
                     return Lease(candidate, anchored=False, fresh=False), to_close
         if self._counts.get(identity, 0) >= pool.max_sockets_per_identity:
             if not idle:
                 return None, to_close
             victim = next(iter(idle.values()))
-            if not fresh:
+            if not fresh and self._usable(victim, now):
                 self._take(victim)
                 return Lease(victim, anchored=False, fresh=False), to_close
             to_close.append(self._retire(victim))
