@@ -52,3 +52,28 @@ async def sidecar(make_sidecar: SidecarFactory) -> Sidecar:
 async def stack(emulator: Emulator, sidecar: Sidecar) -> tuple[Emulator, Sidecar]:
     """``(emulator, sidecar)``: an app points at ``sidecar.base_url``."""
     return emulator, sidecar
+
+
+# -- the sidecar as a process (tests/sidecar.py SidecarProcess) -------------------------------------
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tests.sidecar import SidecarProcess  # noqa: E402
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
+    """Start ``python -m proxy`` subprocesses; every one is killed at teardown if still running."""
+    started: list[SidecarProcess] = []
+
+    def make(upstream: str, *args: str, env: dict[str, str] | None = None) -> SidecarProcess:
+        tmp = tmp_path / f"sidecar{len(started)}"
+        tmp.mkdir()
+        proc = SidecarProcess(upstream, tmp, *args, env=env)
+        started.append(proc)
+        return proc
+
+    yield make
+    for proc in started:
+        proc.kill()

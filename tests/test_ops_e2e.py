@@ -8,7 +8,6 @@ upstream is the in-process emulator on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import secrets
 import signal
@@ -21,7 +20,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-import psutil
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,88 +29,12 @@ from proxy.config import env_name, setting_keys
 from proxy.core.conversation import MissReason
 from proxy.demo import run_agent_loop
 from proxy.emulator import Emulator, LatencyModel
+from tests.sidecar import SidecarProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 pytestmark = pytest.mark.timeout(60)
-
-
-# -- a sidecar subprocess ------------------------------------------------------------------------
-
-
-class SidecarProcess:
-    """``python -m proxy`` on free ports, its stdout and stderr captured to files."""
-
-    def __init__(self, upstream: str, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.out_path, self.err_path = tmp / "sidecar.stdout", tmp / "sidecar.stderr"
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith("UPSHIFT_")}
-        child_env["PYTHONUNBUFFERED"] = "1"
-        child_env.update(env or {})
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-                 "--upstream", upstream, *args],
-                cwd=ROOT, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-            )  # fmt: skip
-        self.api = ""
-        """``http://127.0.0.1:PORT`` of the API listener."""
-        self.admin = ""
-        """``http://127.0.0.1:PORT`` of the admin listener."""
-
-    @property
-    def base_url(self) -> str:
-        return self.api + "/v1"
-
-    def logs(self) -> str:
-        """Everything the process wrote so far (stdout, then stderr)."""
-        return self.out_path.read_text(errors="replace") + self.err_path.read_text(errors="replace")
-
-    async def wait_ready(self, session: aiohttp.ClientSession, timeout: float = 15.0) -> None:
-        """Find both listeners, tell them apart by ``/healthz``, then wait for ``/readyz`` 200."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"sidecar exited with {self.proc.returncode}:\n{self.logs()}"
-            ports = sorted(
-                {
-                    c.laddr.port
-                    for c in psutil.Process(self.proc.pid).net_connections(kind="tcp")
-                    if c.status == psutil.CONN_LISTEN
-                }
-            )
-            if len(ports) == 2 and not self.admin:
-                for port in ports:
-                    async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
-                        if resp.status == 200 and (await resp.json()) == {"status": "ok"}:
-                            self.admin = f"http://127.0.0.1:{port}"
-                        else:
-                            self.api = f"http://127.0.0.1:{port}"
-            if self.admin and self.api:
-                async with session.get(self.admin + "/readyz") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"sidecar not ready within {timeout} s:\n{self.logs()}")
-
-    async def wait(self, timeout: float = 20.0) -> int:
-        """Wait for the exit without blocking the loop (the in-process emulator must keep
-        answering the sidecar's closing handshakes); returns the exit code."""
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            assert time.monotonic() < deadline, f"sidecar still running after {timeout} s"
-            await asyncio.sleep(0.02)
-        return self.proc.returncode
-
-    async def terminate(self, timeout: float = 20.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return await self.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 @pytest.fixture
@@ -121,21 +43,6 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-@pytest.fixture
-def spawn(tmp_path: Path) -> Any:
-    """Start sidecar subprocesses; every one is killed at teardown if still running."""
-    started: list[SidecarProcess] = []
-
-    def make(upstream: str, *args: str, env: dict[str, str] | None = None) -> SidecarProcess:
-        tmp = tmp_path / f"sidecar{len(started)}"
-        tmp.mkdir()
-        proc = SidecarProcess(upstream, tmp, *args, env=env)
-        started.append(proc)
-        return proc
-
-    yield make
-    for proc in started:
-        proc.kill()
 
 
 def _sample(text: str, name: str, **labels: str) -> float:

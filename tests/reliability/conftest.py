@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -12,7 +11,6 @@ from aiohttp import web
 
 import proxy.upstream
 from proxy.emulator import Emulator, ThreadedEmulator
-from tests.reliability.helpers import SidecarProcess
 from tests.sidecar import Sidecar
 
 EmulatorFactory = Callable[..., Awaitable[Emulator]]
@@ -101,18 +99,3 @@ def frames(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     return sent
 
 
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
-    """Sidecar subprocesses; each is killed at teardown if still running."""
-    started: list[SidecarProcess] = []
-
-    def make(upstream: str, *args: str, env: dict[str, str] | None = None) -> SidecarProcess:
-        tmp = tmp_path / f"sidecar{len(started)}"
-        tmp.mkdir()
-        proc = SidecarProcess(upstream, tmp, tuple(args), dict(env or {}))
-        started.append(proc)
-        return proc
-
-    yield make
-    for proc in started:
-        proc.kill()

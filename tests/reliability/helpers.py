@@ -8,20 +8,14 @@ bytes, exact headers) and, where the SDK's own reaction matters, with the real `
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import psutil
 from multidict import CIMultiDictProxy
 
 from proxy.emulator import Emulator
@@ -309,63 +303,3 @@ async def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.02)
 # -- a sidecar subprocess --------------------------------------------------------------------------
 
 
-@dataclass
-class SidecarProcess:
-    """``python -m proxy`` on free loopback ports, stdout/stderr captured to files."""
-
-    upstream: str
-    tmp: Path
-    args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    api: str = ""
-    admin: str = ""
-
-    def __post_init__(self) -> None:
-        self.out_path, self.err_path = self.tmp / "sidecar.stdout", self.tmp / "sidecar.stderr"
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith(("UPSHIFT_", "OPENAI_"))}
-        child_env.update(PYTHONUNBUFFERED="1", **self.env)
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-                 "--upstream", self.upstream, *self.args],
-                cwd=ROOT, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-            )  # fmt: skip
-
-    @property
-    def base_url(self) -> str:
-        return self.api + "/v1"
-
-    def logs(self) -> str:
-        return self.out_path.read_text(errors="replace") + self.err_path.read_text(errors="replace")
-
-    async def wait_ready(self, http: aiohttp.ClientSession, timeout: float = 15.0) -> None:
-        """Find both listeners (psutil), tell them apart by ``/healthz``, wait for ``/readyz`` 200."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"sidecar exited with {self.proc.returncode}:\n{self.logs()}"
-            ports = sorted(
-                {
-                    c.laddr.port
-                    for c in psutil.Process(self.proc.pid).net_connections(kind="tcp")
-                    if c.status == psutil.CONN_LISTEN
-                }
-            )
-            if len(ports) == 2 and not self.admin:
-                for port in ports:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
-                            if resp.status == 200 and (await resp.json()) == {"status": "ok"}:
-                                self.admin = f"http://127.0.0.1:{port}"
-                            else:
-                                self.api = f"http://127.0.0.1:{port}"
-            if self.admin and self.api:
-                async with http.get(self.admin + "/readyz") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"sidecar not ready within {timeout} s:\n{self.logs()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(5)

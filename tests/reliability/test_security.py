@@ -35,7 +35,6 @@ from tests.reliability.helpers import (
     MODEL,
     ROOT,
     Conversation,
-    SidecarProcess,
     assert_openai_error,
     assert_pool_quiet,
     auth,
@@ -44,7 +43,7 @@ from tests.reliability.helpers import (
     user,
     wait_for,
 )
-from tests.sidecar import Sidecar
+from tests.sidecar import Sidecar, SidecarProcess
 
 pytestmark = pytest.mark.timeout(90)
 

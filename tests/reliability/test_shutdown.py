@@ -18,7 +18,8 @@ import pytest
 
 from proxy.emulator import LatencyModel
 from tests.reliability.conftest import EmulatorFactory
-from tests.reliability.helpers import MODEL, Reply, SidecarProcess, auth, check_answer, parse_sse, user, wait_for
+from tests.reliability.helpers import MODEL, Reply, auth, check_answer, parse_sse, user, wait_for
+from tests.sidecar import SidecarProcess
 
 pytestmark = pytest.mark.timeout(90)
 

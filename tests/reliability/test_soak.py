@@ -37,7 +37,6 @@ from tests.reliability.conftest import EmulatorFactory, SidecarFor, ThreadedEmul
 from tests.reliability.helpers import (
     MODEL,
     Reply,
-    SidecarProcess,
     assert_pool_quiet,
     auth,
     leaked_tasks,
@@ -46,6 +45,7 @@ from tests.reliability.helpers import (
     replays,
     wait_for,
 )
+from tests.sidecar import SidecarProcess
 
 CONVERSATIONS = 200
 TURNS = 50
