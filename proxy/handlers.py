@@ -15,12 +15,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
 from proxy.config import Settings
 from proxy.core.channel import Channel, Outcome
 from proxy.core.conversation import HeadTable, Lookup, MissReason
+from proxy.core.fastparse import hash_prefix, prefix_length
 from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport
 from proxy.core.retry import Replay, classify, is_connection_limit
 from proxy.errors import (
@@ -177,6 +179,7 @@ async def _websocket(
     heads, pool = svc.heads, svc.pool
     lookup: Lookup = heads.lookup(identity.digest, req, time.monotonic(), pool.is_idle)
     match = lookup.match
+    prefix = _hash_prefix_in_thread(req)
     if lookup.dropped_reasoning:
         DROPPED_REASONING.labels("true" if match else "false").inc()
     anchor = match.anchor if match else None
@@ -224,7 +227,8 @@ async def _websocket(
             UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
             done = channel.outcome is Outcome.COMPLETED and channel.response is not None
             if done and channel.response is not None:
-                heads.record(identity.digest, lease.key, req, channel.response, time.monotonic())
+                state = await prefix if prefix is not None else None
+                heads.record(identity.digest, lease.key, req, channel.response, time.monotonic(), state)
             else:
                 heads.discard(lease.key)
                 rid = channel.response.get("id") if channel.response else None
@@ -289,6 +293,18 @@ async def _surface(
         outs.append(channel.error_out(channel.terminal))
     await down.write(outs)
     return await down.end()
+
+
+def _hash_prefix_in_thread(req: ParsedRequest) -> asyncio.Future[Any] | None:
+    """For a large body parsed in full, hash its history prefix (the next turn's fast-parse
+    check) in a worker thread while the upstream works: SHA-256 of megabytes would otherwise
+    hold the event loop for milliseconds when the head is recorded."""
+    if req.base is not None or len(req.body) <= _WARM_ABOVE:
+        return None
+    length = prefix_length(req)
+    if length is None:
+        return None
+    return asyncio.ensure_future(asyncio.to_thread(hash_prefix, req.body, length))
 
 
 async def cut_stream(down: Downstream, channel: Channel) -> None:

@@ -292,8 +292,13 @@ class HeadTable:
         req: ParsedRequest,
         response: dict[str, Any],
         now: float,
+        prefix_state: Any = None,
     ) -> None:
-        """``response.completed`` arrived on ``anchor`` for ``req``: it becomes the head."""
+        """``response.completed`` arrived on ``anchor`` for ``req``: it becomes the head.
+
+        ``prefix_state`` is :func:`~proxy.core.fastparse.hash_prefix` of a fully parsed body,
+        when the caller computed it off the event loop.
+        """
         self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
@@ -315,7 +320,7 @@ class HeadTable:
                 output=fps,
                 last_used=now,
                 input_state=state,
-                raw=raw_prefix(req),
+                raw=raw_prefix(req, prefix_state),
             )
         self._heads[anchor] = head
         self._by_response[response_id] = anchor

@@ -22,7 +22,7 @@ import orjson
 from proxy.core.rawjson import InputSpan, locate_input, parse_object_part
 from proxy.core.request import Base, ParsedRequest, make_request, validate_fields, validate_items
 
-__all__ = ["PROBE", "RawPrefix", "fast_parse", "raw_prefix"]
+__all__ = ["PROBE", "RawPrefix", "fast_parse", "hash_prefix", "prefix_length", "raw_prefix"]
 
 PROBE = 32
 """Bytes just before a prefix's end that index it (they hold the newest input item)."""
@@ -54,8 +54,8 @@ class RawPrefix:
         return hashlib.sha256(memoryview(body)[: self.length]).digest()[:16] == self.digest
 
 
-def raw_prefix(req: ParsedRequest) -> RawPrefix | None:
-    """The byte-level facts a head keeps about its request body (``None`` if unknown)."""
+def prefix_length(req: ParsedRequest) -> int | None:
+    """Where the next turn's byte-identical prefix of ``req.body`` ends, if known."""
     span = req.span
     if span is None:
         return None
@@ -67,12 +67,31 @@ def raw_prefix(req: ParsedRequest) -> RawPrefix | None:
         length -= 1
     if length <= span.start + 1 or length < PROBE:
         return None
+    return length
+
+
+def hash_prefix(body: bytes, length: int) -> Any:
+    """SHA-256 state of ``body[:length]`` (hashlib releases the GIL: fine in a worker thread)."""
+    return hashlib.sha256(memoryview(body)[:length])
+
+
+def raw_prefix(req: ParsedRequest, state: Any = None) -> RawPrefix | None:
+    """The byte-level facts a head keeps about its request body (``None`` if unknown).
+
+    Args:
+        req: The request the head is recorded for.
+        state: ``hash_prefix(req.body, prefix_length(req))`` if already computed elsewhere.
+    """
+    length = prefix_length(req)
+    if length is None or req.span is None:
+        return None
+    body = req.body
     if req.base is not None:
         state = req.base.raw_state.copy()
         state.update(memoryview(body)[req.base.raw_len : length])
-    else:
-        state = hashlib.sha256(memoryview(body)[:length])
-    return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, span, body)
+    elif state is None:
+        state = hash_prefix(body, length)
+    return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body)
 
 
 def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any, body: bytes) -> ParsedRequest | None:

@@ -396,7 +396,8 @@ def _frame(
         raw_input = fields.get("input")
         return _dumps({**before, **({"input": raw_input} if "input" in fields else {}), **after})
     head = _dumps(before)[:-1] + b',"input":'
-    array = req.body[req.span.start : req.span.end + 1]
+    # One copy of the history into the frame (slicing and "+" would copy it three times).
+    array = memoryview(req.body)[req.span.start : req.span.end + 1]
     if after:
-        return head + array + b"," + _dumps(after)[1:]
-    return head + array + b"}"
+        return b"".join((head, array, b",", _dumps(after)[1:]))
+    return b"".join((head, array, b"}"))
