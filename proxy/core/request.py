@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -333,9 +332,16 @@ def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tup
     return Transport.WS, ""
 
 
-_HUGE_NUMBER = re.compile(rb"[0-9][eE]\+?(?:19|[2-9][0-9]|[0-9]{3})")
-"""A float of 1e19 or more in orjson's output: possibly an integer beyond 64 bits that orjson
-parsed as a float, which must reach the upstream with its exact digits."""
+def _has_huge_float(value: Any) -> bool:
+    """Whether ``value`` holds an integral float of 2**63 or more: possibly an integer beyond 64
+    bits that orjson parsed as a float, which must reach the upstream with its exact digits."""
+    if isinstance(value, float):
+        return abs(value) >= 2.0**63 and value.is_integer()
+    if isinstance(value, dict):
+        return any(_has_huge_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_huge_float(v) for v in value)
+    return False
 
 
 def build_frame(
@@ -356,7 +362,10 @@ def build_frame(
         items: The new items of a continuation; ``None`` keeps the app's whole input.
     """
     frame = _frame(req, req.fields, previous_response_id, items)
-    if _HUGE_NUMBER.search(frame if items is not None or req.span is None else _written_part(req, frame)):
+    # Only what is written anew is checked: a spliced input array keeps the app's own digits.
+    written = items if items is not None else (req.fields.get("input") if req.span is None else None)
+    others = [v for k, v in req.fields.items() if k != "input"]
+    if _has_huge_float(others) or _has_huge_float(written):
         # Rare: re-read the body with the stdlib parser, which keeps every integer exact.
         exact = json.loads(req.body.decode("utf-8"))
         if items is not None:
@@ -365,14 +374,6 @@ def build_frame(
             items = exact_items[len(exact_items) - len(items) :] if items else []
         frame = _frame(req, exact, previous_response_id, items)
     return frame
-
-
-def _written_part(req: ParsedRequest, frame: bytes) -> bytes:
-    """The bytes of a spliced full frame that were written anew (all but the input array)."""
-    assert req.span is not None
-    size = req.span.end + 1 - req.span.start
-    at = frame.index(b',"input":') + len(b',"input":')
-    return frame[:at] + frame[at + size :]
 
 
 def _frame(
