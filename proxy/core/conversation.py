@@ -184,16 +184,12 @@ class HeadTable:
             return Lookup(None, MissReason.APP_CHAINED)
         self.expire(now)
         if req.base is not None and req.tail is not None:
+            # A fast parse knows its head: try it first; on a miss the search below decides.
             head = self._heads.get(req.base.anchor)
             if head is not None and head.identity == identity and head.settings == req.settings_digest:
-                found = self._continue(head, req.tail, 0)
-                if not isinstance(found, str):
-                    consumed, dropped = found
-                    if (not dropped or self.allow_dropped_reasoning) and not head.busy and is_idle(head.anchor):
-                        head.last_used = now
-                        self._heads.move_to_end(head.anchor)
-                        match = Match(head.anchor, head.response_id, req.tail[consumed:], req.base.count + consumed)
-                        return Lookup(match, "continuation", dropped)
+                found, _, _ = self._try(head, req.tail, 0, req.base.count, now, is_idle)
+                if found is not None:
+                    return found
         bucket = self._buckets.get((identity, req.settings_digest))
         reason = MissReason.NO_HEAD
         dropped_seen = 0
@@ -203,27 +199,42 @@ class HeadTable:
             digests = req.prefix_digests(lengths)
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
-                    head = self._heads[anchor]
-                    found = self._continue(head, req.items, n)
-                    if isinstance(found, str):
-                        reason = _stronger(reason, found)
-                        continue
-                    consumed, dropped = found
-                    if dropped and not self.allow_dropped_reasoning:
+                    found, why, dropped = self._try(self._heads[anchor], req.items, n, 0, now, is_idle)
+                    if found is not None:
+                        return found
+                    if why == MissReason.DROPPED_REASONING:
                         dropped_seen = dropped
-                        reason = _stronger(reason, MissReason.DROPPED_REASONING)
-                        continue
-                    if head.busy or not is_idle(anchor):
-                        reason = _stronger(reason, MissReason.HEAD_BUSY)
-                        continue
-                    head.last_used = now
-                    self._heads.move_to_end(anchor)
-                    new_items = req.items[n + consumed :]
-                    match = Match(anchor, head.response_id, new_items, n + consumed)
-                    return Lookup(match, "continuation", dropped)
+                    reason = _stronger(reason, why)
         if reason == MissReason.NO_HEAD and self._matches_other_settings(identity, req):
             reason = MissReason.SETTINGS_CHANGED
         return Lookup(None, reason, dropped_seen)
+
+    def _try(
+        self,
+        head: Head,
+        items: Sequence[Any],
+        n: int,
+        skipped: int,
+        now: float,
+        is_idle: Callable[[Hashable], bool],
+    ) -> tuple[Lookup | None, str, int]:
+        """Continue ``head`` with ``items[n:]`` if its echo matches and its socket is idle.
+
+        ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix).
+        Returns ``(the continuation, or None; the miss reason; reasoning items dropped)``.
+        """
+        found = self._continue(head, items, n)
+        if isinstance(found, str):
+            return None, found, 0
+        consumed, dropped = found
+        if dropped and not self.allow_dropped_reasoning:
+            return None, MissReason.DROPPED_REASONING, dropped
+        if head.busy or not is_idle(head.anchor):
+            return None, MissReason.HEAD_BUSY, dropped
+        head.last_used = now
+        self._heads.move_to_end(head.anchor)
+        match = Match(head.anchor, head.response_id, list(items[n + consumed :]), skipped + n + consumed)
+        return Lookup(match, "continuation", dropped), "continuation", dropped
 
     def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int] | str:
         """Match the echo of ``head.output`` at ``items[n:]``.

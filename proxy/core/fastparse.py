@@ -19,16 +19,13 @@ from typing import Any
 
 import orjson
 
-from proxy.core.rawjson import InputSpan, locate_input, parse_object_part
+from proxy.core.rawjson import InputSpan, blank_back, blank_forward, locate_input, parse_object_part
 from proxy.core.request import Base, ParsedRequest, make_request, validate_fields, validate_items
 
 __all__ = ["PROBE", "RawPrefix", "fast_parse", "hash_prefix", "prefix_length", "raw_prefix"]
 
 PROBE = 32
 """Bytes just before a prefix's end that index it (they hold the newest input item)."""
-
-_WS = b" \t\r\n"
-
 
 @dataclass(slots=True)
 class RawPrefix:
@@ -62,9 +59,7 @@ def prefix_length(req: ParsedRequest) -> int | None:
     body = req.body
     # The prefix ends right after the last item, before any blank before "]": the next
     # turn writes "," there (pretty-printed bodies differ in the blanks that follow).
-    length = span.end
-    while length > span.start and body[length - 1] in _WS:
-        length -= 1
+    length = blank_back(body, span.end - 1) + 1  # stops at the "[" at span.start at the latest
     if length <= span.start + 1 or length < PROBE:
         return None
     return length
@@ -101,16 +96,12 @@ def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any,
     caller then parses the whole body.
     """
     length = raw.length
-    i = length
-    while i < len(body) and body[i] in _WS:
-        i += 1
+    i = blank_forward(body, length)
     if i >= len(body):
         return None
     prefix = b'{"input":['
     if body[i] == ord(","):
-        j = i + 1
-        while j < len(body) and body[j] in _WS:
-            j += 1
+        j = blank_forward(body, i + 1)
         if j < len(body) and body[j] == ord("]"):
             return None  # "[a, ]" is invalid JSON; "[" + "]" would not be.
         source = prefix + body[i + 1 :]
@@ -128,12 +119,8 @@ def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any,
         return None
     tail = tail_fields.pop("input")
     # The members before "input" are byte-identical to last turn's; parse just those.
-    begin = 0
-    while body[begin] in _WS:
-        begin += 1
-    end = raw.span.key - 1
-    while body[end] in _WS:
-        end -= 1
+    begin = blank_forward(body, 0)
+    end = blank_back(body, raw.span.key - 1)
     if end == begin:
         before: dict[str, Any] | None = {}
     elif body[end] == ord(","):

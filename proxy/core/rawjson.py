@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["InputSpan", "locate_input", "parse_object_part"]
+__all__ = ["InputSpan", "blank_back", "blank_forward", "locate_input", "parse_object_part"]
 
 _WS = b" \t\r\n"
 _MAX_TRIES = 8
@@ -56,14 +56,14 @@ def _key_pattern(key: str) -> bytes | None:
     return None if b"\\" in encoded else encoded
 
 
-def _back(body: bytes, i: int) -> int:
+def blank_back(body: bytes, i: int) -> int:
     """The last non-blank offset at or before ``i`` (-1 if none)."""
     while i >= 0 and body[i] in _WS:
         i -= 1
     return i
 
 
-def _forward(body: bytes, i: int) -> int:
+def blank_forward(body: bytes, i: int) -> int:
     """The first non-blank offset at or after ``i`` (``len(body)`` if none)."""
     while i < len(body) and body[i] in _WS:
         i += 1
@@ -82,10 +82,10 @@ def _members_after(body: bytes, keys: list[str], fields: dict[str, Any], closing
         if q < 0:
             return None
         end = q
-        colon = _forward(body, q + len(pattern))
+        colon = blank_forward(body, q + len(pattern))
         if colon >= len(body) or body[colon] != ord(":"):
             continue
-        comma = _back(body, q - 1)
+        comma = blank_back(body, q - 1)
         if comma < 0 or body[comma] != ord(","):
             continue
         if parse_object_part(body[q:closing]) == want:
@@ -102,8 +102,8 @@ def locate_input(body: bytes, fields: dict[str, Any]) -> InputSpan | None:
     if not isinstance(fields.get("input"), list):
         return None
     index = keys.index("input")
-    closing = _back(body, len(body) - 1)
-    begin = _forward(body, 0)
+    closing = blank_back(body, len(body) - 1)
+    begin = blank_forward(body, 0)
     if closing <= begin or body[closing] != ord("}") or body[begin] != ord("{"):
         return None
     # The array's closing bracket: the last non-blank byte before the members after it.
@@ -111,9 +111,9 @@ def locate_input(body: bytes, fields: dict[str, Any]) -> InputSpan | None:
         comma = _members_after(body, keys[index + 1 :], fields, closing)
         if comma is None:
             return None
-        end = _back(body, comma - 1)
+        end = blank_back(body, comma - 1)
     else:
-        end = _back(body, closing - 1)
+        end = blank_back(body, closing - 1)
     if end < 0 or body[end] != ord("]"):
         return None
     # The key: the first top-level "input" whose preceding members are the known ones.
@@ -124,13 +124,13 @@ def locate_input(body: bytes, fields: dict[str, Any]) -> InputSpan | None:
         if q < 0:
             return None
         start = q + 1
-        colon = _forward(body, q + 7)
+        colon = blank_forward(body, q + 7)
         if colon >= end or body[colon] != ord(":"):
             continue
-        array = _forward(body, colon + 1)
+        array = blank_forward(body, colon + 1)
         if array >= end or body[array] != ord("["):
             continue
-        before_end = _back(body, q - 1)
+        before_end = blank_back(body, q - 1)
         if before_end == begin:
             before: dict[str, Any] | None = {}
         elif body[before_end] == ord(","):
