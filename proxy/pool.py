@@ -60,6 +60,7 @@ def hold_off_seconds(status: int, headers: dict[str, str]) -> float:
         return min(retry_after, _MAX_HOLD_OFF_SECONDS)
     return _HTTP_AFTER_AUTH_REFUSAL_SECONDS if status in (401, 403) else 0.0
 
+
 _GAUGES = {"open": SOCKETS.labels("open"), "busy": SOCKETS.labels("busy"), "idle": SOCKETS.labels("idle")}
 
 

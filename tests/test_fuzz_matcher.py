@@ -42,19 +42,46 @@ def output_items(draw: st.DrawFn, turn: int) -> list[dict[str, Any]]:
     """One response's output: optional reasoning, optional message, 0-2 function calls."""
     out: list[dict[str, Any]] = []
     if draw(st.booleans()):
-        out.append({"id": f"rs_{turn}", "type": "reasoning",
-                    "summary": [{"type": "summary_text", "text": draw(texts)}],
-                    "encrypted_content": f"enc-{turn}-{draw(texts)}"})
+        out.append(
+            {
+                "id": f"rs_{turn}",
+                "type": "reasoning",
+                "summary": [{"type": "summary_text", "text": draw(texts)}],
+                "encrypted_content": f"enc-{turn}-{draw(texts)}",
+            }
+        )
     if draw(st.booleans()):
-        out.append({"id": f"msg_{turn}", "type": "message", "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": draw(texts), "annotations": [], "logprobs": []}]})
+        out.append(
+            {
+                "id": f"msg_{turn}",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": draw(texts), "annotations": [], "logprobs": []}],
+            }
+        )
     for k in range(draw(st.integers(0, 2))):
         args = draw(st.dictionaries(texts, json_values, max_size=3))
-        out.append({"id": f"fc_{turn}_{k}", "type": "function_call", "status": "completed",
-                    "call_id": f"call_{turn}_{k}", "name": "tool", "arguments": json.dumps(args)})
+        out.append(
+            {
+                "id": f"fc_{turn}_{k}",
+                "type": "function_call",
+                "status": "completed",
+                "call_id": f"call_{turn}_{k}",
+                "name": "tool",
+                "arguments": json.dumps(args),
+            }
+        )
     if not out:
-        out.append({"id": f"msg_{turn}", "type": "message", "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": "done", "annotations": []}]})
+        out.append(
+            {
+                "id": f"msg_{turn}",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "done", "annotations": []}],
+            }
+        )
     return out
 
 

@@ -43,8 +43,6 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-
-
 def _sample(text: str, name: str, **labels: str) -> float:
     """The value of one sample of a Prometheus exposition (0 if absent)."""
     for family in text_string_to_metric_families(text):

@@ -27,6 +27,7 @@ __all__ = ["PROBE", "RawPrefix", "fast_parse", "hash_prefix", "prefix_length", "
 PROBE = 32
 """Bytes just before a prefix's end that index it (they hold the newest input item)."""
 
+
 @dataclass(slots=True)
 class RawPrefix:
     """Where the previous body's input ended, and how to recognise everything before that."""

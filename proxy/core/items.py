@@ -98,8 +98,7 @@ def item_key(item: Mapping[str, Any]) -> bytes:
         parts = _message_parts(value)
         if isinstance(parts, list):
             value["content"] = [
-                {k: v for k, v in p.items() if k != "parsed"} if isinstance(p, dict) else p
-                for p in parts
+                {k: v for k, v in p.items() if k != "parsed"} if isinstance(p, dict) else p for p in parts
             ]
     return digest(_dumps(value))
 
@@ -186,9 +185,7 @@ def fingerprint(item: Mapping[str, Any]) -> OutputFingerprint:
             if isinstance(part, dict):
                 notes = part.get("annotations")
                 optional.append((f"annotations.{index}", digest(_dumps(canonical(notes or [])))))
-        return OutputFingerprint(
-            kind, item_id, _message_main(item.get("role"), parts), alt, tuple(optional)
-        )
+        return OutputFingerprint(kind, item_id, _message_main(item.get("role"), parts), alt, tuple(optional))
     if kind == "function_call":
         main = {"call_id": item.get("call_id"), "name": item.get("name")}
         main["arguments"] = _args_value(item.get("arguments"))

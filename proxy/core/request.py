@@ -37,9 +37,7 @@ __all__ = [
 TRANSPORT_ONLY_FIELDS = frozenset({"stream", "stream_options", "background"})
 """Fields that describe the HTTP exchange, not the model call; never sent in a frame."""
 
-NON_SETTINGS_FIELDS = frozenset(
-    {"input", "previous_response_id", "stream", "stream_options", "client_metadata"}
-)
+NON_SETTINGS_FIELDS = frozenset({"input", "previous_response_id", "stream", "stream_options", "client_metadata"})
 """Fields left out of the settings comparison (client-echo.md rule 8)."""
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -247,9 +245,7 @@ def validate_fields(fields: dict[str, Any]) -> None:
     if isinstance(tools, list):
         for index, tool in enumerate(tools):
             if not isinstance(tool, dict):
-                raise InvalidRequest(
-                    f"Invalid type for 'tools[{index}]': expected an object.", param=f"tools[{index}]"
-                )
+                raise InvalidRequest(f"Invalid type for 'tools[{index}]': expected an object.", param=f"tools[{index}]")
 
 
 def validate_items(items: list[Any], offset: int = 0) -> None:
@@ -279,9 +275,7 @@ def parse_request(body: bytes) -> ParsedRequest:
         validate_items(raw_input)
         items = raw_input
     else:
-        raise InvalidRequest(
-            "Invalid type for 'input': expected a string or an array of input items.", param="input"
-        )
+        raise InvalidRequest("Invalid type for 'input': expected a string or an array of input items.", param="input")
     span = locate_input(body, fields) if isinstance(raw_input, list) and raw_input else None
     return make_request(body, fields, span, items=items)
 

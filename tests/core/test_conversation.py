@@ -22,8 +22,14 @@ def req(items: list[Any], **fields: Any) -> ParsedRequest:
 
 
 def call(n: int) -> dict[str, Any]:
-    return {"id": f"fc_{n}", "type": "function_call", "status": "completed", "call_id": f"call_{n}",
-            "name": "read", "arguments": f'{{"step":{n}}}'}
+    return {
+        "id": f"fc_{n}",
+        "type": "function_call",
+        "status": "completed",
+        "call_id": f"call_{n}",
+        "name": "read",
+        "arguments": f'{{"step":{n}}}',
+    }
 
 
 def result(n: int) -> dict[str, Any]:
@@ -184,8 +190,7 @@ def test_record_replaces_the_sockets_previous_head() -> None:
     heads.record("id", "s1", r2, response("resp_2", call(2)), 1)
     assert len(heads) == 1
     # The older turn's successor no longer matches: that anchor is gone from the socket.
-    assert heads.lookup("id", req([USER, call(1), result(1), {"role": "user", "content": "x"}]), 2,
-                        IDLE).match is None
+    assert heads.lookup("id", req([USER, call(1), result(1), {"role": "user", "content": "x"}]), 2, IDLE).match is None
 
 
 def test_string_input_then_list_input_continues() -> None:

@@ -18,8 +18,14 @@ IDLE = lambda anchor: True  # noqa: E731
 
 
 def call(n: int) -> dict[str, Any]:
-    return {"id": f"fc_{n}", "type": "function_call", "status": "completed", "call_id": f"call_{n}",
-            "name": "read", "arguments": json.dumps({"path": f"src/{n}.py"})}
+    return {
+        "id": f"fc_{n}",
+        "type": "function_call",
+        "status": "completed",
+        "call_id": f"call_{n}",
+        "name": "read",
+        "arguments": json.dumps({"path": f"src/{n}.py"}),
+    }
 
 
 def output(n: int, text: str) -> dict[str, Any]:
@@ -53,8 +59,9 @@ def run_chain(turns: int, style: str, texts: list[str], hot: bool = True) -> tup
             assert req.base is not None, f"turn {n} was not fast-parsed"
             assert found.match is not None, found.reason
             assert found.match.new_items == [items[-1]]
-            frame = orjson.loads(build_frame(req, previous_response_id=found.match.response_id,
-                                             items=found.match.new_items))
+            frame = orjson.loads(
+                build_frame(req, previous_response_id=found.match.response_id, items=found.match.new_items)
+            )
             assert frame["input"] == [items[-1]] and frame["previous_response_id"] == f"resp_{n - 1}"
         full = orjson.loads(build_frame(req))
         slow = parse_request(raw)

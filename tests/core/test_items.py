@@ -23,9 +23,7 @@ MESSAGE = {
     "status": "completed",
     "role": "assistant",
     "phase": "commentary",
-    "content": [
-        {"type": "output_text", "text": "Checking the weather.", "annotations": [], "logprobs": []}
-    ],
+    "content": [{"type": "output_text", "text": "Checking the weather.", "annotations": [], "logprobs": []}],
 }
 CALL = {
     "id": "fc_1",
@@ -70,11 +68,15 @@ def _string_content(item: dict[str, Any]) -> dict[str, Any]:
 def _langchain_v0(item: dict[str, Any]) -> dict[str, Any]:
     if item["type"] == "function_call":
         args = json.dumps(json.loads(item["arguments"]), ensure_ascii=False)
-        return {"type": "function_call", "name": item["name"], "arguments": args,
-                "call_id": item["call_id"], "id": item["id"]}
+        return {
+            "type": "function_call",
+            "name": item["name"],
+            "arguments": args,
+            "call_id": item["call_id"],
+            "id": item["id"],
+        }
     if item["type"] == "message":
-        parts = [{"type": "output_text", "text": p["text"], "annotations": p["annotations"]}
-                 for p in item["content"]]
+        parts = [{"type": "output_text", "text": p["text"], "annotations": p["annotations"]} for p in item["content"]]
         return {"type": "message", "content": parts, "role": "assistant", "phase": item.get("phase")}
     return {k: v for k, v in item.items() if v is not None}
 
@@ -82,22 +84,37 @@ def _langchain_v0(item: dict[str, Any]) -> dict[str, Any]:
 def _langchain_v1(item: dict[str, Any]) -> dict[str, Any]:
     if item["type"] == "function_call":
         args = json.dumps(json.loads(item["arguments"]), separators=(",", ":"))  # \u00e3 escapes
-        return {"type": "function_call", "name": item["name"], "arguments": args,
-                "call_id": item["call_id"], "id": item["id"]}
+        return {
+            "type": "function_call",
+            "name": item["name"],
+            "arguments": args,
+            "call_id": item["call_id"],
+            "id": item["id"],
+        }
     return _langchain_v0(item)
 
 
 def _vercel_store_false(item: dict[str, Any]) -> dict[str, Any]:
     if item["type"] == "reasoning":
-        return {"type": "reasoning", "id": item["id"],
-                "encrypted_content": item["encrypted_content"], "summary": item["summary"]}
+        return {
+            "type": "reasoning",
+            "id": item["id"],
+            "encrypted_content": item["encrypted_content"],
+            "summary": item["summary"],
+        }
     if item["type"] == "function_call":
-        return {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                "arguments": json.dumps(json.loads(item["arguments"]), separators=(",", ":"),
-                                        ensure_ascii=False)}
-    return {"role": "assistant", "content": [{"type": "output_text", "text": p["text"]}
-                                             for p in item["content"]],
-            "id": item["id"], "phase": item.get("phase")}
+        return {
+            "type": "function_call",
+            "call_id": item["call_id"],
+            "name": item["name"],
+            "arguments": json.dumps(json.loads(item["arguments"]), separators=(",", ":"), ensure_ascii=False),
+        }
+    return {
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]],
+        "id": item["id"],
+        "phase": item.get("phase"),
+    }
 
 
 def _vercel_default(item: dict[str, Any]) -> dict[str, Any]:
@@ -119,8 +136,13 @@ def _node_stream_helper(item: dict[str, Any]) -> dict[str, Any]:
 def _codex(item: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any]
     if item["type"] == "reasoning":
-        out = {"type": "reasoning", "id": item["id"], "summary": item["summary"], "content": None,
-               "encrypted_content": item["encrypted_content"]}
+        out = {
+            "type": "reasoning",
+            "id": item["id"],
+            "summary": item["summary"],
+            "content": None,
+            "encrypted_content": item["encrypted_content"],
+        }
     elif item["type"] == "function_call":
         out = {k: item[k] for k in ("type", "status", "id", "name", "arguments", "call_id")}
     else:
@@ -174,8 +196,15 @@ MUTATIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "edited_string_content": (MESSAGE, {"role": "assistant", "content": "Checking the weather!"}),
     "role_changed": (MESSAGE, _mut(MESSAGE, role="user")),
     "phase_changed": (MESSAGE, _mut(MESSAGE, phase="final_answer")),
-    "annotation_added": (MESSAGE, _mut(MESSAGE, content=[{"type": "output_text", "text": "Checking the weather.",
-                                                          "annotations": [{"type": "url_citation"}]}])),
+    "annotation_added": (
+        MESSAGE,
+        _mut(
+            MESSAGE,
+            content=[
+                {"type": "output_text", "text": "Checking the weather.", "annotations": [{"type": "url_citation"}]}
+            ],
+        ),
+    ),
     "message_id_changed": (MESSAGE, _mut(MESSAGE, id="msg_2")),
     "changed_argument_value": (CALL, _mut(CALL, arguments='{"city":"Paris","unit":"celsius"}')),
     "extra_argument": (CALL, _mut(CALL, arguments='{"city":"São Paulo","unit":"celsius","x":1}')),
@@ -202,13 +231,17 @@ def test_meaning_changing_mutations_do_not_match(name: str) -> None:
     [
         ({"role": "user", "content": "hi"}, {"content": "hi", "role": "user"}),
         ({"role": "user", "content": "hi"}, {"type": "message", "role": "user", "content": "hi"}),
-        ({"role": "user", "content": "hi"},
-         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}),
+        (
+            {"role": "user", "content": "hi"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ),
         ({"type": "x", "v": -3}, {"type": "x", "v": -3.0}),
         ({"type": "x", "v": -1.2e-5}, {"type": "x", "v": -0.000012}),
         ({"type": "x", "v": 1, "w": None}, {"type": "x", "v": 1}),
-        ({"type": "function_call_output", "call_id": "c", "output": "ok"},
-         {"call_id": "c", "output": "ok", "type": "function_call_output"}),
+        (
+            {"type": "function_call_output", "call_id": "c", "output": "ok"},
+            {"call_id": "c", "output": "ok", "type": "function_call_output"},
+        ),
     ],
 )
 def test_item_key_equal_for_equivalent_inputs(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -221,8 +254,10 @@ def test_item_key_equal_for_equivalent_inputs(a: dict[str, Any], b: dict[str, An
         ({"role": "user", "content": "hi"}, {"role": "user", "content": "hi "}),
         ({"role": "user", "content": "hi"}, {"role": "developer", "content": "hi"}),
         ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}),
-        ({"type": "function_call_output", "call_id": "c", "output": "ok"},
-         {"type": "function_call_output", "call_id": "c", "output": "OK"}),
+        (
+            {"type": "function_call_output", "call_id": "c", "output": "ok"},
+            {"type": "function_call_output", "call_id": "c", "output": "OK"},
+        ),
         ({"type": "x", "v": 1}, {"type": "x", "v": True}),
         ({"type": "x", "v": [1, 2]}, {"type": "x", "v": [2, 1]}),
     ],

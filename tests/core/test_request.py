@@ -76,8 +76,12 @@ def test_frame_strips_transport_fields_and_sets_anchor() -> None:
         b'"input":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}'
     )
     full = orjson.loads(build_frame(parsed))
-    assert full == {"type": "response.create", "model": "m", "store": False,
-                    "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    assert full == {
+        "type": "response.create",
+        "model": "m",
+        "store": False,
+        "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+    }
     delta = orjson.loads(build_frame(parsed, previous_response_id="resp_1", items=parsed.items[1:]))
     assert delta["previous_response_id"] == "resp_1"
     assert delta["input"] == [{"role": "user", "content": "b"}]

@@ -97,5 +97,3 @@ def frames(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
 
     monkeypatch.setattr(proxy.upstream.UpstreamSocket, "send", send)
     return sent
-
-

@@ -301,5 +301,3 @@ async def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.02)
 
 
 # -- a sidecar subprocess --------------------------------------------------------------------------
-
-

@@ -243,7 +243,9 @@ async def test_unknown_item_types_pass_through_untouched(
     http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar, frames: list[bytes]
 ) -> None:
     future = {"type": "x_future_item", "id": "xf_1", "payload": {"n": [1, 2.5, -0.0, 1e-7], "s": "é🌧\u2028"}}
-    raw_future = b'{"type":"x_future_item","id":"xf_1","payload":{"s":"\\u00e9\xf0\x9f\x8c\xa7","n":[1,2.50,-0.0,1E-7]}}'  # noqa: E501
+    raw_future = (
+        b'{"type":"x_future_item","id":"xf_1","payload":{"s":"\\u00e9\xf0\x9f\x8c\xa7","n":[1,2.50,-0.0,1E-7]}}'  # noqa: E501
+    )
     body = b'{"model":"gpt-5","store":false,"input":[{"role":"user","content":"hi"},' + raw_future + b"]}"
     reply = await post(http, sidecar.base_url, body)
     assert reply.status == 200, reply.raw[:300]

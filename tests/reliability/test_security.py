@@ -194,7 +194,7 @@ async def noisy_traffic(http: aiohttp.ClientSession, base_url: str, emu: Emulato
 def assert_clean(text: str) -> None:
     assert text.strip(), "nothing was logged"
     for secret in (LOG_KEY, CONTENT, "CANARY", "canary-key"):
-        assert secret not in text, f"{secret!r} in the logs: ...{text[max(text.find(secret) - 300, 0):][:600]}"
+        assert secret not in text, f"{secret!r} in the logs: ...{text[max(text.find(secret) - 300, 0) :][:600]}"
     assert not re.search(r"(?i)bearer\s+(?!\[redacted\])", text), "a bearer credential in the logs"
 
 
