@@ -71,10 +71,21 @@ class LimitsSettings:
 class PoolSettings:
     """Upstream WebSocket pool."""
 
-    max_sockets_per_identity: int = 64
-    """Sockets per credential; at the limit the least recently used idle socket is closed."""
-    max_sockets_total: int = 1024
-    """Sockets across all credentials."""
+    max_sockets_per_identity: int = 32
+    """Upstream sockets per credential (real per-key limits are low: tens)."""
+    max_sockets_total: int = 256
+    """Sockets across all credentials; at the limit the least recently used idle one is closed."""
+    lanes_per_socket: int = 32
+    """Lanes per socket, the default lane included: up to 32 named ``stream_id`` lanes plus the
+    default one (33); 1 uses the default lane only (upstreams without lanes)."""
+    max_active_per_socket: int = 16
+    """Responses in flight per socket across its lanes (the upstream queues beyond 16)."""
+    spread_sockets: int = 32
+    """New conversations get a socket of their own until a credential has this many; beyond,
+    they share sockets through lanes."""
+    wait_seconds: float = 1.0
+    """How long a request waits for a free lane when every lane it may use is busy, before it
+    goes over HTTP (``pool_full``)."""
     idle_close_seconds: float = 900.0
     """Close a socket unused for this long (its conversation head goes with it)."""
     rotate_after_seconds: float = 3300.0
@@ -192,6 +203,8 @@ _POSITIVE = frozenset(
         "limits.max_body_bytes",
         "pool.max_sockets_per_identity",
         "pool.max_sockets_total",
+        "pool.lanes_per_socket",
+        "pool.max_active_per_socket",
         "timeouts.connect_seconds",
         "timeouts.stream_idle_seconds",
         "timeouts.http_total_seconds",
@@ -249,7 +262,9 @@ def setting_keys() -> tuple[str, ...]:
 
 
 def _suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, choices, n=2, cutoff=0.6)
+    # A truncated name names its completions first; then the closest spellings.
+    close = [c for c in choices if c.startswith(word)][:3]
+    close = close or difflib.get_close_matches(word, choices, n=2, cutoff=0.6)
     if not close:
         return ""
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
@@ -441,6 +456,16 @@ def _check_settings(s: Settings) -> None:
         raise ConfigError(
             f"settings: pool.max_sockets_per_identity ({s.pool.max_sockets_per_identity}) exceeds "
             f"pool.max_sockets_total ({s.pool.max_sockets_total})"
+        )
+    if s.pool.lanes_per_socket > 33:
+        raise ConfigError(
+            f"settings: pool.lanes_per_socket ({s.pool.lanes_per_socket}) exceeds 33 "
+            "(the default lane plus the upstream's 32 named stream_ids per connection)"
+        )
+    if s.pool.max_active_per_socket > 16:
+        raise ConfigError(
+            f"settings: pool.max_active_per_socket ({s.pool.max_active_per_socket}) exceeds 16 "
+            "(the upstream queues beyond 16 responses per connection)"
         )
     host, port = parse_hostport(s.listen)
     admin_host, admin_port = parse_hostport(s.admin_listen)

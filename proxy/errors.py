@@ -11,27 +11,28 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  └─ UnsupportedRequest                  400 unsupported
     ├─ UpstreamError                          5xx
     │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
-    │  │  ├─ UpstreamRefused                  502 upstream_refused (upgrade answered non-101)
-    │  │  └─ PoolExhausted                    503 pool_exhausted
+    │  │  └─ UpstreamRefused                  502 upstream_refused (upgrade answered non-101)
     │  ├─ UpstreamTimeout(TimeoutError)       504 upstream_timeout
     │  ├─ UpstreamClosed                      502 upstream_closed
     │  └─ UpstreamProtocolError               502 upstream_protocol
     └─ ConfigError(ValueError)                startup only: exit 1
 
 Not errors: an upstream ``error`` event or ``response.failed`` is relayed to the app with its
-own status and body; a divergence in matching is a diff result (full resend).
+own status and body; a divergence in matching is a diff result (full resend); a full pool is a
+plan (wait, then HTTP). Codes are :class:`proxy.core.reasons.ErrorCode` values.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from proxy.core.reasons import ErrorCode
+
 __all__ = [
     "BodyTooLarge",
     "ConfigError",
     "ForeignResponse",
     "InvalidRequest",
-    "PoolExhausted",
     "ProxyError",
     "RequestError",
     "UnsupportedRequest",
@@ -49,12 +50,10 @@ class ProxyError(Exception):
 
     status: int = 500
     """HTTP status the app receives."""
-    code: str = "proxy_error"
+    code: str = ErrorCode.INTERNAL_ERROR
     """OpenAI-style ``error.code``; also the ``code`` label of ``upshift_errors_total``."""
     type: str = "server_error"
     """OpenAI-style ``error.type``."""
-    retryable: bool = False
-    """Whether the app may retry as is (maps to ``x-should-retry``)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -77,27 +76,27 @@ class RequestError(ProxyError):
     """The request is at fault: 4xx, never retried."""
 
     status = 400
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
     type = "invalid_request_error"
 
 
 class InvalidRequest(RequestError, ValueError):
     """Malformed JSON, a non-object body, or a field of the wrong type."""
 
-    code = "invalid_request_error"
+    code = ErrorCode.INVALID_REQUEST
 
 
 class BodyTooLarge(RequestError):
     """The body exceeds ``limits.max_body_bytes``."""
 
     status = 413
-    code = "request_too_large"
+    code = ErrorCode.REQUEST_TOO_LARGE
 
 
 class UnsupportedRequest(RequestError):
     """A request the sidecar cannot serve (e.g. ``generate`` over HTTP)."""
 
-    code = "unsupported"
+    code = ErrorCode.UNSUPPORTED
 
 
 class ForeignResponse(RequestError):
@@ -107,7 +106,7 @@ class ForeignResponse(RequestError):
     is revealed; nothing is forwarded (behind one injected key the upstream store is shared).
     """
 
-    code = "previous_response_not_found"
+    code = ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND
 
     def __init__(self, response_id: str) -> None:
         super().__init__(f"Previous response with id '{response_id}' not found.", param="previous_response_id")
@@ -117,14 +116,13 @@ class UpstreamError(ProxyError):
     """The upstream is at fault: 5xx; replayed only before any byte reached the app."""
 
     status = 502
-    code = "upstream_error"
-    retryable = True
+    code = ErrorCode.UPSTREAM_ERROR
 
 
 class UpstreamUnavailable(UpstreamError, ConnectionError):
     """Connecting to the upstream failed (refused, DNS, TLS, refused upgrade)."""
 
-    code = "upstream_unavailable"
+    code = ErrorCode.UPSTREAM_UNAVAILABLE
 
 
 class UpstreamRefused(UpstreamUnavailable):
@@ -134,7 +132,7 @@ class UpstreamRefused(UpstreamUnavailable):
     status, and a 426 switches an identity to HTTP.
     """
 
-    code = "upstream_refused"
+    code = ErrorCode.UPSTREAM_REFUSED
 
     def __init__(
         self, message: str, *, http_status: int, headers: dict[str, str] | None = None, payload: bytes = b""
@@ -145,24 +143,17 @@ class UpstreamRefused(UpstreamUnavailable):
         self.payload = payload
 
 
-class PoolExhausted(UpstreamUnavailable):
-    """No upstream socket can be had within the configured limits."""
-
-    status = 503
-    code = "pool_exhausted"
-
-
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The upstream went silent for longer than the stream idle timeout."""
 
     status = 504
-    code = "upstream_timeout"
+    code = ErrorCode.UPSTREAM_TIMEOUT
 
 
 class UpstreamClosed(UpstreamError):
     """The upstream socket closed before the response's terminal event."""
 
-    code = "upstream_closed"
+    code = ErrorCode.UPSTREAM_CLOSED
 
     def __init__(self, message: str, *, close_code: int | None = None, reason: str = "") -> None:
         super().__init__(message)
@@ -173,7 +164,7 @@ class UpstreamClosed(UpstreamError):
 class UpstreamProtocolError(UpstreamError):
     """The upstream sent something the protocol does not allow (bad JSON, binary frame)."""
 
-    code = "upstream_protocol"
+    code = ErrorCode.UPSTREAM_PROTOCOL
 
 
 class ConfigError(ProxyError, ValueError):

@@ -1,11 +1,13 @@
-"""HTTP handlers: ``POST /v1/responses`` over a pooled upstream socket, everything else relayed.
+"""HTTP handlers: ``POST /v1/responses`` over a pooled upstream lane, everything else relayed.
 
-The request path (docs/architecture.md): read the body within the limit → ``HeadTable.parse`` →
-``choose_transport`` → identity → ``HeadTable.lookup`` → ``Pool.acquire`` → ``HeadTable.begin``
-→ :func:`~proxy.streaming.pump` → ``record`` (completed) or ``discard`` (anything else) →
-``Pool.release``. A failure before anything reached the app is classified by
-:func:`proxy.core.retry.classify` and replayed once with the app's full input; after that it
-surfaces. Whenever no socket can be had, the request goes over plain HTTP: slower, never wrong.
+The request path (docs/architecture.md), top to bottom in :func:`_post` and :func:`_websocket`:
+read the body within the limit → parse (``HeadTable.parse``: the fast parse) → transport →
+**plan** (``Pool.plan``: the planner picks continue / full on a lane, or HTTP) → **lease** the
+lane (``async with Pool.lease``) → **relay** (:func:`~proxy.streaming.pump`) → **finish** (the
+lease's exit records the head or frees the lane, on every path). A failure before anything
+reached the app is classified by :func:`proxy.core.retry.classify` and replayed once with the
+app's full input; after that it surfaces. Whenever no lane can be had, the request goes over
+plain HTTP: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.core.channel import Channel, Outcome
-from proxy.core.conversation import HeadTable, Lookup, MissReason
+from proxy.core.conversation import HeadTable
 from proxy.core.fastparse import hash_prefix, prefix_length
+from proxy.core.planner import Plan, PlanKind
+from proxy.core.reasons import Mode, PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport
 from proxy.core.retry import Replay, classify, is_connection_limit
 from proxy.errors import (
@@ -31,13 +35,13 @@ from proxy.errors import (
     RequestError,
     UnsupportedRequest,
     UpstreamError,
-    UpstreamUnavailable,
 )
 from proxy.identity import Identity, identify
 from proxy.keys import KeySource
 from proxy.metrics import (
     DROPPED_REASONING,
     ERRORS,
+    HYDRATED,
     INFLIGHT,
     REPLAYS,
     REQUEST_BYTES,
@@ -45,7 +49,7 @@ from proxy.metrics import (
     UPSTREAM_DURATION,
 )
 from proxy.passthrough import Passthrough
-from proxy.pool import Pool
+from proxy.pool import Pool, Turn
 from proxy.streaming import Downstream, Record, json_body, new_request_id, pump, read_body
 
 __all__ = ["SERVICES", "Services", "post_responses"]
@@ -139,8 +143,6 @@ async def _post(svc: Services, request: web.Request, rec: Record, started: float
     rec.items_in = req.n_items
     s = svc.settings
     transport, reason = choose_transport(req, mode=s.mode, frame_budget=s.limits.ws_frame_budget_bytes)
-    if transport is Transport.WS and svc.pool.prefers_http(identity):
-        transport, reason = Transport.HTTP, "upgrade_refused"
     if transport is Transport.HTTP:
         return await _passthrough(svc, request, req, rec, headers, started, reason)
     return await _websocket(svc, request, req, identity, rec, headers, started)
@@ -176,86 +178,97 @@ async def _websocket(
     headers: dict[str, str],
     started: float,
 ) -> web.StreamResponse:
-    heads, pool = svc.heads, svc.pool
-    lookup: Lookup = heads.lookup(identity.digest, req, time.monotonic(), pool.is_idle)
-    match = lookup.match
-    prefix = _hash_prefix_in_thread(req)
-    if lookup.dropped_reasoning:
-        DROPPED_REASONING.labels("true" if match else "false").inc()
-    anchor = match.anchor if match else None
-    if anchor is None and req.previous_response_id is not None:
-        # The app chains itself: relay its id as is, on the socket that produced it if known.
-        anchor = heads.anchor_for(identity.digest, req.previous_response_id)
+    """Plan → lease a lane → relay → finish; a failure before output is replayed once."""
     down = Downstream(request, stream=req.stream, headers=headers, started=started)
-    full_frame: bytes | None = None
-    attempt, fresh = 0, False
+    prefix = _hash_prefix_in_thread(req)
+    attempt = 0
     while True:
-        try:
-            lease = await pool.acquire(identity, anchor, fresh=fresh)
-        except UpstreamUnavailable as exc:
-            log.info("upstream socket unavailable, using HTTP: %s", exc.message)
+        plan, _waited = await svc.pool.plan(identity, req, replay=attempt > 0)
+        if plan.kind is PlanKind.HTTP:
             rec.upstream_s = down.upstream_wait
-            return await _passthrough(svc, request, req, rec, headers, started, "ws_unavailable")
-        if lease is None:
-            return await _passthrough(svc, request, req, rec, headers, started, "pool_full")
-        continuation = match is not None and lease.anchored and attempt == 0
-        if match is not None and continuation:
-            frame = build_frame(req, previous_response_id=match.response_id, items=match.new_items)
-            rec.mode, rec.reason = "continuation", "continuation"
-            rec.items_sent, rec.items_avoided = len(match.new_items), match.items_avoided
-        else:
-            frame = full_frame = full_frame or build_frame(req)
-            rec.mode, rec.items_sent = "full", req.n_items
-            if attempt == 0:
-                rec.reason = lookup.reason if match is None else MissReason.HEAD_BUSY
+            return await _passthrough(svc, request, req, rec, headers, started, plan.reason)
+        frame = _note_plan(rec, req, plan, attempt)
         headers["x-upshift-mode"] = rec.mode
-        heads.begin(lease.key)
         channel = Channel(req.previous_response_id)
         failure: UpstreamError | None = None
-        sent_at = time.perf_counter()
-        entry = (down, channel)
-        svc.streams.add(entry)
         try:
-            await pump(lease.socket, frame, channel, down, svc.settings.timeouts.stream_idle_seconds)
+            async with svc.pool.lease(plan) as turn:
+                await _relay(svc, turn, frame, channel, down, req, identity, prefix)
         except UpstreamError as exc:
-            pool.release(lease, reusable=False)
             failure = exc
-        except BaseException:
-            pool.release(lease, reusable=False)  # cancelled mid-response: never reuse the socket
-            raise
-        else:
-            UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
-            done = channel.outcome is Outcome.COMPLETED and channel.response is not None
-            if done and channel.response is not None:
-                state = await prefix if prefix is not None else None
-                heads.record(identity.digest, lease.key, req, channel.response, time.monotonic(), state)
-            else:
-                heads.discard(lease.key)
-                rid = channel.response.get("id") if channel.response else None
-                if isinstance(rid, str):
-                    heads.note_owner(identity.digest, rid)  # an incomplete response is chainable too
-            # After the age-limit error the upstream closes the socket: never reuse it.
-            aged = channel.terminal is not None and is_connection_limit(channel.terminal)
-            pool.release(lease, reusable=not aged, head=done)
-        finally:
-            svc.streams.discard(entry)
         rec.bytes_sent += len(frame)
         UPSTREAM_BYTES_SENT.labels("websocket").inc(len(frame))
         rec.upstream_s = down.upstream_wait
         if failure is None and channel.released:
             return await _finish(down, channel, rec)
         terminal = failure if failure is not None else (channel.terminal or {})
-        decision = classify(terminal, channel.released, attempt, continuation=continuation)
-        if isinstance(decision, Replay):
-            REPLAYS.labels(decision.cause).inc()
-            if decision.over_http:
-                rec.replays += 1
-                return await _passthrough(svc, request, req, rec, headers, started, decision.cause)
-            log.info("replaying with full input (%s)", decision.cause)
-            attempt, rec.replays, anchor = attempt + 1, rec.replays + 1, None
-            fresh, rec.reason = decision.new_socket, decision.cause
-            continue
-        return await _surface(down, channel, failure, rec)
+        decision = classify(
+            terminal,
+            channel.released,
+            attempt,
+            continuation=plan.kind is PlanKind.CONTINUE,
+            named=plan.stream_id is not None,
+        )
+        if not isinstance(decision, Replay):
+            return await _surface(down, channel, failure, rec)
+        REPLAYS.labels(decision.cause).inc()
+        rec.replays += 1
+        if decision.cause is ReplayCause.LANES_UNSUPPORTED:
+            svc.pool.lanes_refused(plan.lane[0] if plan.lane else 0)
+        elif decision.cause is ReplayCause.STREAM_LIMIT and plan.lane is not None:
+            svc.pool.stream_limit(plan.lane)
+        if decision.over_http:
+            return await _passthrough(svc, request, req, rec, headers, started, PassthroughReason.FRAME_TOO_BIG)
+        log.info("replaying with full input (%s)", decision.cause)
+        attempt, rec.reason = attempt + 1, decision.cause
+
+
+def _note_plan(rec: Record, req: ParsedRequest, plan: Plan, attempt: int) -> bytes:
+    """Fill the access record for this attempt and build its ``response.create`` frame."""
+    if plan.dropped_reasoning and attempt == 0:
+        DROPPED_REASONING.labels("true" if plan.kind is PlanKind.CONTINUE else "false").inc()
+    if plan.kind is PlanKind.CONTINUE:
+        rec.mode, rec.reason = Mode.CONTINUATION, "continuation"
+        rec.items_sent, rec.items_avoided = len(plan.new_items or ()), plan.items_avoided
+        if plan.hydrated:
+            HYDRATED.inc()
+        return build_frame(
+            req, previous_response_id=plan.response_id, items=plan.new_items or [], stream_id=plan.stream_id
+        )
+    rec.mode, rec.items_sent, rec.items_avoided = Mode.FULL, req.n_items, 0
+    if attempt == 0:
+        rec.reason = plan.reason
+    return build_frame(req, stream_id=plan.stream_id)
+
+
+async def _relay(
+    svc: Services,
+    turn: Turn,
+    frame: bytes,
+    channel: Channel,
+    down: Downstream,
+    req: ParsedRequest,
+    identity: Identity,
+    prefix: asyncio.Future[Any] | None,
+) -> None:
+    """One response on one lane, to its terminal event; the lane's head is set on the way out."""
+    entry = (down, channel)
+    svc.streams.add(entry)
+    try:
+        sent_at = time.perf_counter()
+        await pump(turn, frame, channel, down, svc.settings.timeouts.stream_idle_seconds)
+        UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
+    finally:
+        svc.streams.discard(entry)
+    response = channel.response if channel.outcome is Outcome.COMPLETED else None
+    if response is None and channel.response is not None:
+        rid = channel.response.get("id")
+        if isinstance(rid, str):
+            svc.heads.note_owner(identity.digest, rid)  # an incomplete response is chainable too
+    state = await prefix if response is not None and prefix is not None else None
+    # After the age-limit error the upstream closes the socket: no new turns on it.
+    aged = channel.terminal is not None and is_connection_limit(channel.terminal)
+    turn.finish(req=req, response=response, prefix_state=state, retire=aged)
 
 
 async def _finish(down: Downstream, channel: Channel, rec: Record) -> web.StreamResponse:

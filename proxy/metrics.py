@@ -13,8 +13,12 @@ __all__ = [
     "CONTINUATION_MISSES",
     "DROPPED_REASONING",
     "ERRORS",
+    "HYDRATED",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
+    "LANES",
+    "LANES_FALLBACKS",
+    "POOL_WAIT",
     "REGISTRY",
     "REPLAYS",
     "REQUESTS",
@@ -92,7 +96,36 @@ SOCKETS = Gauge(
     ["state"],
     registry=REGISTRY,
 )
-"""state: open | busy | idle."""
+"""state: open | busy | idle | connecting (open = busy + idle)."""
+
+HYDRATED = Counter(
+    "upshift_hydrated_continuations",
+    "Continuations of a stored response whose lane was gone (the upstream hydrated it).",
+    registry=REGISTRY,
+)
+
+LANES = Gauge(
+    "upshift_upstream_lanes",
+    "Upstream lanes (socket + stream_id) by state.",
+    ["state"],
+    registry=REGISTRY,
+)
+"""state: busy | idle | draining."""
+
+LANES_FALLBACKS = Counter(
+    "upshift_lane_fallbacks",
+    "Times the upstream refused a named stream_id lane and the sidecar fell back to one lane per socket.",
+    registry=REGISTRY,
+)
+
+POOL_WAIT = Histogram(
+    "upshift_pool_wait_seconds",
+    "Time requests waited for a free lane or an HTTP connection (counted in the added latency).",
+    ["pool"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    registry=REGISTRY,
+)
+"""pool: lanes | http."""
 
 SOCKET_AGE_AT_ROTATION = Histogram(
     "upshift_socket_age_at_rotation_seconds",

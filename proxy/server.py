@@ -174,7 +174,7 @@ class Server:
             hot_seconds=m.hot_prefix_seconds,
         )
         keys = KeySource(settings.api_key)
-        self.services = Services(settings, keys, heads, Pool(settings, heads, spare=True), Passthrough(settings, keys))
+        self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
         self._api = web.AppRunner(
             build_app(self.services),
             access_log=None,

@@ -18,19 +18,18 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from proxy.core.channel import Channel, Out
 from proxy.core.sse import CONTENT_TYPE, encode_event
-from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamProtocolError
+from proxy.errors import BodyTooLarge, InvalidRequest
 from proxy.log import access_log
 from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, REQUESTS
-from proxy.upstream import UpstreamSocket
 
-__all__ = ["Downstream", "Record", "json_body", "new_request_id", "pump", "read_body"]
+__all__ = ["Downstream", "Lane", "Record", "json_body", "new_request_id", "pump", "read_body"]
 
 _MAX_BATCH = 64
 """Most events written to the app in one write."""
@@ -118,7 +117,15 @@ class Downstream:
         return web.Response(body=body, status=status, content_type="application/json", headers=headers)
 
 
-async def pump(sock: UpstreamSocket, frame: bytes, channel: Channel, down: Downstream, idle_timeout: float) -> None:
+class Lane(Protocol):
+    """What :func:`pump` needs of a lane lent by the pool (:class:`proxy.pool.Turn`)."""
+
+    async def send(self, frame: bytes) -> None: ...
+    async def recv(self, timeout: float) -> tuple[bytes, dict[str, Any]]: ...
+    def pending(self) -> bool: ...
+
+
+async def pump(lane: Lane, frame: bytes, channel: Channel, down: Downstream, idle_timeout: float) -> None:
     """Send ``frame`` and move its response's events to the app until the channel is done.
 
     Returns when the terminal event arrived; what the app gets for it (if it was held) is the
@@ -127,26 +134,23 @@ async def pump(sock: UpstreamSocket, frame: bytes, channel: Channel, down: Downs
     Raises:
         UpstreamClosed | UpstreamTimeout | UpstreamProtocolError: from the socket or a bad frame.
     """
-    await sock.send(frame)
+    await lane.send(frame)
     stream = down.stream
     clock = time.perf_counter
     batch: list[Out] = []
     while not channel.done:
-        waited = clock()
-        raw = await sock.recv(idle_timeout)
-        down.upstream_wait += clock() - waited
-        try:
-            event = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamProtocolError(f"The upstream sent a frame that is not JSON: {exc}") from exc
-        if not isinstance(event, dict):
-            raise UpstreamProtocolError("The upstream sent a frame that is not a JSON object.")
+        if lane.pending():
+            raw, event = await lane.recv(idle_timeout)
+        else:
+            waited = clock()
+            raw, event = await lane.recv(idle_timeout)
+            down.upstream_wait += clock() - waited
         outs = channel.feed(raw, event)
         if outs and stream:
             batch += outs
             # Events that arrived together leave together: one write (one wakeup of the app)
             # per burst instead of one per event; never held back while upstream is silent.
-            if not sock.pending() or len(batch) >= _MAX_BATCH:
+            if not lane.pending() or len(batch) >= _MAX_BATCH:
                 await down.write(batch)
                 batch = []
     if batch:

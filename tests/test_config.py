@@ -47,7 +47,7 @@ ENV = {"UPSHIFT_LISTEN": "127.0.0.1:7002", "UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTIT
 @pytest.mark.parametrize(
     ("flags", "env", "path", "want_listen", "want_sockets"),
     [
-        pytest.param(None, {}, None, "127.0.0.1:8080", 64, id="defaults"),
+        pytest.param(None, {}, None, "127.0.0.1:8080", 32, id="defaults"),
         pytest.param(None, {}, PRIORITY, "127.0.0.1:7001", 7, id="file over default"),
         pytest.param(None, ENV, None, "127.0.0.1:7002", 8, id="env over default"),
         pytest.param(None, ENV, PRIORITY, "127.0.0.1:7002", 8, id="env over file"),
@@ -56,7 +56,7 @@ ENV = {"UPSHIFT_LISTEN": "127.0.0.1:7002", "UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTIT
         pytest.param({"listen": "127.0.0.1:7003"}, ENV, PRIORITY, "127.0.0.1:7003", 8, id="flag for one key only"),
         pytest.param({"listen": None}, {}, PRIORITY, "127.0.0.1:7001", 7, id="None flag means not given"),
         pytest.param(
-            None, {"UPSHIFT_CONFIG": str(DATA / "other.yaml")}, None, "127.0.0.1:7101", 64, id="UPSHIFT_CONFIG"
+            None, {"UPSHIFT_CONFIG": str(DATA / "other.yaml")}, None, "127.0.0.1:7101", 32, id="UPSHIFT_CONFIG"
         ),
         pytest.param(
             None,
@@ -92,7 +92,7 @@ def test_full_file_every_type() -> None:
     assert s.pool.ping_timeout_seconds == 2.5
     assert s.pool.compression is True
     assert s.logging.level == "debug"
-    assert s.pool.max_sockets_total == 1024  # untouched keys keep their defaults
+    assert s.pool.max_sockets_total == 256  # untouched keys keep their defaults
 
 
 def test_empty_file_and_empty_section_give_defaults() -> None:

@@ -149,7 +149,6 @@ def test_continuation_only_when_the_context_is_identical(data: st.DataObject) ->
         else:
             seen = sent
             assert mutated_ever or turn == 0 or found.reason != "diverged", found
-        heads.begin(anchor)
         output = output_items(turn).example() if False else data.draw(output_items(turn))
         for item in output:
             by_id[item["id"]] = item
@@ -173,7 +172,6 @@ def test_faithful_echo_is_always_continued(data: st.DataObject) -> None:
         found = heads.lookup("me", req, turn, lambda anchor: True)
         assert (found.match is not None) == (turn > 0), (turn, found.reason)
         output = data.draw(output_items(turn))
-        heads.begin("s")
         heads.record("me", "s", req, {"id": f"resp_{turn}", "output": output}, turn)
         style = data.draw(st.sampled_from(FAITHFUL))
         items = items + [ECHO_STYLES[style](i) for i in output] + new_items_for(output, "r")

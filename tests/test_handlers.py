@@ -254,8 +254,21 @@ async def test_mode_http_never_opens_a_socket(emulator: Emulator, make_sidecar: 
     assert emulator.stats.ws_connections["opened"] == 0
 
 
-async def test_pool_limit_falls_back_to_http(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
+async def test_a_full_socket_shares_its_lanes(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
     sidecar = await make_sidecar(pool={"max_sockets_per_identity": 1})
+    emulator.faults.arm("delay", seconds=0.3)
+    c = client(sidecar)
+    first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-5", input="one"))
+    await asyncio.sleep(0.1)
+    second = await c.responses.with_raw_response.create(model="gpt-5", input="two")
+    assert second.headers["x-upshift-mode"] == "full"  # on a named lane of the same socket
+    assert (await first).headers["x-upshift-mode"] == "full"
+    assert used_sockets(emulator) == 1
+    assert max(c.named_streams for c in emulator.stats.connections.values()) == 1
+
+
+async def test_pool_limit_falls_back_to_http(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
+    sidecar = await make_sidecar(pool={"max_sockets_per_identity": 1, "lanes_per_socket": 1, "wait_seconds": 0})
     emulator.faults.arm("delay", seconds=0.3)
     c = client(sidecar)
     first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-5", input="one"))
@@ -283,9 +296,9 @@ async def test_app_disconnect_mid_stream_leaves_the_pool_consistent(stack: tuple
     _, modes = await chat(client(sidecar), 1)
     assert modes == ["full"]
     # The drained socket is idle again and keeps its (completed) head, so the new conversation
-    # got a socket of its own rather than evicting that head.
+    # got a lane of its own (on that socket) rather than evicting that head.
     assert sidecar.pool.count(SocketState.BUSY) == 0 and len(sidecar.heads) == 2
-    assert used_sockets(emulator) == 2
+    assert used_sockets(emulator) == 1
     assert metric("upshift_inflight_requests") == 0
 
 

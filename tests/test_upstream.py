@@ -32,10 +32,13 @@ async def open_socket(settings: Settings, key: str = KEY) -> UpstreamSocket:
 
 async def test_one_response_over_the_socket(emulator: Any) -> None:
     sock = await open_socket(settings_for(emulator.base_url))
-    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}')
+    inbox = sock.open_inbox(None)
+    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
     types = []
     while not types or types[-1] != "response.completed":
-        types.append(orjson.loads(await sock.recv(5))["type"])
+        raw, event = await inbox.get(5)
+        assert orjson.loads(raw) == event
+        types.append(event["type"])
     assert types[0] == "response.created"
     await sock.close()
     assert sock.closed
@@ -101,19 +104,20 @@ async def test_unreachable_is_unavailable() -> None:
 async def test_close_maps_to_upstream_closed_with_code(emulator: Any) -> None:
     emulator.faults.arm("close", after_events=1, close_code=1011)
     sock = await open_socket(settings_for(emulator.base_url))
-    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}')
-    await sock.recv(5)
+    inbox = sock.open_inbox(None)
+    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    await inbox.get(5)
     with pytest.raises(UpstreamClosed) as info:
-        await sock.recv(5)
+        await inbox.get(5)
     assert info.value.close_code == 1011
     with pytest.raises(UpstreamClosed):
-        await sock.send(b"{}")
+        await sock.send(b"{}", None)
 
 
 async def test_silence_maps_to_upstream_timeout(emulator: Any) -> None:
     sock = await open_socket(settings_for(emulator.base_url))
     with pytest.raises(UpstreamTimeout):
-        await sock.recv(0.05)
+        await sock.open_inbox(None).get(0.05)
     await sock.close()
 
 

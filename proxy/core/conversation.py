@@ -1,9 +1,11 @@
-"""Conversation heads: which upstream socket can continue which conversation.
+"""Conversation heads: the index of what each conversation's latest completed turn was.
 
 A *head* is the end state of one completed response: the app's input to it (as digests), the
-upstream's output items (as fingerprints), the response id, and the socket (*anchor*) whose
-default lane caches it. The upstream caches only a lane's latest response, so a socket has at
-most one head, and a head never outlives its socket.
+upstream's output items (as fingerprints), the response id, and the lane (*anchor*, a
+``(socket id, stream_id)`` key) whose cache holds it. The upstream caches only a lane's latest
+response, so a lane has at most one head. Which lanes exist and whether one is free is the
+planner's business (``proxy/core/planner.py``), not this table's: it only asks ``usable(head)``.
+A stored head outlives its lane (the upstream can hydrate it from any socket).
 
 No conversation id is needed. A request continues a head when (client-echo.md §4):
 
@@ -14,8 +16,8 @@ No conversation id is needed. A request continues a head when (client-echo.md §
 
 Among all heads of the caller's identity the longest match wins, so forks and parallel
 sub-agents that share a prefix each keep their own chain. A request whose input *equals* a
-head's input is a retry of that turn, not its successor. A head whose socket is busy is never
-used (the request goes out with full input instead). Everything is synchronous and pure; the
+head's input is a retry of that turn, not its successor. A head the planner cannot use now
+(its lane busy) is never used (the request goes out with full input instead). Everything is synchronous and pure; the
 clock is passed in.
 """
 
@@ -28,22 +30,10 @@ from typing import Any
 
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
+from proxy.core.reasons import MissReason
 from proxy.core.request import ParsedRequest, parse_request
 
 __all__ = ["Head", "HeadTable", "Lookup", "Match", "MissReason"]
-
-
-class MissReason:
-    """Why a request went upstream with its full input (metric label values)."""
-
-    NO_HEAD = "no_head"
-    DIVERGED = "diverged"
-    SETTINGS_CHANGED = "settings_changed"
-    HEAD_BUSY = "head_busy"
-    DROPPED_REASONING = "dropped_reasoning"
-    RETRY = "retry"
-    NO_NEW_ITEMS = "no_new_items"
-    APP_CHAINED = "app_chained"
 
 
 @dataclass(slots=True)
@@ -62,7 +52,8 @@ class Head:
     """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
     raw: RawPrefix | None = None
     """Byte-level facts about the request body, for the next turn's fast parse."""
-    busy: bool = False
+    store: bool = False
+    """The response was stored upstream: it can be continued from any socket (hydration)."""
     chained: bool = False
     """The app chained this turn itself (``previous_response_id``): its input is a delta, so
     the head serves only :meth:`HeadTable.anchor_for`, never full-history matching."""
@@ -141,8 +132,15 @@ class HeadTable:
         return len(self._heads)
 
     def __repr__(self) -> str:
-        busy = sum(1 for h in self._heads.values() if h.busy)
-        return f"<HeadTable [{len(self._heads)} heads, {busy} busy]>"
+        return f"<HeadTable [{len(self._heads)} heads]>"
+
+    def has(self, anchor: Hashable) -> bool:
+        """Whether a head is kept under ``anchor``."""
+        return anchor in self._heads
+
+    def get(self, anchor: Hashable) -> Head | None:
+        """The head kept under ``anchor``."""
+        return self._heads.get(anchor)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -177,9 +175,14 @@ class HeadTable:
         identity: str,
         req: ParsedRequest,
         now: float,
-        is_idle: Callable[[Hashable], bool],
+        usable: Callable[[Head], bool],
     ) -> Lookup:
-        """Find the head ``req`` continues, or say why there is none."""
+        """Find the head ``req`` continues, or say why there is none.
+
+        ``usable(head)`` is the planner's word on whether the head can be continued now (its lane
+        is idle, or it was stored and its lane is gone); a matching head that is not usable
+        makes the miss ``head_busy``.
+        """
         if req.previous_response_id is not None:
             return Lookup(None, MissReason.APP_CHAINED)
         self.expire(now)
@@ -187,11 +190,11 @@ class HeadTable:
             # A fast parse knows its head: try it first; on a miss the search below decides.
             head = self._heads.get(req.base.anchor)
             if head is not None and head.identity == identity and head.settings == req.settings_digest:
-                found, _, _ = self._try(head, req.tail, 0, req.base.count, now, is_idle)
+                found, _, _ = self._try(head, req.tail, 0, req.base.count, now, usable)
                 if found is not None:
                     return found
         bucket = self._buckets.get((identity, req.settings_digest))
-        reason = MissReason.NO_HEAD
+        reason: str = MissReason.NO_HEAD
         dropped_seen = 0
         if bucket is not None:
             n_items = req.n_items
@@ -199,7 +202,7 @@ class HeadTable:
             digests = req.prefix_digests(lengths)
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
-                    found, why, dropped = self._try(self._heads[anchor], req.items, n, 0, now, is_idle)
+                    found, why, dropped = self._try(self._heads[anchor], req.items, n, 0, now, usable)
                     if found is not None:
                         return found
                     if why == MissReason.DROPPED_REASONING:
@@ -216,9 +219,9 @@ class HeadTable:
         n: int,
         skipped: int,
         now: float,
-        is_idle: Callable[[Hashable], bool],
+        usable: Callable[[Head], bool],
     ) -> tuple[Lookup | None, str, int]:
-        """Continue ``head`` with ``items[n:]`` if its echo matches and its socket is idle.
+        """Continue ``head`` with ``items[n:]`` if its echo matches and the planner can use it.
 
         ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix).
         Returns ``(the continuation, or None; the miss reason; reasoning items dropped)``.
@@ -229,7 +232,7 @@ class HeadTable:
         consumed, dropped = found
         if dropped and not self.allow_dropped_reasoning:
             return None, MissReason.DROPPED_REASONING, dropped
-        if head.busy or not is_idle(head.anchor):
+        if not usable(head):
             return None, MissReason.HEAD_BUSY, dropped
         head.last_used = now
         self._heads.move_to_end(head.anchor)
@@ -279,22 +282,26 @@ class HeadTable:
         return self._owners.get(response_id)
 
     def anchor_for(self, identity: str, response_id: str) -> Hashable | None:
-        """The socket holding ``response_id``, if it belongs to ``identity`` and is not busy."""
+        """The lane holding ``response_id``, if it belongs to ``identity``."""
         anchor = self._by_response.get(response_id)
         if anchor is None:
             return None
         head = self._heads.get(anchor)
-        if head is None or head.identity != identity or head.busy:
+        if head is None or head.identity != identity:
             return None
         return anchor
 
     # -- updates ---------------------------------------------------------------------------
 
-    def begin(self, anchor: Hashable) -> None:
-        """A create is about to go out on ``anchor``: its head can no longer be continued."""
+    def rekey(self, anchor: Hashable, new: Hashable) -> None:
+        """Keep the head of ``anchor`` under ``new`` (its lane is taken by another
+        conversation; a stored head stays continuable through the upstream's store)."""
         head = self._heads.get(anchor)
-        if head is not None:
-            head.busy = True
+        if head is None:
+            return
+        self.discard(anchor)
+        head.anchor = new
+        self._insert(head, head.last_used)
 
     def record(
         self,
@@ -333,15 +340,21 @@ class HeadTable:
                 input_state=state,
                 raw=raw_prefix(req, prefix_state),
             )
+        head.store = req.store
+        self._insert(head, now)
+
+    def _insert(self, head: Head, now: float) -> None:
+        """Index ``head`` under ``head.anchor`` (which holds no head)."""
+        anchor = head.anchor
         self._heads[anchor] = head
-        self._by_response[response_id] = anchor
-        self.note_owner(identity, response_id)
-        if not chained:
+        self._by_response[head.response_id] = anchor
+        self.note_owner(head.identity, head.response_id)
+        if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
-            bucket = self._buckets.setdefault((identity, head.settings), _Bucket())
+            bucket = self._buckets.setdefault((head.identity, head.settings), _Bucket())
             bucket.lengths[head.n_input] += 1
             if head.raw is not None:
-                probes = self._raw.setdefault(identity, {}).setdefault(head.raw.length, {})
+                probes = self._raw.setdefault(head.identity, {}).setdefault(head.raw.length, {})
                 probes.setdefault(head.raw.probe, []).append(anchor)
                 if head.raw.body is not None:
                     self._hot[anchor] = now
@@ -406,8 +419,7 @@ class HeadTable:
         for anchor, head in self._heads.items():
             if now - head.last_used < self.ttl_seconds:
                 break
-            if not head.busy:
-                gone.append(anchor)
+            gone.append(anchor)
         for anchor in gone:
             self.discard(anchor)
         return gone
@@ -417,7 +429,7 @@ class HeadTable:
         return (head.identity, head.settings, head.n_input, head.input_digest)
 
 
-_STRENGTH = {
+_STRENGTH: dict[str, int] = {
     MissReason.NO_HEAD: 0,
     MissReason.DIVERGED: 1,
     MissReason.NO_NEW_ITEMS: 2,

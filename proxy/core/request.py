@@ -19,6 +19,7 @@ import orjson
 
 from proxy.core.items import canonical, item_key
 from proxy.core.rawjson import InputSpan, locate_input
+from proxy.core.reasons import PassthroughReason
 from proxy.errors import InvalidRequest
 
 __all__ = [
@@ -313,16 +314,16 @@ def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tup
     A body over the frame budget would be closed with 1009.
     """
     if mode == "http":
-        return Transport.HTTP, "mode_http"
+        return Transport.HTTP, PassthroughReason.MODE_HTTP
     if req.fields.get("background") is True:
-        return Transport.HTTP, "background"
+        return Transport.HTTP, PassthroughReason.BACKGROUND
     if req.fields.get("conversation") is not None:
-        return Transport.HTTP, "conversation"
+        return Transport.HTTP, PassthroughReason.CONVERSATION
     if "generate" in req.fields or "stream_id" in req.fields:
-        return Transport.HTTP, "ws_only_field"
+        return Transport.HTTP, PassthroughReason.WS_ONLY_FIELD
     # The frame is the body plus a few bytes of "type"; compare with a margin.
     if len(req.body) + 64 > frame_budget:
-        return Transport.HTTP, "oversize"
+        return Transport.HTTP, PassthroughReason.OVERSIZE
     return Transport.WS, ""
 
 
@@ -343,6 +344,7 @@ def build_frame(
     *,
     previous_response_id: str | None = None,
     items: list[Any] | None = None,
+    stream_id: str | None = None,
 ) -> bytes:
     """The ``response.create`` frame for ``req``.
 
@@ -354,8 +356,9 @@ def build_frame(
         req: The app's request.
         previous_response_id: The anchor of a continuation; ``None`` keeps the app's own.
         items: The new items of a continuation; ``None`` keeps the app's whole input.
+        stream_id: The lane's ``stream_id`` (``None``: the default lane).
     """
-    frame = _frame(req, req.fields, previous_response_id, items)
+    frame = _frame(req, req.fields, previous_response_id, items, stream_id)
     # Only what is written anew is checked: a spliced input array keeps the app's own digits.
     written = items if items is not None else (req.fields.get("input") if req.span is None else None)
     others = [v for k, v in req.fields.items() if k != "input"]
@@ -366,20 +369,26 @@ def build_frame(
             raw_input = exact.get("input")
             exact_items = [{"role": "user", "content": raw_input}] if isinstance(raw_input, str) else raw_input
             items = exact_items[len(exact_items) - len(items) :] if items else []
-        frame = _frame(req, exact, previous_response_id, items)
+        frame = _frame(req, exact, previous_response_id, items, stream_id)
     return frame
 
 
 def _frame(
-    req: ParsedRequest, fields: dict[str, Any], previous_response_id: str | None, items: list[Any] | None
+    req: ParsedRequest,
+    fields: dict[str, Any],
+    previous_response_id: str | None,
+    items: list[Any] | None,
+    stream_id: str | None,
 ) -> bytes:
     before: dict[str, Any] = {"type": "response.create"}
+    if stream_id is not None:
+        before["stream_id"] = stream_id
     after: dict[str, Any] = {}
     side = before
     for key, value in fields.items():
         if key == "input":
             side = after
-        elif key not in TRANSPORT_ONLY_FIELDS and key != "type":
+        elif key not in TRANSPORT_ONLY_FIELDS and key not in ("type", "stream_id"):
             side[key] = value
     if previous_response_id is not None:
         before.pop("previous_response_id", None)

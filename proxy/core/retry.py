@@ -11,6 +11,8 @@ Causes:
 - ``websocket_connection_limit_reached`` (the socket aged out): replay on a new socket.
 - The socket closed before the response reached the app: replay on a new socket; a 1009 close
   ("message too big") is not retryable as is (pitfall 16), so that turn goes over plain HTTP.
+- A named lane refused by the upstream (``invalid_stream_id``, an unknown ``stream_id``
+  parameter): replay on a default lane; ``websocket_stream_limit_reached``: replay elsewhere.
 - Anything else (timeouts included: delivery is ambiguous) surfaces.
 """
 
@@ -20,25 +22,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.reasons import ReplayCause
 from proxy.errors import UpstreamClosed
 
 __all__ = [
-    "CAUSE_CLOSED",
-    "CAUSE_LIMIT",
-    "CAUSE_NOT_FOUND",
-    "CAUSE_TOO_BIG",
     "Replay",
     "Surface",
     "classify",
     "error_fields",
     "is_connection_limit",
+    "is_lane_refusal",
     "is_not_found",
+    "is_stream_limit",
 ]
-
-CAUSE_NOT_FOUND = "previous_response_not_found"
-CAUSE_LIMIT = "connection_limit"
-CAUSE_CLOSED = "closed_before_first_event"
-CAUSE_TOO_BIG = "frame_too_big"
 
 _MESSAGE_TOO_BIG = 1009
 
@@ -49,9 +45,7 @@ _STALE_WORDS = ("not_found", "stale", "missing", "expired", "invalid")
 class Replay:
     """Send the turn again with the app's full input."""
 
-    cause: str
-    """``previous_response_not_found`` | ``connection_limit`` | ``closed_before_first_event`` |
-    ``frame_too_big``."""
+    cause: ReplayCause
     new_socket: bool
     """Whether the replay needs a fresh socket (the old one is closed or aged out)."""
     over_http: bool = False
@@ -112,12 +106,24 @@ def is_connection_limit(event: Mapping[str, Any]) -> bool:
     return code is None and "websocket connection limit reached" in (message or "").lower()
 
 
+def is_lane_refusal(event: Mapping[str, Any]) -> bool:
+    """Whether ``event`` refuses the ``stream_id`` itself (an upstream without lanes)."""
+    code, _, param = error_fields(event)
+    return code == "invalid_stream_id" or (param == "stream_id" and code != "websocket_stream_limit_reached")
+
+
+def is_stream_limit(event: Mapping[str, Any]) -> bool:
+    """Whether ``event`` is ``websocket_stream_limit_reached``."""
+    return error_fields(event)[0] == "websocket_stream_limit_reached"
+
+
 def classify(
     event_or_failure: Mapping[str, Any] | BaseException,
     emitted: bool,
     attempt: int,
     *,
     continuation: bool = True,
+    named: bool = False,
 ) -> Replay | Surface:
     """Decide what to do with a turn that did not complete.
 
@@ -128,6 +134,7 @@ def classify(
             would have: output events were received).
         attempt: 0 for the first try, 1 for the replay.
         continuation: Whether the failed frame carried an anchor the sidecar chose.
+        named: Whether the frame went on a named ``stream_id`` lane.
 
     Returns:
         :class:`Replay` or :class:`Surface`.
@@ -136,17 +143,24 @@ def classify(
         return Surface("emitted")
     if isinstance(event_or_failure, UpstreamClosed) and event_or_failure.close_code == _MESSAGE_TOO_BIG:
         # The same frame would be refused again; HTTP has no frame limit. Final, so no loop.
-        return Replay(CAUSE_TOO_BIG, new_socket=False, over_http=True)
+        return Replay(ReplayCause.FRAME_TOO_BIG, new_socket=False, over_http=True)
+    if named and not isinstance(event_or_failure, BaseException):
+        # Lane refusals are the sidecar's own doing: replay even a second time, once lanes
+        # are off (the replay then goes on a default lane and cannot be refused again).
+        if is_lane_refusal(event_or_failure):
+            return Replay(ReplayCause.LANES_UNSUPPORTED, new_socket=False)
+        if is_stream_limit(event_or_failure):
+            return Replay(ReplayCause.STREAM_LIMIT, new_socket=False)
     if attempt > 0:
         return Surface("attempted")
     if isinstance(event_or_failure, BaseException):
         if isinstance(event_or_failure, UpstreamClosed):
-            return Replay(CAUSE_CLOSED, new_socket=True)
+            return Replay(ReplayCause.CLOSED_BEFORE_FIRST_EVENT, new_socket=True)
         return Surface("not_retryable")
     if is_connection_limit(event_or_failure):
-        return Replay(CAUSE_LIMIT, new_socket=True)
+        return Replay(ReplayCause.CONNECTION_LIMIT, new_socket=True)
     if is_not_found(event_or_failure):
         if not continuation:
             return Surface("app_anchor")
-        return Replay(CAUSE_NOT_FOUND, new_socket=False)
+        return Replay(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, new_socket=False)
     return Surface("not_retryable")

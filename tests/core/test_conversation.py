@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.core.conversation import HeadTable, MissReason
+from proxy.core.conversation import Head, HeadTable, MissReason
 from proxy.core.request import ParsedRequest, parse_request
 
 BASE = {"model": "gpt-5", "tools": [{"type": "function", "name": "read"}], "store": False}
@@ -63,7 +63,6 @@ def test_three_turn_chain_continues_with_only_new_items() -> None:
     assert (found.match.anchor, found.match.response_id) == ("s1", "resp_1")
     assert found.match.new_items == [result(1)]
     assert found.match.items_avoided == 2
-    heads.begin("s1")
     heads.record("id", "s1", r2, response("resp_2", call(2)), 2)
     r3 = req([USER, call(1), result(1), call(2), result(2)])
     found = heads.lookup("id", r3, 3, IDLE)
@@ -147,9 +146,8 @@ def test_busy_head_is_not_used() -> None:
     heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
     nxt = req([USER, call(1), result(1)])
     assert heads.lookup("id", nxt, 1, lambda a: False).reason == MissReason.HEAD_BUSY
-    heads.begin("s1")
-    assert heads.lookup("id", nxt, 1, IDLE).reason == MissReason.HEAD_BUSY
-    assert heads.anchor_for("id", "resp_1") is None
+    # Whether a lane is busy is the planner's word (``usable``); the table still knows the id.
+    assert heads.anchor_for("id", "resp_1") == "s1"
 
 
 def test_dropped_reasoning_rejected_by_default_and_allowed_by_setting() -> None:
@@ -180,7 +178,7 @@ def test_discard_expire_and_lru_bound() -> None:
     heads.discard("s1")
     assert heads.anchor_for("id", "r1") is None and len(heads) == 1
     assert heads.expire(100.0) == ["s2"]
-    assert len(heads) == 0 and repr(heads) == "<HeadTable [0 heads, 0 busy]>"
+    assert len(heads) == 0 and repr(heads) == "<HeadTable [0 heads]>"
 
 
 def test_record_replaces_the_sockets_previous_head() -> None:
@@ -201,13 +199,13 @@ def test_string_input_then_list_input_continues() -> None:
     assert found.match is not None
 
 
-def test_is_idle_is_asked_per_anchor() -> None:
+def test_usable_is_asked_per_head() -> None:
     heads = table()
     heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
     asked: list[Hashable] = []
 
-    def idle(anchor: Hashable) -> bool:
-        asked.append(anchor)
+    def idle(head: Head) -> bool:
+        asked.append(head.anchor)
         return True
 
     assert heads.lookup("id", req([USER, call(1), result(1)]), 1, idle).match is not None

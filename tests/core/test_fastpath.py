@@ -67,7 +67,6 @@ def run_chain(turns: int, style: str, texts: list[str], hot: bool = True) -> tup
         slow = parse_request(raw)
         assert full == orjson.loads(build_frame(slow)), "full frames differ between fast and slow parse"
         assert full["input"] == items
-        heads.begin("s1")
         heads.record("id", "s1", req, {"id": f"resp_{n}", "output": [call(n)]}, n)
         items = items + [call(n), output(n, texts[n % len(texts)])]
         raw = body(items, style)

@@ -6,11 +6,8 @@ from typing import Any
 
 import pytest
 
+from proxy.core.reasons import ReplayCause
 from proxy.core.retry import (
-    CAUSE_CLOSED,
-    CAUSE_LIMIT,
-    CAUSE_NOT_FOUND,
-    CAUSE_TOO_BIG,
     Replay,
     Surface,
     classify,
@@ -72,7 +69,7 @@ SERVER_FAILED = {"type": "response.failed", "response": {"error": {"code": "serv
 def test_not_found_in_every_shape(name: str, event: dict[str, Any]) -> None:
     assert is_not_found(event)
     assert not is_connection_limit(event)
-    assert classify(event, False, 0) == Replay(CAUSE_NOT_FOUND, new_socket=False)
+    assert classify(event, False, 0) == Replay(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, new_socket=False)
 
 
 @pytest.mark.parametrize("event", [LIMIT, RATE_LIMIT, SERVER_FAILED], ids=["limit", "429", "failed"])
@@ -86,14 +83,14 @@ def test_connection_limit_flat_and_by_message() -> None:
 
 
 CASES: list[tuple[str, Any, bool, int, bool, Replay | Surface]] = [
-    ("not_found", NOT_FOUND_SHAPES[0][1], False, 0, True, Replay(CAUSE_NOT_FOUND, False)),
+    ("not_found", NOT_FOUND_SHAPES[0][1], False, 0, True, Replay(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, False)),
     ("not_found-app-anchor", NOT_FOUND_SHAPES[0][1], False, 0, False, Surface("app_anchor")),
     ("not_found-emitted", NOT_FOUND_SHAPES[0][1], True, 0, True, Surface("emitted")),
     ("not_found-second", NOT_FOUND_SHAPES[0][1], False, 1, True, Surface("attempted")),
-    ("limit", LIMIT, False, 0, True, Replay(CAUSE_LIMIT, True)),
-    ("limit-full-send", LIMIT, False, 0, False, Replay(CAUSE_LIMIT, True)),
+    ("limit", LIMIT, False, 0, True, Replay(ReplayCause.CONNECTION_LIMIT, True)),
+    ("limit-full-send", LIMIT, False, 0, False, Replay(ReplayCause.CONNECTION_LIMIT, True)),
     ("limit-second", LIMIT, False, 1, False, Surface("attempted")),
-    ("closed", UpstreamClosed("x", close_code=1006), False, 0, True, Replay(CAUSE_CLOSED, True)),
+    ("closed", UpstreamClosed("x", close_code=1006), False, 0, True, Replay(ReplayCause.CLOSED_BEFORE_FIRST_EVENT, True)),
     ("closed-emitted", UpstreamClosed("x", close_code=1011), True, 0, True, Surface("emitted")),
     ("closed-second", UpstreamClosed("x"), False, 1, False, Surface("attempted")),
     ("timeout", UpstreamTimeout("x"), False, 0, True, Surface("not_retryable")),
@@ -121,6 +118,6 @@ def test_error_fields_shapes() -> None:
 
 def test_message_too_big_goes_over_http_even_on_a_replay() -> None:
     too_big = UpstreamClosed("x", close_code=1009)
-    assert classify(too_big, False, 0) == Replay(CAUSE_TOO_BIG, new_socket=False, over_http=True)
-    assert classify(too_big, False, 1) == Replay(CAUSE_TOO_BIG, new_socket=False, over_http=True)
+    assert classify(too_big, False, 0) == Replay(ReplayCause.FRAME_TOO_BIG, new_socket=False, over_http=True)
+    assert classify(too_big, False, 1) == Replay(ReplayCause.FRAME_TOO_BIG, new_socket=False, over_http=True)
     assert classify(too_big, True, 0) == Surface("emitted")

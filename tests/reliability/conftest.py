@@ -91,9 +91,9 @@ def frames(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     sent: list[bytes] = []
     original = proxy.upstream.UpstreamSocket.send
 
-    async def send(self: proxy.upstream.UpstreamSocket, frame: bytes) -> None:
+    async def send(self: proxy.upstream.UpstreamSocket, frame: bytes, lane: str | None) -> None:
         sent.append(bytes(frame))
-        await original(self, frame)
+        await original(self, frame, lane)
 
     monkeypatch.setattr(proxy.upstream.UpstreamSocket, "send", send)
     return sent

@@ -238,11 +238,11 @@ def replays(cause: str) -> float:
 
 
 def assert_pool_quiet(sc: Sidecar) -> None:
-    """No socket is busy or connecting, and no head is busy."""
+    """No socket is busy or connecting, and no lane is busy or draining."""
     pool = sc.pool
     assert pool.count(SocketState.BUSY) == 0, repr(pool)
     assert pool.count(SocketState.CONNECTING) == 0, repr(pool)
-    assert "0 busy" in repr(sc.heads), repr(sc.heads)
+    assert "Lanes: 0 busy" in repr(pool) and "0 draining" in repr(pool), repr(pool)
 
 
 def head_response_ids(sc: Sidecar) -> list[str]:
@@ -257,8 +257,8 @@ def assert_heads_completed(sc: Sidecar, emu: Emulator) -> None:
         assert record is not None and record["status"] == "completed", (response_id, record)
 
 
-_SOCKET_TASKS = ("Pool._watch", "keepalive", "ClientConnection", "Connection.")
-"""Coroutines that belong to an open upstream socket (its watcher, websockets' keepalive)."""
+_SOCKET_TASKS = ("UpstreamSocket._read", "keepalive", "ClientConnection", "Connection.")
+"""Coroutines that belong to an open upstream socket (its reader, websockets' keepalive)."""
 
 
 def _name(task: asyncio.Task[Any]) -> str:
@@ -271,8 +271,8 @@ async def leaked_tasks(
 ) -> list[str]:
     """Tasks started since ``baseline`` still pending after up to ``settle`` seconds.
 
-    Tasks that belong to an open upstream socket (the pool's watcher, websockets' keepalive) are
-    expected; with ``open_sockets`` given, there must be exactly one watcher per open socket and
+    Tasks that belong to an open upstream socket (its reader, websockets' keepalive) are
+    expected; with ``open_sockets`` given, there must be exactly one reader per open socket and
     no more keepalives than sockets, else the mismatch is reported as a leak too.
     """
     deadline = time.monotonic() + settle
@@ -281,7 +281,7 @@ async def leaked_tasks(
         extra = [t for t in asyncio.all_tasks() if t not in baseline and t is not current and not t.done()]
         leaked = sorted(_name(t) for t in extra if not _name(t).startswith(_SOCKET_TASKS))
         if open_sockets is not None:
-            watchers = sum(1 for t in asyncio.all_tasks() if _name(t) == "Pool._watch")
+            watchers = sum(1 for t in asyncio.all_tasks() if _name(t) == "UpstreamSocket._read")
             keepalives = sum(1 for t in asyncio.all_tasks() if _name(t).endswith("keepalive"))
             if watchers != open_sockets or keepalives > open_sockets:
                 leaked.append(f"{watchers} watchers, {keepalives} keepalives for {open_sockets} open sockets")

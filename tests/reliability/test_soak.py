@@ -153,7 +153,8 @@ class Soak:
         fired = self.emu.stats.faults_fired
         assert sum(fired.values()) >= sum(self.armed.values()) - 1 >= self.turns // FAULT_EVERY - 1, fired
         assert replayed["previous_response_not_found"] == fired.get("miss", 0), (replayed, fired)
-        assert replayed["closed_before_first_event"] == fired.get("drop", 0), (replayed, fired)
+        # A dropped socket takes every lane in flight on it: one replay each, at least one per drop.
+        assert replayed["closed_before_first_event"] >= fired.get("drop", 0), (replayed, fired)
         assert self.retries["429"] == fired.get("error", 0), (self.retries, fired)
         assert self.retries["error_event"] + self.retries["5xx"] == fired.get("close", 0), (self.retries, fired)
         # Continuations carried the load (faults and each conversation's first turn aside).
@@ -253,4 +254,4 @@ async def test_mini_soak_in_process_leaves_no_task_socket_or_head_behind(
     heads = sc.heads
     assert len(heads._by_response) == len(heads._index) == len(heads._heads) <= 24
     assert sum(len(anchors) for by_len in heads._raw.values() for p in by_len.values() for anchors in p.values()) <= 24
-    assert len(sc.pool._entries) == sc.pool.count() and len(sc.pool._tasks) == 0
+    assert len(sc.pool.planner.sockets()) == sc.pool.count() and len(sc.pool._tasks) == 0

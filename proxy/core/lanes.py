@@ -1,0 +1,186 @@
+"""Lanes and sockets as data: their states, the legal transitions, and the records the planner keeps.
+
+A *lane* is one upstream socket plus one ``stream_id`` (``None``: the socket's default lane).
+The upstream runs a lane's responses one at a time (FIFO) and caches the lane's latest response,
+so a lane holds at most one conversation head. Lanes of one socket run in parallel, at most
+``max_active_per_socket`` at a time (protocol.md §1.4, §6).
+
+Rule 1 (h11's): every state a lane or socket can be in, and every way it can change, is in the
+two tables below; :func:`lane_step` and :func:`socket_step` are the only functions that change a
+state, and an illegal step raises :class:`InvalidTransition` (a bug, never a network event).
+``docs/architecture.md`` shows the same tables as a diagram (checked by a test).
+
+Lane life::
+
+    IDLE --begin--> BUSY --finish--> IDLE        (terminal event: head recorded or not)
+                    BUSY --abandon--> DRAINING   (app gone or timed out: read to the terminal)
+                                      DRAINING --finish--> IDLE
+    any --close--> CLOSED                        (its socket closed)
+
+Socket life::
+
+    CONNECTING --opened--> OPEN --retire--> RETIRING --drained--> CLOSED
+    CONNECTING --failed--> CLOSED      OPEN/RETIRING --lost--> CLOSED      OPEN --close--> CLOSED
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "LANE_TRANSITIONS",
+    "SOCKET_TRANSITIONS",
+    "InvalidTransition",
+    "Lane",
+    "LaneEvent",
+    "LaneKey",
+    "LaneState",
+    "Socket",
+    "SocketEvent",
+    "SocketState",
+    "lane_name",
+    "lane_step",
+    "socket_step",
+]
+
+LaneKey = tuple[int, str | None]
+"""``(socket id, stream_id)``; the head table's anchor. Socket ids are never reused, so the key
+of a lane that is gone never names a live one."""
+
+
+class LaneState(enum.StrEnum):
+    """Where a lane is."""
+
+    IDLE = "idle"
+    BUSY = "busy"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+class LaneEvent(enum.StrEnum):
+    """What happens to a lane."""
+
+    BEGIN = "begin"
+    """A ``response.create`` is assigned to the lane."""
+    FINISH = "finish"
+    """The response's terminal event arrived."""
+    ABANDON = "abandon"
+    """The turn's reader went away before the terminal event (app disconnect, timeout)."""
+    CLOSE = "close"
+    """The socket closed."""
+
+
+class SocketState(enum.StrEnum):
+    """Where a socket is."""
+
+    CONNECTING = "connecting"
+    OPEN = "open"
+    RETIRING = "retiring"
+    """No new turns (aged, or told so by the upstream); closed once no lane is active."""
+    CLOSED = "closed"
+
+
+class SocketEvent(enum.StrEnum):
+    """What happens to a socket."""
+
+    OPENED = "opened"
+    FAILED = "failed"
+    RETIRE = "retire"
+    DRAINED = "drained"
+    LOST = "lost"
+    CLOSE = "close"
+
+
+LANE_TRANSITIONS: dict[tuple[LaneState, LaneEvent], LaneState] = {
+    (LaneState.IDLE, LaneEvent.BEGIN): LaneState.BUSY,
+    (LaneState.BUSY, LaneEvent.FINISH): LaneState.IDLE,
+    (LaneState.BUSY, LaneEvent.ABANDON): LaneState.DRAINING,
+    (LaneState.DRAINING, LaneEvent.FINISH): LaneState.IDLE,
+    (LaneState.IDLE, LaneEvent.CLOSE): LaneState.CLOSED,
+    (LaneState.BUSY, LaneEvent.CLOSE): LaneState.CLOSED,
+    (LaneState.DRAINING, LaneEvent.CLOSE): LaneState.CLOSED,
+}
+"""Every legal lane step."""
+
+SOCKET_TRANSITIONS: dict[tuple[SocketState, SocketEvent], SocketState] = {
+    (SocketState.CONNECTING, SocketEvent.OPENED): SocketState.OPEN,
+    (SocketState.CONNECTING, SocketEvent.FAILED): SocketState.CLOSED,
+    (SocketState.CONNECTING, SocketEvent.CLOSE): SocketState.CLOSED,
+    (SocketState.OPEN, SocketEvent.RETIRE): SocketState.RETIRING,
+    (SocketState.OPEN, SocketEvent.LOST): SocketState.CLOSED,
+    (SocketState.OPEN, SocketEvent.CLOSE): SocketState.CLOSED,
+    (SocketState.RETIRING, SocketEvent.DRAINED): SocketState.CLOSED,
+    (SocketState.RETIRING, SocketEvent.LOST): SocketState.CLOSED,
+    (SocketState.RETIRING, SocketEvent.CLOSE): SocketState.CLOSED,
+}
+"""Every legal socket step."""
+
+
+class InvalidTransition(AssertionError):
+    """A step the tables do not allow: a bug in the caller."""
+
+
+def lane_step(state: LaneState, event: LaneEvent) -> LaneState:
+    """The state after ``event``.
+
+    Raises:
+        InvalidTransition: the step is not in :data:`LANE_TRANSITIONS`.
+    """
+    try:
+        return LANE_TRANSITIONS[state, event]
+    except KeyError:
+        raise InvalidTransition(f"lane: {event} in state {state}") from None
+
+
+def socket_step(state: SocketState, event: SocketEvent) -> SocketState:
+    """The state after ``event``.
+
+    Raises:
+        InvalidTransition: the step is not in :data:`SOCKET_TRANSITIONS`.
+    """
+    try:
+        return SOCKET_TRANSITIONS[state, event]
+    except KeyError:
+        raise InvalidTransition(f"socket: {event} in state {state}") from None
+
+
+def lane_name(slot: int) -> str | None:
+    """The ``stream_id`` of lane slot ``slot``: slot 0 is the default lane (no ``stream_id``),
+    the others are ``u1``, ``u2``, ... (valid ids: letters, digits, ``_ . -``)."""
+    return None if slot == 0 else f"u{slot}"
+
+
+@dataclass(slots=True, eq=False)
+class Lane:
+    """One lane of one socket."""
+
+    key: LaneKey
+    state: LaneState = LaneState.IDLE
+    head: bool = False
+    """The head table holds a head under :attr:`key` (this lane's latest completed response)."""
+    used_at: float = 0.0
+    from_head: LaneKey | None = None
+    """The head a turn in flight continues from another lane (a hydration): dropped once this
+    lane's own head replaces it."""
+
+
+@dataclass(slots=True, eq=False)
+class Socket:
+    """One upstream socket and its lanes (created lazily, slot order)."""
+
+    id: int
+    identity: str
+    created_at: float
+    used_at: float
+    state: SocketState = SocketState.CONNECTING
+    lanes: dict[str | None, Lane] = field(default_factory=dict)
+    active: int = 0
+    """Lanes that are BUSY or DRAINING (counted against ``max_active_per_socket``)."""
+    named_ok: bool = False
+    """A named lane of this socket completed a response: the upstream takes ``stream_id``."""
+
+    @property
+    def live(self) -> bool:
+        """Whether new turns may be assigned to it."""
+        return self.state in (SocketState.CONNECTING, SocketState.OPEN)

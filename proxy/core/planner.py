@@ -1,0 +1,559 @@
+"""The planner: one synchronous owner of "this socket and lane hold this conversation head".
+
+Given an identity, a parsed request and ``now``, :meth:`Planner.plan` returns a :class:`Plan`:
+continue on lane L with ``previous_response_id`` and the new items, send the full input on lane
+L, wait for a lane, or go over HTTP, each with a reason. :meth:`Planner.finished`,
+:meth:`Planner.abandon`, :meth:`Planner.socket_lost` and :meth:`Planner.tick` are the follow-ups;
+they return the sockets to close. Nothing here does I/O or reads a clock: the pool
+(``proxy/pool.py``) executes the plans, httpcore-style.
+
+Lane choice for a request that needs a new head (a new conversation, a miss):
+
+1. while the identity has fewer than ``spread_sockets`` sockets and no idle one, a new socket
+   (conversations spread over a few sockets before they share one);
+2. a free lane (idle, no head) of the identity's least active socket below
+   ``max_active_per_socket``;
+3. a new socket, under ``max_sockets_per_identity`` and ``max_sockets_total`` (at the total, the
+   least recently used socket with nothing in flight, of any identity, is closed);
+4. the least recently used idle lane that holds a head (that head is let go: detached and still
+   continuable through the upstream's store when ``store`` is true, else forgotten);
+5. nothing: wait for a lane (the pool bounds the wait, then uses HTTP).
+
+A refused upgrade (429, 426, 401/403) holds off only *new* sockets of that identity: turns whose
+lane exists go on, and a request that needed a socket takes another socket's lane or waits.
+A head whose lane is gone (socket closed, rotated, evicted) is continued on any lane when its
+response was stored: the upstream hydrates it (protocol.md §6).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import Counter
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from proxy.core.conversation import Head, HeadTable
+from proxy.core.lanes import (
+    Lane,
+    LaneEvent,
+    LaneKey,
+    LaneState,
+    Socket,
+    SocketEvent,
+    SocketState,
+    lane_name,
+    lane_step,
+    socket_step,
+)
+from proxy.core.reasons import MissReason, PassthroughReason
+from proxy.core.request import ParsedRequest
+
+__all__ = ["LaneLimits", "Plan", "PlanKind", "Planner", "hold_off_seconds"]
+
+_HOLD_426 = 300.0
+_HOLD_AUTH = 30.0
+_HOLD_MAX = 300.0
+
+
+def hold_off_seconds(status: int | None, headers: Mapping[str, str]) -> float:
+    """How long an identity opens no new socket after its upgrade was refused with ``status``.
+
+    426 ("use HTTP"): 5 minutes; a ``retry-after`` is honoured (at most 5 minutes); 401/403
+    without it: 30 s; anything else (including a connect error, ``status=None``): nothing.
+    """
+    if status == 426:
+        return _HOLD_426
+    try:
+        retry_after = float(headers.get("retry-after", ""))
+    except ValueError:
+        retry_after = 0.0
+    if retry_after > 0:
+        return min(retry_after, _HOLD_MAX)
+    return _HOLD_AUTH if status in (401, 403) else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLimits:
+    """The pool's limits, as the planner needs them (``pool.*`` settings)."""
+
+    lanes_per_socket: int = 32
+    """Lanes per socket, the default lane included (1: no ``stream_id`` at all)."""
+    max_active_per_socket: int = 16
+    max_sockets_per_identity: int = 32
+    max_sockets_total: int = 256
+    spread_sockets: int = 32
+    idle_close_seconds: float = 900.0
+    rotate_after_seconds: float = 3300.0
+
+
+class PlanKind(enum.StrEnum):
+    """What the pool does with a request."""
+
+    CONTINUE = "continue"
+    FULL = "full"
+    WAIT = "wait"
+    HTTP = "http"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The planner's decision for one attempt of one request."""
+
+    kind: PlanKind
+    reason: str
+    """``continuation``, a :class:`MissReason` or a :class:`PassthroughReason`."""
+    lane: LaneKey | None = None
+    """The lane reserved for this attempt (BUSY until ``finished``/``abandon``)."""
+    open_socket: bool = False
+    """The lane's socket is new: the caller opens it (``opened``/``open_failed``)."""
+    response_id: str | None = None
+    """``previous_response_id`` of a continuation."""
+    new_items: list[Any] | None = None
+    items_avoided: int = 0
+    hydrated: bool = False
+    """A continuation of a stored head whose lane is gone: the upstream hydrates it."""
+    dropped_reasoning: int = 0
+    close: tuple[int, ...] = ()
+    """Sockets to close first (the total limit's least recently used)."""
+
+    @property
+    def stream_id(self) -> str | None:
+        """The lane's ``stream_id`` (``None``: the default lane)."""
+        return self.lane[1] if self.lane is not None else None
+
+
+def _lane_key(anchor: Hashable) -> LaneKey:
+    """A head's anchor as the lane key the planner gave it."""
+    assert isinstance(anchor, tuple), f"not a lane key: {anchor!r}"
+    return anchor
+
+
+class Planner:
+    """Sockets, lanes and heads of every identity.
+
+    Args:
+        limits: The pool limits.
+        heads: The head table; the planner is the only one that records or drops heads.
+    """
+
+    def __init__(self, limits: LaneLimits, heads: HeadTable) -> None:
+        self.limits = limits
+        self.heads = heads
+        self.named_lanes = limits.lanes_per_socket > 1
+        """Whether named lanes are used; turned off when the upstream refuses ``stream_id``."""
+        self._sockets: dict[int, Socket] = {}
+        self._by_identity: dict[str, dict[int, Socket]] = {}
+        self._ids = itertools.count(1)
+        self._detached = itertools.count(1)
+        self._hold_until: dict[str, float] = {}
+        self._max_slots: dict[int, int] = {}
+        self._now = 0.0
+        self.lane_counts: Counter[LaneState] = Counter()
+        """Lanes by state (live sockets only)."""
+        self.socket_counts: Counter[SocketState] = Counter()
+        """Sockets by state (closed ones are forgotten)."""
+        self.busy_sockets = 0
+        """Open or retiring sockets with at least one active lane."""
+
+    def __repr__(self) -> str:
+        c = self.lane_counts
+        return (
+            f"<Planner [Sockets: {len(self._sockets)} ({self.busy_sockets} busy) | "
+            f"Lanes: {c[LaneState.BUSY]} busy, {c[LaneState.IDLE]} idle, {c[LaneState.DRAINING]} draining]>"
+        )
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def socket(self, socket_id: int) -> Socket | None:
+        """The live record of a socket, if it is not closed."""
+        return self._sockets.get(socket_id)
+
+    def lane(self, key: LaneKey) -> Lane | None:
+        """The record of a lane, if its socket is not closed."""
+        sock = self._sockets.get(key[0])
+        return sock.lanes.get(key[1]) if sock is not None else None
+
+    def sockets(self, identity: str | None = None) -> list[Socket]:
+        """Live socket records (of ``identity``, or all)."""
+        if identity is None:
+            return list(self._sockets.values())
+        return list(self._by_identity.get(identity, {}).values())
+
+    def held_off(self, identity: str, now: float) -> bool:
+        """Whether new sockets of ``identity`` are held off after a refused upgrade."""
+        until = self._hold_until.get(identity)
+        if until is None:
+            return False
+        if now < until:
+            return True
+        del self._hold_until[identity]
+        return False
+
+    def _stale(self, sock: Socket, now: float) -> bool:
+        lim = self.limits
+        if now - sock.created_at >= lim.rotate_after_seconds:
+            return True
+        return sock.active == 0 and now - sock.used_at >= lim.idle_close_seconds
+
+    def _idle_lane(self, key: LaneKey) -> Lane | None:
+        """The lane ``key`` if a turn can start on it now (idle, socket open and fresh)."""
+        sock = self._sockets.get(key[0])
+        if sock is None or sock.state is not SocketState.OPEN or self._stale(sock, self._now):
+            return None
+        lane = sock.lanes.get(key[1])
+        if lane is None or lane.state is not LaneState.IDLE or sock.active >= self.limits.max_active_per_socket:
+            return None
+        return lane
+
+    def _usable(self, head: Head) -> bool:
+        """Whether ``head`` can be continued now: its lane is idle, or its lane is gone and the
+        response was stored (the upstream hydrates it on any lane)."""
+        key = _lane_key(head.anchor)
+        if self._idle_lane(key) is not None:
+            return True
+        sock = self._sockets.get(key[0])
+        lane = sock.lanes.get(key[1]) if sock is not None else None
+        if lane is not None and lane.state is not LaneState.IDLE:
+            return False  # its lane is busy: the cached state is moving on (a parallel branch)
+        return head.store
+
+    # -- the plan --------------------------------------------------------------------------
+
+    def plan(
+        self, identity: str, req: ParsedRequest, now: float, *, replay: bool = False, may_open: bool = True
+    ) -> Plan:
+        """Decide the next attempt of ``req``; a returned lane is reserved (BUSY).
+
+        Args:
+            identity: The caller's identity digest.
+            req: The parsed request.
+            now: Monotonic time.
+            replay: A replay after a failure: always the full input, never a continuation.
+            may_open: Whether a new socket may be opened (false after one failed to open).
+        """
+        self._now = now
+        if req.previous_response_id is not None:
+            anchor = self.heads.anchor_for(identity, req.previous_response_id)
+            lane = self._idle_lane(_lane_key(anchor)) if anchor is not None else None
+            if lane is not None:
+                self._begin(lane, now)
+                return Plan(PlanKind.FULL, MissReason.APP_CHAINED, lane.key)
+            return self._full(identity, now, MissReason.APP_CHAINED, may_open)
+        if replay:
+            return self._full(identity, now, "", may_open)
+        lookup = self.heads.lookup(identity, req, now, self._usable)
+        match = lookup.match
+        if match is None:
+            plan = self._full(identity, now, lookup.reason, may_open)
+            return replace(plan, dropped_reasoning=lookup.dropped_reasoning)
+        cont = Plan(
+            PlanKind.CONTINUE,
+            "continuation",
+            response_id=match.response_id,
+            new_items=match.new_items,
+            items_avoided=match.items_avoided,
+            dropped_reasoning=lookup.dropped_reasoning,
+        )
+        lane = self._idle_lane(_lane_key(match.anchor))
+        if lane is not None:
+            self._begin(lane, now)
+            return replace(cont, lane=lane.key)
+        plan = self._full(identity, now, MissReason.NO_HEAD, may_open)
+        if plan.lane is None:
+            return plan
+        taken = self.lane(plan.lane)
+        assert taken is not None
+        taken.from_head = _lane_key(match.anchor)
+        return replace(cont, lane=plan.lane, open_socket=plan.open_socket, hydrated=True, close=plan.close)
+
+    def _full(self, identity: str, now: float, reason: str, may_open: bool) -> Plan:
+        close: list[int] = []
+        found = self._free_lane(identity, now, may_open, close)
+        if found is not None:
+            lane, opened = found
+            self._begin(lane, now)
+            return Plan(PlanKind.FULL, reason, lane.key, open_socket=opened, close=tuple(close))
+        live = [s for s in self._by_identity.get(identity, {}).values() if s.live]
+        if not live and self.held_off(identity, now):
+            return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED, close=tuple(close))
+        if not live and not may_open:
+            return Plan(PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE, close=tuple(close))
+        return Plan(PlanKind.WAIT, reason, close=tuple(close))
+
+    def _slots(self, sock: Socket) -> int:
+        slots = self.limits.lanes_per_socket if self.named_lanes else 1
+        return min(slots, self._max_slots.get(sock.id, slots))
+
+    def _free_slot(self, sock: Socket) -> Lane | None:
+        """An idle lane of ``sock`` with no head (creating the next slot if allowed)."""
+        slots = self._slots(sock)
+        for name, lane in sock.lanes.items():
+            if name is not None and slots == 1:
+                break
+            if lane.state is LaneState.IDLE and not (lane.head and self.heads.has(lane.key)):
+                lane.head = False
+                return lane
+        if len(sock.lanes) < slots:
+            name = lane_name(len(sock.lanes))
+            lane = Lane((sock.id, name), used_at=self._now)
+            sock.lanes[name] = lane
+            self.lane_counts[LaneState.IDLE] += 1
+            return lane
+        return None
+
+    def _free_lane(self, identity: str, now: float, may_open: bool, close: list[int]) -> tuple[Lane, bool] | None:
+        lim = self.limits
+        socks = [
+            s
+            for s in self._by_identity.get(identity, {}).values()
+            if s.live and not self._stale(s, now) and s.active < lim.max_active_per_socket
+        ]
+        socks.sort(key=lambda s: (s.active, s.state is not SocketState.OPEN, -s.used_at))
+        spread = len(self._by_identity.get(identity, {})) < lim.spread_sockets
+        if may_open and spread and (not socks or socks[0].active > 0) and self._can_open(identity, now, close):
+            return self._open(identity, now), True
+        for sock in socks:
+            lane = self._free_slot(sock)
+            if lane is not None:
+                return lane, False
+        if may_open and self._can_open(identity, now, close):
+            return self._open(identity, now), True
+        victim: Lane | None = None
+        for sock in socks:
+            if sock.state is not SocketState.OPEN:
+                continue
+            for lane in sock.lanes.values():
+                if lane.state is LaneState.IDLE and (victim is None or lane.used_at < victim.used_at):
+                    if lane.key[1] is None or self._slots(sock) > 1:
+                        victim = lane
+        if victim is None:
+            return None
+        self._let_go(victim)
+        return victim, False
+
+    def _can_open(self, identity: str, now: float, close: list[int]) -> bool:
+        lim = self.limits
+        if self.held_off(identity, now):
+            return False
+        if len(self._by_identity.get(identity, {})) >= lim.max_sockets_per_identity:
+            return False
+        if len(self._sockets) < lim.max_sockets_total:
+            return True
+        idle = [s for s in self._sockets.values() if s.active == 0 and s.state is SocketState.OPEN]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda s: s.used_at)
+        self._forget(oldest, SocketEvent.CLOSE)
+        close.append(oldest.id)
+        return True
+
+    def _open(self, identity: str, now: float) -> Lane:
+        sock = Socket(next(self._ids), identity, created_at=now, used_at=now)
+        self._sockets[sock.id] = sock
+        self._by_identity.setdefault(identity, {})[sock.id] = sock
+        self.socket_counts[SocketState.CONNECTING] += 1
+        lane = Lane((sock.id, None), used_at=now)
+        sock.lanes[None] = lane
+        self.lane_counts[LaneState.IDLE] += 1
+        return lane
+
+    # -- transitions -------------------------------------------------------------------------
+
+    def _lane(self, lane: Lane, event: LaneEvent) -> None:
+        new = lane_step(lane.state, event)
+        self.lane_counts[lane.state] -= 1
+        if new is not LaneState.CLOSED:
+            self.lane_counts[new] += 1
+        lane.state = new
+
+    def _socket(self, sock: Socket, event: SocketEvent) -> None:
+        new = socket_step(sock.state, event)
+        self.socket_counts[sock.state] -= 1
+        if new is not SocketState.CLOSED:
+            self.socket_counts[new] += 1
+        sock.state = new
+
+    def _begin(self, lane: Lane, now: float) -> None:
+        sock = self._sockets[lane.key[0]]
+        self._lane(lane, LaneEvent.BEGIN)
+        if sock.active == 0 and sock.state is not SocketState.CONNECTING:
+            self.busy_sockets += 1
+        sock.active += 1
+        lane.used_at = sock.used_at = now
+
+    def _end(self, sock: Socket, lane: Lane, event: LaneEvent) -> None:
+        self._lane(lane, event)
+        if event is LaneEvent.FINISH:
+            sock.active -= 1
+            if sock.active == 0 and sock.state is not SocketState.CONNECTING:
+                self.busy_sockets -= 1
+
+    def _let_go(self, lane: Lane) -> None:
+        """Free ``lane`` of its head: a stored head stays continuable under a dead key."""
+        head = self.heads.get(lane.key)
+        if head is not None:
+            if head.store:
+                self.heads.rekey(lane.key, (-next(self._detached), None))
+            else:
+                self.heads.discard(lane.key)
+        lane.head = False
+
+    def _forget(self, sock: Socket, event: SocketEvent) -> None:
+        """``sock`` is closed: its lanes close; stored heads outlive it, the others go."""
+        if sock.active > 0 and sock.state is not SocketState.CONNECTING:
+            self.busy_sockets -= 1
+        self._socket(sock, event)
+        for lane in sock.lanes.values():
+            self._lane(lane, LaneEvent.CLOSE)
+            head = self.heads.get(lane.key) if lane.head else None
+            if head is not None and not head.store:
+                self.heads.discard(lane.key)
+        del self._sockets[sock.id]
+        self._max_slots.pop(sock.id, None)
+        by_identity = self._by_identity[sock.identity]
+        del by_identity[sock.id]
+        if not by_identity:
+            del self._by_identity[sock.identity]
+
+    # -- follow-ups --------------------------------------------------------------------------
+
+    def opened(self, socket_id: int, now: float) -> None:
+        """The socket's handshake succeeded."""
+        sock = self._sockets.get(socket_id)
+        if sock is None or sock.state is not SocketState.CONNECTING:
+            return
+        self._socket(sock, SocketEvent.OPENED)
+        sock.created_at = sock.used_at = now
+        if sock.active > 0:
+            self.busy_sockets += 1
+
+    def open_failed(self, socket_id: int, now: float, *, status: int | None, headers: Mapping[str, str]) -> None:
+        """The handshake failed; the lanes reserved on it are gone (their requests plan again)."""
+        sock = self._sockets.get(socket_id)
+        hold = hold_off_seconds(status, headers)
+        if sock is not None:
+            if hold > 0:
+                self._hold_until[sock.identity] = max(self._hold_until.get(sock.identity, 0.0), now + hold)
+            self._forget(sock, SocketEvent.FAILED)
+
+    def finished(
+        self,
+        key: LaneKey,
+        now: float,
+        *,
+        req: ParsedRequest | None = None,
+        response: dict[str, Any] | None = None,
+        prefix_state: Any = None,
+        retire: bool = False,
+    ) -> list[int]:
+        """The lane's response reached its terminal event; returns the sockets to close.
+
+        Args:
+            key: The lane.
+            now: Monotonic time.
+            req: With ``response``: the request whose ``response.completed`` becomes the head.
+            response: The completed response (``None``: failed, incomplete or error: no head,
+                and the lane's cached parent is evicted upstream).
+            prefix_state: :func:`~proxy.core.fastparse.hash_prefix` of a large body.
+            retire: The upstream said the socket aged out: no new turns on it.
+        """
+        sock = self._sockets.get(key[0])
+        lane = sock.lanes.get(key[1]) if sock is not None else None
+        if sock is None or lane is None:
+            return []  # the socket closed meanwhile
+        if lane.state in (LaneState.BUSY, LaneState.DRAINING):
+            self._end(sock, lane, LaneEvent.FINISH)
+        lane.used_at = now
+        origin, lane.from_head = lane.from_head, None
+        if response is not None and req is not None:
+            self.heads.record(sock.identity, key, req, response, now, prefix_state)
+            lane.head = self.heads.has(key)
+            if origin is not None and origin != key:
+                self.heads.discard(origin)
+            if key[1] is not None:
+                sock.named_ok = True
+        else:
+            self.heads.discard(key)
+            lane.head = False
+        if retire and sock.state is SocketState.OPEN:
+            self._socket(sock, SocketEvent.RETIRE)
+        return self._close_if_drained(sock)
+
+    def abandon(self, key: LaneKey) -> None:
+        """The turn's reader left before the terminal event: the lane drains (its events are
+        read and dropped until the terminal one, then :meth:`finished`)."""
+        sock = self._sockets.get(key[0])
+        lane = sock.lanes.get(key[1]) if sock is not None else None
+        if lane is None or lane.state is not LaneState.BUSY:
+            return
+        self._lane(lane, LaneEvent.ABANDON)
+        lane.from_head = None
+        self.heads.discard(key)
+        lane.head = False
+
+    def retire(self, socket_id: int) -> list[int]:
+        """No new turns on this socket (it reached a limit); closed once nothing is in flight."""
+        sock = self._sockets.get(socket_id)
+        if sock is None:
+            return []
+        if sock.state is SocketState.OPEN:
+            self._socket(sock, SocketEvent.RETIRE)
+        return self._close_if_drained(sock)
+
+    def _close_if_drained(self, sock: Socket) -> list[int]:
+        """A retiring socket closes once no lane is BUSY (draining lanes go with it)."""
+        if sock.state is SocketState.RETIRING and not any(ln.state is LaneState.BUSY for ln in sock.lanes.values()):
+            self._forget(sock, SocketEvent.DRAINED)
+            return [sock.id]
+        return []
+
+    def socket_lost(self, socket_id: int) -> None:
+        """The socket closed (upstream close, drop, ping timeout): every lane with it."""
+        sock = self._sockets.get(socket_id)
+        if sock is not None:
+            event = SocketEvent.FAILED if sock.state is SocketState.CONNECTING else SocketEvent.LOST
+            self._forget(sock, event)
+
+    def lanes_refused(self, socket_id: int) -> None:
+        """The upstream refused a named lane (``invalid_stream_id``, unknown parameter, or a close
+        before any event on a socket that never completed a named lane): default lanes only."""
+        self.named_lanes = False
+
+    def stream_limit(self, key: LaneKey) -> None:
+        """``websocket_stream_limit_reached`` on ``key``: that socket takes no more lanes."""
+        sock = self._sockets.get(key[0])
+        if sock is not None:
+            self._max_slots[sock.id] = max(len(sock.lanes) - 1, 1)
+
+    def tick(self, now: float) -> tuple[list[int], list[float]]:
+        """Housekeeping: close idle and aged sockets, retire aged busy ones, expire heads.
+
+        Returns:
+            The sockets to close, and the ages of those closed by rotation.
+        """
+        self._now = now
+        close: list[int] = []
+        ages: list[float] = []
+        for sock in list(self._sockets.values()):
+            if sock.state is SocketState.CONNECTING:
+                continue
+            age = now - sock.created_at
+            aged = age >= self.limits.rotate_after_seconds
+            if sock.active == 0 and (aged or now - sock.used_at >= self.limits.idle_close_seconds):
+                if aged:
+                    ages.append(age)
+                self._forget(sock, SocketEvent.CLOSE)
+                close.append(sock.id)
+            elif aged and sock.state is SocketState.OPEN:
+                self._socket(sock, SocketEvent.RETIRE)
+        self.heads.expire(now)
+        return close, ages
+
+    def close_all(self) -> list[int]:
+        """Forget every socket (shutdown); returns them all to close."""
+        ids = list(self._sockets)
+        for sock in list(self._sockets.values()):
+            self._forget(sock, SocketEvent.CLOSE)
+        return ids
