@@ -225,17 +225,30 @@ async def upgrade(request: web.Request) -> web.StreamResponse:
     )
     if not ws.can_prepare(request).ok:
         return error_response(ApiError(405, "Invalid method for URL (GET /v1/responses)"))
-    refuse = request.app[FAULTS].take({"refuse_upgrade"}, "ws", {"identity": request[OWNER]})
+    owner = request[OWNER]
+    refuse = request.app[FAULTS].take({"refuse_upgrade"}, "ws", {"identity": owner})
     if refuse is not None:
         state.stats.fault_fired("refuse_upgrade")
         state.stats.ws_connections["refused"] += 1
         return error_response(refuse.to_error())
-    await ws.prepare(request)
-    request.app[REGISTRY].sockets.add(ws)
+    key = state.stats.key(owner)
+    cap = state.config.ws_max_connections_per_key
+    if cap and key.open >= cap:
+        key.refused += 1
+        state.stats.ws_connections["refused"] += 1
+        state.stats.ws_connections["refused_cap"] += 1
+        return error_response(errors.connection_cap_reached(cap, state.config.ws_connection_retry_after_s))
+    key.open += 1  # reserved before the first await, so concurrent upgrades cannot overshoot the cap
+    key.opened += 1
+    key.peak_open = max(key.peak_open, key.open)
     try:
-        await WsConnection(state, request.app[FAULTS], ws, request, request[OWNER]).run()
+        await ws.prepare(request)
+        request.app[REGISTRY].sockets.add(ws)
+        await WsConnection(state, request.app[FAULTS], ws, request, owner).run()
     finally:
         request.app[REGISTRY].sockets.discard(ws)
+        current = state.stats.key(owner)  # after a reset the table is new
+        current.open = max(0, current.open - 1)
     return ws
 
 

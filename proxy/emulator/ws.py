@@ -21,6 +21,7 @@ from . import errors
 from .engine import execute, finish, new_id, prepare
 from .errors import ApiError
 from .faults import Fault, FaultQueue
+from .network import DelayLine
 from .oracle import Segment
 from .runner import CUT_KINDS, play
 from .state import ConnectionStats, EmulatorState, ResponseRecord
@@ -71,27 +72,40 @@ class WsConnection:
         self.stats = ConnectionStats(identity=owner, opened_at=time.time())
         self._send_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(self.config.ws_max_in_flight)
+        one_way = state.latency.rtt_ms / 2000.0
+        self._line = DelayLine(one_way, ws.send_str, state) if one_way > 0 else None
+        self._inbound = DelayLine(one_way, self._delayed_text, state, "inbound_delays") if one_way > 0 else None
 
     # -- I/O -------------------------------------------------------------------------------------
     async def send(self, payload: dict[str, JSON]) -> None:
-        """The single write path (one frame per event)."""
-        if self.ws.closed:
+        """The single write path (one frame per event; through the RTT delay line when one is set)."""
+        if self.ws.closed or (self._line is not None and self._line.failed is not None):
             raise _Gone
+        data = orjson.dumps(payload).decode()
+        if self._line is not None:
+            self._line.put(data)
+            return
         async with self._send_lock:
             try:
-                await self.ws.send_str(orjson.dumps(payload).decode())
+                await self.ws.send_str(data)
             except (ConnectionError, RuntimeError) as exc:
                 raise _Gone from exc
 
+    async def _flush(self) -> None:
+        if self._line is not None:
+            await self._line.flush()
+
     async def abort(self) -> None:
-        """Drop the TCP connection (the client sees 1006)."""
+        """Drop the TCP connection (the client sees 1006) once the frames already sent have arrived."""
+        await self._flush()
         transport = self.request.transport
         if transport is not None:
             transport.abort()
 
-    async def close(self, code: int) -> None:
-        """Close with ``code``."""
-        await self.ws.close(code=code, message=b"emulator fault")
+    async def close(self, code: int, message: bytes = b"emulator fault") -> None:
+        """Close with ``code`` (behind the frames already sent)."""
+        await self._flush()
+        await self.ws.close(code=code, message=message)
 
     # -- connection loop ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -111,6 +125,9 @@ class WsConnection:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await lane.task
             self.lanes.clear()
+            for line in (self._inbound, self._line):
+                if line is not None:
+                    await line.stop()
             self.stats.open = False
             self.stats.close_code = self.ws.close_code
             state.stats.ws_connections["open"] -= 1
@@ -132,7 +149,9 @@ class WsConnection:
                 self.state.stats.ws_frames_received += 1
                 self.stats.bytes_received += size
                 self.stats.frames_received += 1
-            if msg.type == WSMsgType.TEXT:
+            if msg.type == WSMsgType.TEXT and self._inbound is not None:
+                self._inbound.put(msg.data)  # handled RTT/2 after arrival (network.py)
+            elif msg.type == WSMsgType.TEXT:
                 with contextlib.suppress(_Gone):
                     await self._on_text(msg.data, size)
             elif msg.type == WSMsgType.BINARY:
@@ -143,6 +162,10 @@ class WsConnection:
                 return
             else:
                 return
+
+    async def _delayed_text(self, data: str) -> None:
+        with contextlib.suppress(_Gone):
+            await self._on_text(data, len(data.encode()))
 
     async def _on_text(self, data: str, size: int) -> None:
         try:
