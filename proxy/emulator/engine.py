@@ -15,12 +15,12 @@ import orjson
 
 from .config import EmulatorConfig
 from .events import Event, build_events, lifecycle
-from .model import ModelRequest, Plan, plan
+from .model import ModelRequest, Plan, plan, tokens
 from .oracle import Segment, clean, normalize_input, settings_digest
 from .state import EmulatorState, ResponseRecord
 from .validation import check_tool_pairs, resolve_input
 
-__all__ = ["Execution", "Turn", "execute", "failed_object", "finish", "new_id", "prepare"]
+__all__ = ["Execution", "Turn", "execute", "failed_object", "finish", "new_id", "prepare", "steered_object"]
 
 JSON = Any
 
@@ -161,6 +161,28 @@ def failed_object(turn: Turn, message: str = "An error occurred while processing
     )
 
 
+def steered_object(turn: Turn, final: dict[str, JSON], items_done: int) -> dict[str, JSON]:
+    """The ``incomplete`` / ``steered`` response: the items finished before the boundary (protocol.md §6)."""
+    output = list(final["output"][:items_done])
+    out_tokens = sum(_item_tokens(item) for item in output)
+    reasoning = sum(_item_tokens(item) for item in output if item.get("type") == "reasoning")
+    return response_object(
+        turn,
+        status="incomplete",
+        output=output,
+        usage=_usage(turn, out_tokens, reasoning),
+        incomplete_details={"reason": "steered"},
+    )
+
+
+def _item_tokens(item: JSON) -> int:
+    if item.get("type") == "function_call":
+        return tokens(str(item.get("name", ""))) + tokens(str(item.get("arguments", "")))
+    if item.get("type") == "reasoning":
+        return sum(tokens(str(p.get("text", ""))) for p in item.get("summary", []))
+    return sum(tokens(str(p.get("text", ""))) for p in item.get("content", []))
+
+
 @dataclass(slots=True)
 class Execution:
     """A generated response, ready to stream."""
@@ -173,9 +195,12 @@ class Execution:
 
 def _usage(turn: Turn, output_tokens: int, reasoning_tokens: int) -> dict[str, JSON]:
     input_tokens = math.ceil((turn.context.nbytes + turn.settings_bytes) / 4)
+    cached = math.ceil(turn.cached_bytes / 4)
+    # [C] WebSocket mode writes what it did not read from the lane cache into it; HTTP writes nothing
+    written = max(0, input_tokens - cached) if turn.transport == "ws" else 0
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": math.ceil(turn.cached_bytes / 4)},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,

@@ -40,6 +40,8 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    misalignment: dict[str, Any] | None = None
+    """WebSocket only: ``error.misalignment`` (protocol.md §6)."""
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"
@@ -54,6 +56,8 @@ class ApiError(Exception):
         }
         if with_headers and self.headers:
             obj["headers"] = dict(self.headers)
+        if with_headers and self.misalignment is not None:
+            obj["misalignment"] = dict(self.misalignment)
         return obj
 
     def http_body(self) -> dict[str, Any]:

@@ -118,6 +118,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return error_response(ApiError(400, errors.INVALID_JSON_MESSAGE))
+    state.received("http", body)
     facts: dict[str, JSON] = {}
     if isinstance(body, dict):
         prev = body.get("previous_response_id")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -160,6 +160,18 @@ class EmulatorState:
         self.conversations: dict[str, Conversation] = {}
         self.transports: dict[int, Any] = {}
         """TCP connections already charged ``connect_ms`` (``network.py``)."""
+        self.recording: deque[dict[str, JSON]] | None = None
+        """Received requests (``start_recording``): ``{"transport", "body"}`` per create/steer frame or body."""
+
+    def start_recording(self, limit: int = 1000) -> deque[dict[str, JSON]]:
+        """Keep the last ``limit`` received ``/v1/responses`` bodies and WebSocket client frames (parsed)."""
+        self.recording = deque(maxlen=limit)
+        return self.recording
+
+    def received(self, transport: str, body: JSON) -> None:
+        """Record one received request when recording is on."""
+        if self.recording is not None:
+            self.recording.append({"transport": transport, "body": body})
 
     def reset(self) -> None:
         """Forget everything except open connections' own caches; zero all counters."""
