@@ -4,6 +4,7 @@ the response object and its event sequence. No I/O; transports (``http.py``, ``w
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 import time
@@ -20,7 +21,17 @@ from .oracle import Segment, clean, normalize_input, settings_digest
 from .state import EmulatorState, ResponseRecord
 from .validation import check_tool_pairs, resolve_input
 
-__all__ = ["Execution", "Turn", "execute", "failed_object", "finish", "new_id", "prepare", "steered_object"]
+__all__ = [
+    "Execution",
+    "Turn",
+    "compaction_due",
+    "execute",
+    "failed_object",
+    "finish",
+    "new_id",
+    "prepare",
+    "steered_object",
+]
 
 JSON = Any
 
@@ -61,7 +72,10 @@ class Turn:
 
     @property
     def generate(self) -> bool:
-        """``generate: false`` is a warm-up (WS only)."""
+        """``generate: false`` is a warm-up (WS only); ``prompt_cache_options.prewarm`` forces it (§6)."""
+        options = self.body.get("prompt_cache_options")
+        if isinstance(options, dict) and options.get("prewarm") is True:
+            return False
         return self.body.get("generate") is not False
 
     @property
@@ -150,6 +164,12 @@ def response_object(turn: Turn, *, status: str, output: list[JSON], usage: JSON,
     }
     if turn.conversation_id is not None:
         obj["conversation"] = {"id": turn.conversation_id}
+    options = body.get("prompt_cache_options")
+    if isinstance(options, dict):  # echoed as applied (SDK ``Response.prompt_cache_options``)
+        applied: dict[str, JSON] = {"mode": options.get("mode", "implicit"), "ttl": options.get("ttl", "30m")}
+        if options.get("comparison_response_id") is not None:
+            applied["comparison_response_id"] = options["comparison_response_id"]
+        obj["prompt_cache_options"] = applied
     obj.update(extra)
     return obj
 
@@ -261,6 +281,9 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
         )
     )
     output = _materialise(result, "reasoning.encrypted_content" in (body.get("include") or ()))
+    if compaction_due(turn):
+        blob = hashlib.sha256(turn.context.digest.encode()).hexdigest()
+        output.insert(0, {"id": new_id("cmp"), "type": "compaction", "encrypted_content": "gAAAAAC" + blob})
     out_tokens = sum(p.tokens for p in result.items)
     reasoning_tokens = sum(p.tokens for p in result.items if p.kind == "reasoning")
     usage = _usage(turn, out_tokens, reasoning_tokens)
@@ -273,6 +296,23 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
         final = response_object(turn, status="completed", output=output, usage=usage)
         terminal = "response.completed"
     return Execution(shell, final, build_events(shell, final, terminal, config.delta_chars), terminal)
+
+
+def compaction_due(turn: Turn) -> bool:
+    """Server-side compaction trigger [C]: ``context_management: [{"type": "compaction",
+    "compact_threshold": N}]`` and the request's input tokens reach N. The response's output then starts
+    with a ``compaction`` item, announced by ``response.compaction.compacting``. The emulator does not
+    shrink the context: the item is an opaque marker the model's context keeps, like any output."""
+    entries = turn.body.get("context_management")
+    if not isinstance(entries, list):
+        return False
+    input_tokens = math.ceil((turn.context.nbytes + turn.settings_bytes) / 4)
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("type") == "compaction":
+            threshold = entry.get("compact_threshold")
+            if isinstance(threshold, int) and input_tokens >= threshold:
+                return True
+    return False
 
 
 def finish(state: EmulatorState, turn: Turn, final: dict[str, JSON]) -> ResponseRecord:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
+import string
 from typing import Any
 
 import orjson
@@ -37,11 +39,30 @@ def error_response(error: ApiError) -> web.Response:
     return json_response(error.http_body(), error.status, error.headers or None)
 
 
+_OBFUSCATION_CHARS = string.ascii_letters + string.digits
+
+
+def obfuscation(delta: str) -> str:
+    """Random padding so that ``delta`` + padding have a length that hides the delta's (1-16 chars)."""
+    length = 16 - (len(delta.encode()) % 16) or 16
+    return "".join(secrets.choice(_OBFUSCATION_CHARS) for _ in range(length))
+
+
+def wants_obfuscation(body: JSON, config_default: bool) -> bool:
+    """``stream_options.include_obfuscation`` (default true, as on the real API)."""
+    options = body.get("stream_options") if isinstance(body, dict) else None
+    if isinstance(options, dict) and options.get("include_obfuscation") is False:
+        return False
+    return config_default
+
+
 class _SseSink:
-    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
-        self.request, self.response = request, response
+    def __init__(self, request: web.Request, response: web.StreamResponse, obfuscate: bool) -> None:
+        self.request, self.response, self.obfuscate = request, response, obfuscate
 
     async def send(self, payload: dict[str, JSON]) -> None:
+        if self.obfuscate and str(payload["type"]).endswith(".delta") and isinstance(payload.get("delta"), str):
+            payload = {**payload, "obfuscation": obfuscation(payload["delta"])}
         data = orjson.dumps(payload)
         await self.response.write(b"event: " + str(payload["type"]).encode() + b"\ndata: " + data + b"\n\n")
 
@@ -176,7 +197,8 @@ async def _stream(request: web.Request, turn: Turn, execution: Execution, fault:
     response.headers["Cache-Control"] = "no-cache"
     await response.prepare(request)
     try:
-        outcome = await play(execution, turn, _SseSink(request, response), latency=latency, fault=fault)
+        sink = _SseSink(request, response, wants_obfuscation(turn.body, state.config.http_obfuscation))
+        outcome = await play(execution, turn, sink, latency=latency, fault=fault)
     except ConnectionError:
         return response
     _finish(state, turn, outcome)
