@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--rebuild-ms-per-kb", type=float, help="per KiB of context not in the connection cache (0)")
     lat.add_argument("--ttft-ms", type=float, help="time to first token after the rebuild (0)")
     lat.add_argument("--tokens-per-second", type=float, help="output speed, 0 = instant (0)")
+    lat.add_argument("--rtt-ms", type=float, help="network round trip: RTT/2 on every message each way (0)")
+    lat.add_argument("--connect-ms", type=float, help="TCP+TLS setup of each new connection (0)")
     ws = p.add_argument_group("websocket mode")
     ws.add_argument("--ws-max-age", type=float, help=f"connection age limit in seconds ({d.ws_max_age_s:g})")
     ws.add_argument("--ws-keep-open-on-age-limit", action="store_true", help="do not close after the age error")
@@ -69,6 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--ws-max-named-streams", type=int, help=f"distinct stream_ids per connection ({d.ws_max_named_streams})"
     )
     ws.add_argument("--ws-no-compress", action="store_true", help="refuse permessage-deflate")
+    ws.add_argument(
+        "--ws-max-connections-per-key", type=int, help="open sockets per key, then upgrades get 429; 0 = no cap (0)"
+    )
+    ws.add_argument(
+        "--ws-connection-retry-after",
+        type=float,
+        help=f"retry-after seconds on a capped upgrade ({d.ws_connection_retry_after_s:g})",
+    )
+    ws.add_argument(
+        "--ws-stream-ids",
+        choices=("lanes", "reject", "close"),
+        help="stream_id lanes, or a lane-less upstream: unknown_parameter error / close (lanes)",
+    )
+    ws.add_argument(
+        "--ws-reject-close-code", type=int, help=f"close code of --ws-stream-ids close ({d.ws_reject_close_code})"
+    )
+    ws.add_argument("--steer-models", help="comma-separated models that support response.steer ('*' = all; none)")
     api = p.add_argument_group("api behaviour")
     api.add_argument(
         "--require-key",
@@ -78,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--no-isolate-keys", action="store_true", help="let any key read any stored response")
     api.add_argument("--allow-unknown-params", action="store_true", help="do not 400 on unknown body fields")
     api.add_argument("--no-validate-tool-pairs", action="store_true", help="do not 400 on unpaired tool calls/outputs")
+    api.add_argument("--no-obfuscation", action="store_true", help="never add 'obfuscation' to SSE deltas")
     api.add_argument("--reply-bytes", type=int, help=f"plain reply size ({d.reply_bytes})")
     api.add_argument("--delta-chars", type=int, help=f"characters per delta event ({d.delta_chars})")
     api.add_argument("--models", help="comma-separated ids for GET /v1/models")
@@ -94,7 +114,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     latency = LATENCY_PRESETS[args.latency_preset] if args.latency_preset else config.latency
     overrides = {
         name: getattr(args, name)
-        for name in ("overhead_ms", "rebuild_ms_per_kb", "ttft_ms", "tokens_per_second")
+        for name in ("overhead_ms", "rebuild_ms_per_kb", "ttft_ms", "tokens_per_second", "rtt_ms", "connect_ms")
         if getattr(args, name) is not None
     }
     changes: dict[str, Any] = {"latency": dataclasses.replace(latency, **overrides)}
@@ -105,6 +125,13 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         "ws_max_message_bytes": args.ws_max_message_bytes,
         "ws_max_in_flight": args.ws_max_in_flight,
         "ws_max_named_streams": args.ws_max_named_streams,
+        "ws_max_connections_per_key": args.ws_max_connections_per_key,
+        "ws_connection_retry_after_s": args.ws_connection_retry_after,
+        "ws_stream_ids": args.ws_stream_ids,
+        "ws_reject_close_code": args.ws_reject_close_code,
+        "steer_models": tuple(m.strip() for m in args.steer_models.split(",") if m.strip())
+        if args.steer_models
+        else None,
         "reply_bytes": args.reply_bytes,
         "delta_chars": args.delta_chars,
         "background_delay_s": args.background_delay,
@@ -118,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         (args.no_isolate_keys, "isolate_keys", False),
         (args.allow_unknown_params, "reject_unknown_params", False),
         (args.no_validate_tool_pairs, "validate_tool_pairs", False),
+        (args.no_obfuscation, "http_obfuscation", False),
     ):
         if flag:
             changes[field] = value

@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_MODELS",
     "FAST_LATENCY",
     "LATENCY_PRESETS",
+    "STREAM_ID_MODES",
     "REALISTIC_LATENCY",
     "ZERO_LATENCY",
     "EmulatorConfig",
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 MIB: Final = 1024 * 1024
+
+STREAM_ID_MODES: Final = ("lanes", "reject", "close")
 
 DEFAULT_MODELS: Final = (
     "gpt-5",
@@ -56,6 +59,13 @@ class LatencyModel:
     """Time to first token once the context is ready."""
     tokens_per_second: float = 0.0
     """Output speed; 0 means instant."""
+    rtt_ms: float = 0.0
+    """Network round trip between client and emulator: every client message (HTTP request, WS frame)
+    is handled ``rtt_ms/2`` after it arrived and every server message (HTTP response start, WS frame)
+    reaches the wire ``rtt_ms/2`` after it was produced (pipelined: a stream shifts, it does not stretch)."""
+    connect_ms: float = 0.0
+    """TCP + TLS handshake cost of a *new* connection (e.g. 2 x RTT for TCP + TLS 1.3), paid once before
+    the first request on it (every WebSocket upgrade on a fresh connection; not kept-alive HTTP requests)."""
 
     def rebuild_seconds(self, nbytes: int) -> float:
         """Seconds spent rebuilding ``nbytes`` of uncached context."""
@@ -99,6 +109,23 @@ class EmulatorConfig:
     ws_max_named_streams: int = 32
     ws_compress: bool = True
     """Accept permessage-deflate when the client offers it."""
+    ws_max_connections_per_key: int = 0
+    """Open WebSocket connections allowed per key (``Authorization`` identity); the next upgrade gets
+    HTTP 429 with ``retry-after``. 0 = unlimited."""
+    ws_connection_retry_after_s: float = 1.0
+    """``retry-after`` (seconds) on an upgrade refused by ``ws_max_connections_per_key``."""
+    ws_stream_ids: str = "lanes"
+    """``lanes`` (named ``stream_id`` lanes, the current guide), ``reject`` (a lane-less upstream such as
+    xAI or a gateway: a create with ``stream_id`` gets ``unknown_parameter``), or ``close`` (the socket is
+    closed with ``ws_reject_close_code`` instead)."""
+    ws_reject_close_code: int = 1008
+    """Close code used by ``ws_stream_ids: close``."""
+    steer_models: tuple[str, ...] = ()
+    """Models that support ``response.steer`` (``"*"`` = every model). Others answer
+    ``response.steer.failed`` / ``steering_not_supported``."""
+    http_obfuscation: bool = True
+    """HTTP SSE delta events carry an ``obfuscation`` string unless ``stream_options.include_obfuscation``
+    is false (the real API's default)."""
     require_keys: tuple[str, ...] = ()
     """Accepted API keys; empty = any non-empty key not starting with ``bad_key_prefix``."""
     bad_key_prefix: str = "sk-bad"
@@ -119,6 +146,14 @@ class EmulatorConfig:
     """Oracle records kept (oldest dropped first)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form settings for experiments; unused by the emulator itself."""
+
+    def __post_init__(self) -> None:
+        if self.ws_stream_ids not in STREAM_ID_MODES:
+            raise ValueError(f"ws_stream_ids must be one of {STREAM_ID_MODES}, not {self.ws_stream_ids!r}")
+
+    def steering(self, model: str | None) -> bool:
+        """Whether ``model`` supports ``response.steer``."""
+        return "*" in self.steer_models or (model is not None and model in self.steer_models)
 
     def replace(self, **changes: Any) -> EmulatorConfig:
         """Return a copy with ``changes`` applied."""
@@ -151,7 +186,7 @@ def load_config_file(path: str | Path) -> EmulatorConfig:
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-    for key in ("require_keys", "models"):
+    for key in ("require_keys", "models", "steer_models"):
         if key in raw:
             raw[key] = tuple(raw[key])
     return EmulatorConfig(latency=latency, **raw)

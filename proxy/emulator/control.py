@@ -69,7 +69,34 @@ async def record(request: web.Request) -> web.Response:
 @routes.get("/_emulator/faults")
 async def list_faults(request: web.Request) -> web.Response:
     """Faults still armed."""
-    return json_response({"faults": [f.to_dict() for f in request.app[FAULTS].pending]})
+    queue = request.app[FAULTS]
+    return json_response({"faults": [f.to_dict() for f in queue.pending], "held": [h.to_dict() for h in queue.held]})
+
+
+@routes.post("/_emulator/faults/release")
+async def release_held(request: web.Request) -> web.Response:
+    """Release responses paused by ``hold`` faults: ``{"then": "drop", "fault_id": "fault_3"}`` (both optional)."""
+    body = await _body(request)
+    try:
+        released = request.app[FAULTS].release(body.get("then"), body.get("fault_id"))
+    except (AttributeError, ValueError) as exc:
+        raise ApiError(400, f"Invalid release: {exc}") from None
+    return json_response({"released": released})
+
+
+@routes.post("/_emulator/recording")
+async def start_recording(request: web.Request) -> web.Response:
+    """Start keeping received requests (``{"limit": N}``, default 1000); clears earlier ones."""
+    body = await _body(request)
+    request.app[STATE].start_recording(int(body.get("limit", 1000)))
+    return json_response({"ok": True})
+
+
+@routes.get("/_emulator/received")
+async def received(request: web.Request) -> web.Response:
+    """What was received since recording started: ``{"transport": "http"|"ws", "body": …}`` each."""
+    recording = request.app[STATE].recording
+    return json_response({"object": "list", "data": list(recording) if recording is not None else []})
 
 
 @routes.post("/_emulator/faults")

@@ -4,6 +4,7 @@ the response object and its event sequence. No I/O; transports (``http.py``, ``w
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 import time
@@ -15,12 +16,22 @@ import orjson
 
 from .config import EmulatorConfig
 from .events import Event, build_events, lifecycle
-from .model import ModelRequest, Plan, plan
+from .model import ModelRequest, Plan, plan, tokens
 from .oracle import Segment, clean, normalize_input, settings_digest
 from .state import EmulatorState, ResponseRecord
 from .validation import check_tool_pairs, resolve_input
 
-__all__ = ["Execution", "Turn", "execute", "failed_object", "finish", "new_id", "prepare"]
+__all__ = [
+    "Execution",
+    "Turn",
+    "compaction_due",
+    "execute",
+    "failed_object",
+    "finish",
+    "new_id",
+    "prepare",
+    "steered_object",
+]
 
 JSON = Any
 
@@ -61,7 +72,10 @@ class Turn:
 
     @property
     def generate(self) -> bool:
-        """``generate: false`` is a warm-up (WS only)."""
+        """``generate: false`` is a warm-up (WS only); ``prompt_cache_options.prewarm`` forces it (§6)."""
+        options = self.body.get("prompt_cache_options")
+        if isinstance(options, dict) and options.get("prewarm") is True:
+            return False
         return self.body.get("generate") is not False
 
     @property
@@ -150,6 +164,12 @@ def response_object(turn: Turn, *, status: str, output: list[JSON], usage: JSON,
     }
     if turn.conversation_id is not None:
         obj["conversation"] = {"id": turn.conversation_id}
+    options = body.get("prompt_cache_options")
+    if isinstance(options, dict):  # echoed as applied (SDK ``Response.prompt_cache_options``)
+        applied: dict[str, JSON] = {"mode": options.get("mode", "implicit"), "ttl": options.get("ttl", "30m")}
+        if options.get("comparison_response_id") is not None:
+            applied["comparison_response_id"] = options["comparison_response_id"]
+        obj["prompt_cache_options"] = applied
     obj.update(extra)
     return obj
 
@@ -159,6 +179,28 @@ def failed_object(turn: Turn, message: str = "An error occurred while processing
     return response_object(
         turn, status="failed", output=[], usage=None, error={"code": "server_error", "message": message}
     )
+
+
+def steered_object(turn: Turn, final: dict[str, JSON], items_done: int) -> dict[str, JSON]:
+    """The ``incomplete`` / ``steered`` response: the items finished before the boundary (protocol.md §6)."""
+    output = list(final["output"][:items_done])
+    out_tokens = sum(_item_tokens(item) for item in output)
+    reasoning = sum(_item_tokens(item) for item in output if item.get("type") == "reasoning")
+    return response_object(
+        turn,
+        status="incomplete",
+        output=output,
+        usage=_usage(turn, out_tokens, reasoning),
+        incomplete_details={"reason": "steered"},
+    )
+
+
+def _item_tokens(item: JSON) -> int:
+    if item.get("type") == "function_call":
+        return tokens(str(item.get("name", ""))) + tokens(str(item.get("arguments", "")))
+    if item.get("type") == "reasoning":
+        return sum(tokens(str(p.get("text", ""))) for p in item.get("summary", []))
+    return sum(tokens(str(p.get("text", ""))) for p in item.get("content", []))
 
 
 @dataclass(slots=True)
@@ -173,9 +215,12 @@ class Execution:
 
 def _usage(turn: Turn, output_tokens: int, reasoning_tokens: int) -> dict[str, JSON]:
     input_tokens = math.ceil((turn.context.nbytes + turn.settings_bytes) / 4)
+    cached = math.ceil(turn.cached_bytes / 4)
+    # [C] WebSocket mode writes what it did not read from the lane cache into it; HTTP writes nothing
+    written = max(0, input_tokens - cached) if turn.transport == "ws" else 0
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": math.ceil(turn.cached_bytes / 4)},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
@@ -236,6 +281,9 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
         )
     )
     output = _materialise(result, "reasoning.encrypted_content" in (body.get("include") or ()))
+    if compaction_due(turn):
+        blob = hashlib.sha256(turn.context.digest.encode()).hexdigest()
+        output.insert(0, {"id": new_id("cmp"), "type": "compaction", "encrypted_content": "gAAAAAC" + blob})
     out_tokens = sum(p.tokens for p in result.items)
     reasoning_tokens = sum(p.tokens for p in result.items if p.kind == "reasoning")
     usage = _usage(turn, out_tokens, reasoning_tokens)
@@ -248,6 +296,23 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
         final = response_object(turn, status="completed", output=output, usage=usage)
         terminal = "response.completed"
     return Execution(shell, final, build_events(shell, final, terminal, config.delta_chars), terminal)
+
+
+def compaction_due(turn: Turn) -> bool:
+    """Server-side compaction trigger [C]: ``context_management: [{"type": "compaction",
+    "compact_threshold": N}]`` and the request's input tokens reach N. The response's output then starts
+    with a ``compaction`` item, announced by ``response.compaction.compacting``. The emulator does not
+    shrink the context: the item is an opaque marker the model's context keeps, like any output."""
+    entries = turn.body.get("context_management")
+    if not isinstance(entries, list):
+        return False
+    input_tokens = math.ceil((turn.context.nbytes + turn.settings_bytes) / 4)
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("type") == "compaction":
+            threshold = entry.get("compact_threshold")
+            if isinstance(threshold, int) and input_tokens >= threshold:
+                return True
+    return False
 
 
 def finish(state: EmulatorState, turn: Turn, final: dict[str, JSON]) -> ResponseRecord:

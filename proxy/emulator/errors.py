@@ -12,6 +12,7 @@ __all__ = [
     "INVALID_JSON_MESSAGE",
     "ApiError",
     "background_over_ws",
+    "connection_cap_reached",
     "connection_limit_reached",
     "invalid_api_key",
     "invalid_stream_id",
@@ -39,6 +40,8 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    misalignment: dict[str, Any] | None = None
+    """WebSocket only: ``error.misalignment`` (protocol.md §6)."""
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"
@@ -53,6 +56,8 @@ class ApiError(Exception):
         }
         if with_headers and self.headers:
             obj["headers"] = dict(self.headers)
+        if with_headers and self.misalignment is not None:
+            obj["misalignment"] = dict(self.misalignment)
         return obj
 
     def http_body(self) -> dict[str, Any]:
@@ -110,6 +115,20 @@ def connection_limit_reached(max_age_s: float) -> ApiError:
         400,
         f"Responses websocket connection limit reached ({shown}). Create a new websocket connection to continue.",
         code="websocket_connection_limit_reached",
+    )
+
+
+def connection_cap_reached(cap: int, retry_after_s: float) -> ApiError:
+    """429 on a WebSocket upgrade past ``ws_max_connections_per_key`` (protocol.md §5.2: status and body are
+    undocumented; this is the ordinary rate-limit body, with ``retry-after``)."""
+    shown = f"{retry_after_s:g}"
+    return ApiError(
+        429,
+        f"Too many concurrent WebSocket connections for this API key (limit {cap}). "
+        f"Close an open connection or try again in {shown}s.",
+        type="requests",
+        code="rate_limit_exceeded",
+        headers={"retry-after": shown},
     )
 
 

@@ -87,8 +87,18 @@ def _function_call(item: dict[str, JSON], index: int, size: int) -> list[Event]:
     ref = {"item_id": item["id"], "output_index": index}
     for delta in chunks(str(item["arguments"]), size):
         out.append(Event(_event("response.function_call_arguments.delta", **ref, delta=delta), tokens(delta)))
-    out.append(Event(_event("response.function_call_arguments.done", **ref, arguments=item["arguments"])))
+    # ``name``: required by the OpenAPI file, undeclared (extra) in the SDK types; sent (docs/emulator.md)
+    done = _event("response.function_call_arguments.done", **ref, name=item["name"], arguments=item["arguments"])
+    out.append(Event(done))
     return out
+
+
+def _compaction(item: dict[str, JSON], index: int) -> list[Event]:
+    added = {**item, "encrypted_content": ""}
+    return [
+        Event(_event("response.output_item.added", output_index=index, item=added)),
+        Event(_event("response.compaction.compacting", item_id=item["id"], output_index=index)),
+    ]
 
 
 def build_events(shell: dict[str, JSON], final: dict[str, JSON], terminal: str, delta_chars: int) -> list[Event]:
@@ -103,7 +113,9 @@ def build_events(shell: dict[str, JSON], final: dict[str, JSON], terminal: str, 
     ]
     for index, item in enumerate(final["output"]):
         kind = item.get("type")
-        if kind == "reasoning":
+        if kind == "compaction":
+            body = _compaction(item, index)
+        elif kind == "reasoning":
             body = _reasoning(item, index, delta_chars)
         elif kind == "function_call":
             body = _function_call(item, index, delta_chars)

@@ -13,15 +13,27 @@ times, then disappears. Kinds:
 ``refuse_upgrade`` answer the WS upgrade with ``status`` (default 426), an error body and ``headers``
 ``miss``           the next continuation misses the cache (and the store): previous_response_not_found,
                    rendered in ``shape`` (see :data:`NOT_FOUND_SHAPES`)
+``hold``           pause the response after ``after_events`` events (default 0) until released
+                   (:meth:`FaultQueue.release`, ``POST /_emulator/faults/release``), then apply
+                   ``then``: ``continue`` | ``drop`` | ``close`` (``close_code``) | ``fail``;
+                   ``seconds`` > 0 releases by itself after that long (with ``then``)
+``age_limit``      the next create is answered as if the socket had reached ``ws_max_age_s``:
+                   ``websocket_connection_limit_reached``, then close (per ``ws_close_on_age_limit``),
+                   which ends every other lane in flight on that socket
 =================  ===============================================================================
+
+``error`` faults may carry ``misalignment`` (an object): WS error events then have
+``error.misalignment`` (protocol.md §6).
 
 ``match`` narrows which request fires it: keys ``previous_response_id_present``,
 ``previous_response_id``, ``stream_id``, ``connection_id``, ``store``, ``generate``, ``model``,
-``stream`` (``refuse_upgrade``: ``identity``), each compared for equality with the request's value.
+``stream`` (``refuse_upgrade``: ``identity``), each compared for equality with the request's value
+(a list matches any of its members).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 from dataclasses import asdict, dataclass, field, fields
@@ -29,9 +41,12 @@ from typing import Any, Final
 
 from .errors import ApiError
 
-__all__ = ["FAULT_KINDS", "NOT_FOUND_SHAPES", "Fault", "FaultQueue"]
+__all__ = ["FAULT_KINDS", "HOLD_ACTIONS", "NOT_FOUND_SHAPES", "Fault", "FaultQueue", "Held"]
 
-FAULT_KINDS: Final = frozenset({"error", "fail", "drop", "close", "delay", "refuse_upgrade", "miss"})
+FAULT_KINDS: Final = frozenset(
+    {"error", "fail", "drop", "close", "delay", "refuse_upgrade", "miss", "hold", "age_limit"}
+)
+HOLD_ACTIONS: Final = ("continue", "drop", "close", "fail")
 NOT_FOUND_SHAPES: Final = (
     "nested",  # protocol.md §1.6: status + error{type, code, message, param}
     "no_type",  # first GA guide / xAI: status, error without type
@@ -76,6 +91,10 @@ class Fault:
     count: int = 1
     match: dict[str, Any] = field(default_factory=dict)
     shape: str = "nested"
+    then: str = "continue"
+    """``hold``: what happens on release."""
+    misalignment: dict[str, Any] | None = None
+    """``error``: an ``error.misalignment`` object for WS error events."""
     id: str = ""
     fired: int = 0
 
@@ -86,6 +105,8 @@ class Fault:
             raise ValueError("transport must be 'ws', 'http' or 'any'")
         if self.shape not in NOT_FOUND_SHAPES:
             raise ValueError(f"unknown shape {self.shape!r}; expected one of {NOT_FOUND_SHAPES}")
+        if self.then not in HOLD_ACTIONS:
+            raise ValueError(f"unknown hold action {self.then!r}; expected one of {HOLD_ACTIONS}")
         if self.count < 1:
             raise ValueError("count must be >= 1")
         if not self.id:
@@ -122,13 +143,39 @@ class Fault:
             param=self.param,
             code=self.code if self.code is not None else default_code,
             headers=dict(self.headers),
+            misalignment=dict(self.misalignment) if self.misalignment is not None else None,
         )
 
     def matches(self, transport: str, facts: dict[str, Any]) -> bool:
         """Whether a request on ``transport`` with ``facts`` fires this fault."""
         if self.transport not in ("any", transport):
             return False
-        return all(facts.get(key) == value for key, value in self.match.items())
+        return all(
+            facts.get(key) in value if isinstance(value, list) else facts.get(key) == value
+            for key, value in self.match.items()
+        )
+
+
+@dataclass(slots=True)
+class Held:
+    """A response paused by a ``hold`` fault, waiting for :meth:`FaultQueue.release`."""
+
+    fault: Fault
+    connection_id: str | None
+    stream_id: str | None
+    events_sent: int
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event
+    action: str = "continue"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "fault_id": self.fault.id,
+            "connection_id": self.connection_id,
+            "stream_id": self.stream_id,
+            "events_sent": self.events_sent,
+        }
 
 
 class FaultQueue:
@@ -136,7 +183,45 @@ class FaultQueue:
 
     def __init__(self) -> None:
         self._faults: list[Fault] = []
+        self._held: list[Held] = []
         self._lock = threading.Lock()
+
+    @property
+    def held(self) -> list[Held]:
+        """Responses currently paused by ``hold`` faults."""
+        with self._lock:
+            return list(self._held)
+
+    def release(self, then: str | None = None, fault_id: str | None = None) -> int:
+        """Release held responses (all, or those of ``fault_id``); ``then`` overrides the fault's action.
+
+        Returns how many were released. Safe from any thread.
+        """
+        if then is not None and then not in HOLD_ACTIONS:
+            raise ValueError(f"unknown hold action {then!r}; expected one of {HOLD_ACTIONS}")
+        with self._lock:
+            chosen = [h for h in self._held if fault_id is None or h.fault.id == fault_id]
+            for held in chosen:
+                self._held.remove(held)
+        for held in chosen:
+            held.action = then or held.fault.then
+            held.loop.call_soon_threadsafe(held.event.set)
+        return len(chosen)
+
+    async def wait_held(self, held: Held) -> str:
+        """Register ``held``, wait for its release (or its fault's ``seconds``), return the action."""
+        with self._lock:
+            self._held.append(held)
+        timeout = held.fault.seconds if held.fault.seconds > 0 else None
+        try:
+            await asyncio.wait_for(held.event.wait(), timeout)
+        except TimeoutError:
+            held.action = held.fault.then
+        finally:
+            with self._lock:
+                if held in self._held:
+                    self._held.remove(held)
+        return held.action
 
     def arm(self, kind: str, **options: Any) -> Fault:
         """Arm a fault (see the module docstring); returns it."""
@@ -149,9 +234,10 @@ class FaultQueue:
         return fault
 
     def clear(self) -> None:
-        """Disarm everything."""
+        """Disarm everything (held responses continue)."""
         with self._lock:
             self._faults.clear()
+        self.release("continue")
 
     @property
     def pending(self) -> list[Fault]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
+import string
 from typing import Any
 
 import orjson
@@ -37,11 +39,30 @@ def error_response(error: ApiError) -> web.Response:
     return json_response(error.http_body(), error.status, error.headers or None)
 
 
+_OBFUSCATION_CHARS = string.ascii_letters + string.digits
+
+
+def obfuscation(delta: str) -> str:
+    """Random padding so that ``delta`` + padding have a length that hides the delta's (1-16 chars)."""
+    length = 16 - (len(delta.encode()) % 16) or 16
+    return "".join(secrets.choice(_OBFUSCATION_CHARS) for _ in range(length))
+
+
+def wants_obfuscation(body: JSON, config_default: bool) -> bool:
+    """``stream_options.include_obfuscation`` (default true, as on the real API)."""
+    options = body.get("stream_options") if isinstance(body, dict) else None
+    if isinstance(options, dict) and options.get("include_obfuscation") is False:
+        return False
+    return config_default
+
+
 class _SseSink:
-    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
-        self.request, self.response = request, response
+    def __init__(self, request: web.Request, response: web.StreamResponse, obfuscate: bool) -> None:
+        self.request, self.response, self.obfuscate = request, response, obfuscate
 
     async def send(self, payload: dict[str, JSON]) -> None:
+        if self.obfuscate and str(payload["type"]).endswith(".delta") and isinstance(payload.get("delta"), str):
+            payload = {**payload, "obfuscation": obfuscation(payload["delta"])}
         data = orjson.dumps(payload)
         await self.response.write(b"event: " + str(payload["type"]).encode() + b"\ndata: " + data + b"\n\n")
 
@@ -118,6 +139,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return error_response(ApiError(400, errors.INVALID_JSON_MESSAGE))
+    state.received("http", body)
     facts: dict[str, JSON] = {}
     if isinstance(body, dict):
         prev = body.get("previous_response_id")
@@ -175,7 +197,8 @@ async def _stream(request: web.Request, turn: Turn, execution: Execution, fault:
     response.headers["Cache-Control"] = "no-cache"
     await response.prepare(request)
     try:
-        outcome = await play(execution, turn, _SseSink(request, response), latency=latency, fault=fault)
+        sink = _SseSink(request, response, wants_obfuscation(turn.body, state.config.http_obfuscation))
+        outcome = await play(execution, turn, sink, latency=latency, fault=fault)
     except ConnectionError:
         return response
     _finish(state, turn, outcome)
@@ -225,17 +248,30 @@ async def upgrade(request: web.Request) -> web.StreamResponse:
     )
     if not ws.can_prepare(request).ok:
         return error_response(ApiError(405, "Invalid method for URL (GET /v1/responses)"))
-    refuse = request.app[FAULTS].take({"refuse_upgrade"}, "ws", {"identity": request[OWNER]})
+    owner = request[OWNER]
+    refuse = request.app[FAULTS].take({"refuse_upgrade"}, "ws", {"identity": owner})
     if refuse is not None:
         state.stats.fault_fired("refuse_upgrade")
         state.stats.ws_connections["refused"] += 1
         return error_response(refuse.to_error())
-    await ws.prepare(request)
-    request.app[REGISTRY].sockets.add(ws)
+    key = state.stats.key(owner)
+    cap = state.config.ws_max_connections_per_key
+    if cap and key.open >= cap:
+        key.refused += 1
+        state.stats.ws_connections["refused"] += 1
+        state.stats.ws_connections["refused_cap"] += 1
+        return error_response(errors.connection_cap_reached(cap, state.config.ws_connection_retry_after_s))
+    key.open += 1  # reserved before the first await, so concurrent upgrades cannot overshoot the cap
+    key.opened += 1
+    key.peak_open = max(key.peak_open, key.open)
     try:
-        await WsConnection(state, request.app[FAULTS], ws, request, request[OWNER]).run()
+        await ws.prepare(request)
+        request.app[REGISTRY].sockets.add(ws)
+        await WsConnection(state, request.app[FAULTS], ws, request, owner).run()
     finally:
         request.app[REGISTRY].sockets.discard(ws)
+        current = state.stats.key(owner)  # after a reset the table is new
+        current.open = max(0, current.open - 1)
     return ws
 
 

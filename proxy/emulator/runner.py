@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .config import LatencyModel
-from .engine import Execution, Turn, failed_object
+from .engine import Execution, Turn, failed_object, steered_object
 from .events import lifecycle, stamp
-from .faults import Fault
+from .faults import Fault, FaultQueue, Held
 
-__all__ = ["CUT_KINDS", "Outcome", "Sink", "play"]
+__all__ = ["CUT_KINDS", "Hold", "Interrupt", "Outcome", "Sink", "play"]
 
 JSON = Any
 CUT_KINDS = frozenset({"fail", "drop", "close"})
@@ -48,6 +48,31 @@ async def _sleep(seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 
+class Interrupt(Protocol):
+    """Asked at each safe output boundary whether to stop the response there (steering)."""
+
+    def __call__(self, index: int) -> bool:
+        """True: end the response before event ``index`` (an ``output_item.added`` or the terminal)."""
+
+
+@dataclass(slots=True)
+class Hold:
+    """A ``hold`` fault to apply to this response, and where to wait for its release."""
+
+    fault: Fault
+    queue: FaultQueue
+    connection_id: str | None = None
+
+
+async def _hold(hold: Hold, turn: Turn, sink: Sink, index: int) -> Outcome | None:
+    held = Held(hold.fault, hold.connection_id, turn.stream_id, index, asyncio.get_running_loop(), asyncio.Event())
+    action = await hold.queue.wait_held(held)
+    if action == "continue":
+        return None
+    cut = Fault(kind=action, close_code=hold.fault.close_code, message=hold.fault.message)
+    return await _cut(cut, turn, sink, index)
+
+
 async def play(
     execution: Execution,
     turn: Turn,
@@ -55,20 +80,40 @@ async def play(
     *,
     latency: LatencyModel,
     fault: Fault | None = None,
+    hold: Hold | None = None,
+    interrupt: Interrupt | None = None,
 ) -> Outcome:
-    """Send the events with pacing; a ``fail``/``drop``/``close`` fault fires after ``events_before``."""
+    """Send the events with pacing; a ``fail``/``drop``/``close`` fault fires after ``events_before``.
+
+    ``hold`` pauses before event ``hold.fault.events_before``; ``interrupt`` (steering) may end the
+    response with ``response.incomplete`` (``steered``) at an item boundary.
+    """
     await _sleep(latency.overhead_ms / 1000.0)
     cut = fault.events_before if fault is not None and fault.kind in CUT_KINDS else None
+    pause = hold.fault.events_before if hold is not None else None
     events = execution.events
     warmup = not turn.generate
     started = time.monotonic()
     tokens_sent = 0
+    items_done = 0
     for index in range(len(events) + 1):
+        if pause is not None and index == pause and hold is not None:
+            ended = await _hold(hold, turn, sink, index)
+            if ended is not None:
+                return ended
         if cut is not None and index == cut and fault is not None:
             return await _cut(fault, turn, sink, index)
         if index == len(events):
             break
         event = events[index]
+        kind = event.payload["type"]
+        boundary = index >= 2 and (kind == "response.output_item.added" or index == len(events) - 1)
+        if interrupt is not None and boundary and turn.generate and interrupt(index):
+            steered = steered_object(turn, execution.final, items_done)
+            await sink.send(stamp(lifecycle("response.incomplete", steered), index, turn.stream_id))
+            return Outcome("incomplete", steered, index + 1)
+        if kind == "response.output_item.done":
+            items_done += 1
         if warmup and index == len(events) - 1:
             await _sleep(latency.rebuild_seconds(turn.rebuild_bytes))
         if event.output:

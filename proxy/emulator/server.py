@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import control, extras, http
+from . import control, extras, http, network
 from .appkeys import FAULTS, OWNER, REGISTRY, STARTED, STATE, Registry
 from .config import EmulatorConfig
 from .errors import ApiError, invalid_api_key
@@ -51,6 +51,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     request[STARTED] = time.monotonic()
     try:
         if request.path.startswith("/v1/") or request.path == "/v1":
+            await network.delay_inbound(request, request.app[STATE])  # rtt_ms / connect_ms (network.py)
             request[OWNER] = authenticate(request, request.app[STATE].config)
         return await handler(request)
     except ApiError as error:
@@ -63,7 +64,10 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
 
 async def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
     """OpenAI's per-request headers (protocol.md §2.6); none on the WebSocket 101."""
-    if isinstance(response, web.WebSocketResponse) or not request.path.startswith("/v1"):
+    if not request.path.startswith("/v1"):
+        return
+    await network.delay_outbound(request.app[STATE])  # the response start travels RTT/2 (network.py)
+    if isinstance(response, web.WebSocketResponse):
         return
     headers = response.headers
     headers.setdefault("x-request-id", "req_" + secrets.token_hex(16))

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import EmulatorConfig, LatencyModel
 from .oracle import Segment
 
-__all__ = ["ConnectionStats", "Conversation", "EmulatorState", "ResponseRecord", "Stats", "identity_of"]
+__all__ = ["ConnectionStats", "Conversation", "EmulatorState", "KeyStats", "ResponseRecord", "Stats", "identity_of"]
 
 JSON = Any
 
@@ -73,6 +73,18 @@ class ConnectionStats:
     max_in_flight: int = 0
 
 
+@dataclass(slots=True)
+class KeyStats:
+    """WebSocket connections of one key (identity hash): the per-key cap's counters."""
+
+    open: int = 0
+    peak_open: int = 0
+    """Most connections this key had open at once."""
+    opened: int = 0
+    refused: int = 0
+    """Upgrades refused with 429 by ``ws_max_connections_per_key``."""
+
+
 def _per_transport() -> dict[str, int]:
     return {"http": 0, "ws": 0}
 
@@ -91,12 +103,34 @@ class Stats:
     generate_false: int = 0
     bytes_received: dict[str, int] = field(default_factory=_per_transport)
     ws_frames_received: int = 0
-    ws_connections: dict[str, int] = field(default_factory=lambda: {"opened": 0, "open": 0, "closed": 0, "refused": 0})
+    ws_connections: dict[str, int] = field(
+        default_factory=lambda: {"opened": 0, "open": 0, "closed": 0, "refused": 0, "refused_cap": 0}
+    )
+    """``refused`` counts every refused upgrade (faults and the cap); ``refused_cap`` the cap's only."""
+    keys: dict[str, KeyStats] = field(default_factory=dict)
+    """Per identity hash: open / peak_open / opened / refused WebSocket connections."""
+    network: dict[str, int] = field(
+        default_factory=lambda: {"new_connections": 0, "connect_delays": 0, "inbound_delays": 0, "outbound_delays": 0}
+    )
+    """Network model: TCP connections seen, handshake delays paid, messages delayed by RTT/2 each way."""
+    steers: dict[str, int] = field(default_factory=dict)
+    """``response.steer`` replies by outcome (``accepted``, ``pending``, ``failed:<code>``) and ``successors``."""
     faults_fired: dict[str, int] = field(default_factory=dict)
     input_items: dict[str, int] = field(default_factory=dict)
     """Per response id: how many input items the request carried (the delta, not the context)."""
     other_requests: dict[str, int] = field(default_factory=dict)
     connections: dict[str, ConnectionStats] = field(default_factory=dict)
+
+    def key(self, identity: str) -> KeyStats:
+        """The per-key counters of ``identity`` (created on first use)."""
+        found = self.keys.get(identity)
+        if found is None:
+            found = self.keys[identity] = KeyStats()
+        return found
+
+    def count(self, table: dict[str, int], name: str) -> None:
+        """Add one to ``table[name]``."""
+        table[name] = table.get(name, 0) + 1
 
     def fault_fired(self, kind: str) -> None:
         """Count one fired fault of ``kind``."""
@@ -124,6 +158,20 @@ class EmulatorState:
         """Stored output item id → (owner, item), for ``item_reference`` and reasoning by id."""
         self.records: OrderedDict[str, dict[str, JSON]] = OrderedDict()
         self.conversations: dict[str, Conversation] = {}
+        self.transports: dict[int, Any] = {}
+        """TCP connections already charged ``connect_ms`` (``network.py``)."""
+        self.recording: deque[dict[str, JSON]] | None = None
+        """Received requests (``start_recording``): ``{"transport", "body"}`` per create/steer frame or body."""
+
+    def start_recording(self, limit: int = 1000) -> deque[dict[str, JSON]]:
+        """Keep the last ``limit`` received ``/v1/responses`` bodies and WebSocket client frames (parsed)."""
+        self.recording = deque(maxlen=limit)
+        return self.recording
+
+    def received(self, transport: str, body: JSON) -> None:
+        """Record one received request when recording is on."""
+        if self.recording is not None:
+            self.recording.append({"transport": transport, "body": body})
 
     def reset(self) -> None:
         """Forget everything except open connections' own caches; zero all counters."""
@@ -131,6 +179,10 @@ class EmulatorState:
         self.stats = Stats()
         self.stats.connections.update(open_connections)
         self.stats.ws_connections["open"] = len(open_connections)
+        for conn in open_connections.values():
+            key = self.stats.key(conn.identity)
+            key.open += 1
+            key.peak_open = max(key.peak_open, key.open)
         self.store.clear()
         self.items.clear()
         self.records.clear()

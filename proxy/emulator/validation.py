@@ -93,9 +93,39 @@ def validate_body(body: JSON, *, transport: str, config: EmulatorConfig) -> None
         )
     if transport == "http" and body.get("background") and body.get("store") is False:
         raise ApiError(400, "Background mode requires `store` to be true.", param="background")
+    _check_prompt_cache_options(body.get("prompt_cache_options"))
     include = body.get("include")
     if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
         raise _invalid_type("include", "an array of strings")
+
+
+_CACHE_OPTIONS: Final = {
+    "mode": ("implicit", "explicit"),
+    "ttl": ("30m", "12h"),
+}
+
+
+def _check_prompt_cache_options(options: JSON) -> None:
+    """protocol.md §6: ``prompt_cache_options`` {prewarm, ttl, mode, comparison_response_id}."""
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise _invalid_type("prompt_cache_options", "an object")
+    for key, value in options.items():
+        name = f"prompt_cache_options.{key}"
+        if key in _CACHE_OPTIONS:
+            if value not in _CACHE_OPTIONS[key]:
+                allowed = " and ".join(f"'{v}'" for v in _CACHE_OPTIONS[key])
+                message = f"Invalid value: '{value}'. Supported values are: {allowed}."
+                raise ApiError(400, message, param=name, code="invalid_value")
+        elif key == "prewarm":
+            if not isinstance(value, bool):
+                raise _invalid_type(name, "a boolean")
+        elif key == "comparison_response_id":
+            if value is not None and not isinstance(value, str):
+                raise _invalid_type(name, "a string")
+        else:
+            raise unknown_parameter(name)
 
 
 def resolve_input(items: list[JSON], *, store: bool, lookup: Callable[[str], JSON | None]) -> list[JSON]:

@@ -50,7 +50,7 @@ async def test_create_non_stream_full_object(emulator: Emulator, client: AsyncOp
         assert key in body, key
     assert body["store"] is True and body["instructions"] == "be brief"
     usage = body["usage"]
-    assert usage["input_tokens_details"] == {"cached_tokens": 0}
+    assert usage["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}
     assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
