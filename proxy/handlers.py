@@ -214,7 +214,7 @@ async def _websocket(
         REPLAYS.labels(decision.cause).inc()
         rec.replays += 1
         if decision.cause is ReplayCause.LANES_UNSUPPORTED:
-            svc.pool.lanes_refused(plan.lane[0] if plan.lane else 0)
+            svc.pool.lanes_refused()
         elif decision.cause is ReplayCause.STREAM_LIMIT and plan.lane is not None:
             svc.pool.stream_limit(plan.lane)
         if decision.over_http:

@@ -242,6 +242,13 @@ class Pool:
         turn = Turn(key, sock, inbox)
         try:
             yield turn
+        except UpstreamClosed:
+            if key[1] is not None and not sock.proven and not inbox.seen:
+                # Closed right after a named lane's first create on a socket that never routed
+                # a stream_id: an upstream that refuses lanes by closing (then retried later).
+                self.lanes_refused()
+            self._end(turn)
+            raise
         except UpstreamTimeout:
             # A stalled response makes the whole socket suspect: no new turns on it; it closes
             # once its other lanes are done.
@@ -287,11 +294,13 @@ class Pool:
         self._close_soon(self.planner.retire(socket_id))
         self._publish()
 
-    def lanes_refused(self, socket_id: int) -> None:
-        """The upstream does not take ``stream_id``: default lanes only from now on."""
+    def lanes_refused(self) -> None:
+        """The upstream does not take ``stream_id``: default lanes only for a while."""
+        now = self._clock()
+        self.planner._now = max(self.planner._now, now)
         if self.planner.named_lanes:
             LANES_FALLBACKS.inc()
-            self.planner.lanes_refused(socket_id)
+            self.planner.lanes_refused(now)
 
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``'s socket."""
@@ -324,7 +333,7 @@ class Pool:
             self._wake()
             self._publish()
         now = self._clock()
-        sock = UpstreamSocket(sid, ws, now, on_closed=self._lost, on_lanes_ignored=lambda s: self.lanes_refused(s.key))
+        sock = UpstreamSocket(sid, ws, now, on_closed=self._lost, on_lanes_ignored=lambda s: self.lanes_refused())
         if self._closed or self.planner.socket(sid) is None:  # the pool closed meanwhile
             self._socks[sid] = sock
             self._close_soon([sid], 1001)

@@ -107,7 +107,7 @@ class Inbox:
     *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
     """
 
-    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "unattributed")
+    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "seen", "unattributed")
 
     def __init__(self, lane: str | None) -> None:
         self.lane = lane
@@ -117,9 +117,12 @@ class Inbox:
         self.on_drained: Callable[[], None] | None = None
         self.unattributed = False
         """A named lane got events without ``stream_id``: the upstream ignores lanes."""
+        self.seen = False
+        """An event of this lane arrived."""
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, raw: bytes, event: dict[str, Any]) -> None:
+        self.seen = True
         if self.draining:
             if event.get("type") in _TERMINAL and self.on_drained is not None:
                 callback, self.on_drained = self.on_drained, None
@@ -202,7 +205,8 @@ class UpstreamSocket:
         self.inboxes: dict[str | None, Inbox] = {}
         self._first: deque[str | None] = deque()
         self._current: Inbox | None = None
-        self._proven = False
+        self.proven = False
+        """An event with a ``stream_id`` arrived on this socket: the upstream has lanes."""
         self._on_closed = on_closed
         self._on_lanes_ignored = on_lanes_ignored
         self.error: UpstreamError | None = None
@@ -293,14 +297,14 @@ class UpstreamSocket:
         kind = event.get("type")
         inbox: Inbox | None
         if isinstance(sid, str):
-            self._proven = True
+            self.proven = True
             inbox = self.inboxes.get(sid)
             raw = strip_stream_id(raw, sid, event)
         elif kind == "error" and _about_lanes(event):
             inbox = self._oldest(named=True)
         elif self._current is not None:
             inbox = self._current
-        elif self._proven:
+        elif self.proven:
             inbox = self.inboxes.get(None)
             if inbox is None and kind == "error":
                 inbox = self._oldest(named=False)

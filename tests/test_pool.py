@@ -1,4 +1,8 @@
-"""The socket pool against the emulator: assignment, reuse, limits, expiry, rotation, repr, gauges."""
+"""The pool as executor, against the emulator: plans become open sockets and leased lanes.
+
+The decisions themselves are tested without sockets in tests/core/test_planner.py; here the
+I/O around them: handshakes, leases that end on every path, draining, gauges, close codes.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,12 @@ import pytest
 
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.conversation import HeadTable
-from proxy.core.request import parse_request
-from proxy.emulator import Emulator
-from proxy.errors import UpstreamRefused, UpstreamUnavailable
+from proxy.core.planner import Plan, PlanKind
+from proxy.core.request import build_frame, parse_request
+from proxy.emulator import Emulator, LatencyModel
 from proxy.identity import Identity, identify
 from proxy.metrics import REGISTRY
-from proxy.pool import Lease, Pool, SocketState
+from proxy.pool import Pool, SocketState, Turn
 
 PoolFactory = Callable[..., Pool]
 
@@ -26,13 +30,17 @@ def who(key: str, upstream: str) -> Identity:
     return identify({"Authorization": f"Bearer {key}"}, upstream=upstream, authorization=f"Bearer {key}")
 
 
+def req(text: str) -> Any:
+    return parse_request(orjson.dumps({"model": "gpt-5", "input": [{"role": "user", "content": text}]}))
+
+
 @pytest.fixture
 async def make_pool(emulator: Emulator) -> AsyncIterator[PoolFactory]:
     pools: list[Pool] = []
 
-    def make(spare: bool = False, **pool: Any) -> Pool:
+    def make(**pool: Any) -> Pool:
         settings = Settings(upstream=emulator.base_url, pool=PoolSettings(**pool))
-        created = Pool(settings, HeadTable(max_heads=100, ttl_seconds=3600), spare=spare)
+        created = Pool(settings, HeadTable(max_heads=100, ttl_seconds=3600))
         created.start()
         pools.append(created)
         return created
@@ -42,153 +50,75 @@ async def make_pool(emulator: Emulator) -> AsyncIterator[PoolFactory]:
         await created.close()
 
 
-async def complete(lease: Lease) -> dict[str, Any]:
-    """Run one tiny response on the leased socket; returns the completed response."""
-    await lease.socket.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}')
+async def run(turn: Turn, r: Any, plan: Plan) -> dict[str, Any]:
+    """One response on the leased lane, to its terminal event; the lane's head is recorded."""
+    await turn.send(build_frame(r, stream_id=plan.stream_id))
     while True:
-        event = orjson.loads(await lease.socket.recv(5))
+        _, event = await turn.recv(5)
+        assert "stream_id" not in event  # the app never sees the lane
         if event["type"] == "response.completed":
+            turn.finish(req=r, response=event["response"])
             return dict(event["response"])
 
 
-def gauge(state: str) -> float:
-    return REGISTRY.get_sample_value("upshift_upstream_sockets", {"state": state}) or 0.0
+def gauge(name: str, state: str) -> float:
+    return REGISTRY.get_sample_value(name, {"state": state}) or 0.0
 
 
-async def test_acquire_reuse_and_one_in_flight(emulator: Emulator, make_pool: PoolFactory) -> None:
+async def test_two_conversations_share_one_socket_in_parallel(emulator: Emulator, make_pool: PoolFactory) -> None:
+    emulator.state.latency = LatencyModel(ttft_ms=100)
+    pool = make_pool(max_sockets_per_identity=1)
+    alice = who("sk-a", emulator.base_url)
+    (a, _), (b, _) = await pool.plan(alice, req("a")), await pool.plan(alice, req("b"))
+    assert (a.lane, b.lane) == ((1, None), (1, "u1"))
+
+    async def one(plan: Plan, text: str) -> dict[str, Any]:
+        async with pool.lease(plan) as turn:
+            return await run(turn, req(text), plan)
+
+    done = await asyncio.gather(one(a, "a"), one(b, "b"))
+    assert all(r["status"] == "completed" for r in done)
+    assert emulator.stats.ws_connections["opened"] == 1
+    (conn,) = emulator.stats.connections.values()
+    assert conn.max_in_flight == 2 and conn.named_streams == 1
+    assert pool.count(SocketState.IDLE) == 1 and len(pool.heads) == 2
+
+
+async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, make_pool: PoolFactory) -> None:
+    emulator.state.latency = LatencyModel(tokens_per_second=300)
     pool = make_pool()
     alice = who("sk-a", emulator.base_url)
-    first = await pool.acquire(alice)
-    assert first is not None and first.fresh and not first.anchored
-    assert repr(pool) == "<Pool [Sockets: 1 busy, 0 idle, 0 connecting | Identities: 1]>"
-    # a second request while the first is in flight never shares its socket
-    second = await pool.acquire(alice)
-    assert second is not None and second.key != first.key
-    await complete(first)
-    pool.release(first, reusable=True)
-    pool.release(second, reusable=True)
-    assert repr(pool) == "<Pool [Sockets: 0 busy, 2 idle, 0 connecting | Identities: 1]>"
-    again = await pool.acquire(alice)
-    assert again is not None and not again.fresh and again.key == second.key  # most recently used
-    pool.release(again, reusable=False)  # an unfinished response: the socket is closed
-    assert pool.count() == 1
-    assert emulator.stats.ws_connections["opened"] == 2
+    plan, _ = await pool.plan(alice, req("a long story"))
 
+    async def leave_early() -> None:
+        async with pool.lease(plan) as turn:
+            await turn.send(build_frame(req("a long story")))
+            await turn.recv(5)
+            raise asyncio.CancelledError  # the app went away
 
-async def test_anchor_and_heads(emulator: Emulator, make_pool: PoolFactory) -> None:
-    pool = make_pool()
-    alice = who("sk-a", emulator.base_url)
-    lease = await pool.acquire(alice)
-    assert lease is not None
-    response = await complete(lease)
-    req = parse_request(b'{"model":"gpt-5","input":"hi"}')
-    pool.heads.record(alice.digest, lease.key, req, response, 0.0)
-    pool.release(lease, reusable=True, head=True)
-    assert pool.is_idle(lease.key) and not pool.is_idle(12345) and not pool.is_idle("x")
-    # a full send prefers a socket without a head: it opens a new one
-    other = await pool.acquire(alice)
-    assert other is not None and other.fresh
-    anchored = await pool.acquire(alice, lease.key)
-    assert anchored is not None and anchored.anchored and anchored.key == lease.key
-    assert not pool.is_idle(lease.key)
-    # another identity never gets that socket, even when asking for its anchor
-    pool.release(anchored, reusable=True, head=True)
-    bob = await pool.acquire(who("sk-b", emulator.base_url), lease.key)
-    assert bob is not None and bob.key != lease.key and not bob.anchored
-    for lent in (other, bob):
-        pool.release(lent, reusable=False)
-
-
-async def test_per_identity_limit(emulator: Emulator, make_pool: PoolFactory) -> None:
-    pool = make_pool(max_sockets_per_identity=2)
-    alice = who("sk-a", emulator.base_url)
-    one, two = await pool.acquire(alice), await pool.acquire(alice)
-    assert one is not None and two is not None
-    assert await pool.acquire(alice) is None  # all busy at the limit: use HTTP, never wait
-    pool.release(one, reusable=True, head=True)
-    pool.release(two, reusable=True, head=True)
-    reused = await pool.acquire(alice)  # at the limit: the LRU idle socket (its head is lost)
-    assert reused is not None and reused.key == one.key and not reused.fresh
-    fresh = await pool.acquire(alice, fresh=True)  # a replay needs a new socket: LRU idle closed
-    assert fresh is not None and fresh.fresh and pool.count(identity=alice) == 2
-    assert two.key not in {reused.key, fresh.key}
-    pool.release(reused, reusable=False)
-    pool.release(fresh, reusable=False)
-
-
-async def test_total_limit_evicts_the_lru_idle_socket_of_any_identity(
-    emulator: Emulator, make_pool: PoolFactory
-) -> None:
-    pool = make_pool(max_sockets_total=2)
-    alice, bob = who("sk-a", emulator.base_url), who("sk-b", emulator.base_url)
-    a1, a2 = await pool.acquire(alice), await pool.acquire(alice)
-    assert a1 is not None and a2 is not None
-    assert await pool.acquire(bob) is None
-    pool.release(a1, reusable=True)
-    pool.release(a2, reusable=True)
-    b1 = await pool.acquire(bob)
-    assert b1 is not None and pool.count(identity=alice) == 1 and pool.count() == 2
-    assert not pool.is_idle(a1.key) and pool.is_idle(a2.key)
-    pool.release(b1, reusable=False)
-
-
-async def test_idle_close_discards_heads(emulator: Emulator, make_pool: PoolFactory) -> None:
-    pool = make_pool(idle_close_seconds=0.2)
-    alice = who("sk-a", emulator.base_url)
-    lease = await pool.acquire(alice)
-    assert lease is not None
-    response = await complete(lease)
-    pool.heads.record(alice.digest, lease.key, parse_request(b'{"input":"hi"}'), response, 0.0)
-    pool.release(lease, reusable=True, head=True)
-    await asyncio.sleep(0.4)
-    assert pool.count() == 0 and len(pool.heads) == 0
-    await asyncio.sleep(0.05)
-    assert emulator.stats.ws_connections["closed"] == 1
-
-
-async def test_rotation_only_when_idle(emulator: Emulator, make_pool: PoolFactory) -> None:
-    pool = make_pool(rotate_after_seconds=0.3)
-    alice = who("sk-a", emulator.base_url)
-    rotated = REGISTRY.get_sample_value("upshift_socket_age_at_rotation_seconds_count") or 0.0
-    busy = await pool.acquire(alice)
-    idle = await pool.acquire(alice)
-    assert busy is not None and idle is not None
-    pool.release(idle, reusable=True)
-    await asyncio.sleep(0.5)
-    assert pool.count(SocketState.IDLE) == 0  # the idle one was retired
-    assert pool.count(SocketState.BUSY) == 1  # the busy one was left alone
-    await complete(busy)
-    pool.release(busy, reusable=True)  # too old: retired on release, never reused
-    assert pool.count() == 0
-    assert (REGISTRY.get_sample_value("upshift_socket_age_at_rotation_seconds_count") or 0) == rotated + 2
-
-
-async def test_upstream_close_of_an_idle_socket_discards_its_head(make_pool: Any) -> None:
-    async with Emulator(ws_idle_timeout_s=0.2) as emulator:
-        settings = Settings(upstream=emulator.base_url)
-        pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
-        alice = who("sk-a", emulator.base_url)
-        lease = await pool.acquire(alice)
-        assert lease is not None
-        response = await complete(lease)
-        pool.heads.record(alice.digest, lease.key, parse_request(b'{"input":"hi"}'), response, 0.0)
-        pool.release(lease, reusable=True, head=True)
-        await asyncio.sleep(0.4)
-        assert pool.count() == 0 and len(pool.heads) == 0
-        await pool.close()
+    with pytest.raises(asyncio.CancelledError):
+        await leave_early()
+    assert "1 draining" in repr(pool)
+    for _ in range(200):
+        if "0 draining" in repr(pool):
+            break
+        await asyncio.sleep(0.02)
+    assert "Lanes: 0 busy, 1 idle, 0 draining" in repr(pool)
+    assert pool.count(SocketState.IDLE) == 1 and len(pool.heads) == 0  # drained, no head
 
 
 async def test_gauges_follow_every_transition(emulator: Emulator, make_pool: PoolFactory) -> None:
     pool = make_pool()
     alice = who("sk-a", emulator.base_url)
-    base = {s: gauge(s) for s in ("open", "busy", "idle")}
+    base = {s: gauge("upshift_upstream_sockets", s) for s in ("open", "busy", "idle")}
 
     def delta() -> dict[str, float]:
-        return {s: gauge(s) - base[s] for s in base}
+        return {s: gauge("upshift_upstream_sockets", s) - base[s] for s in base}
 
-    lease = await pool.acquire(alice)
-    assert lease is not None and delta() == {"open": 1, "busy": 1, "idle": 0}
-    pool.release(lease, reusable=True)
+    plan, _ = await pool.plan(alice, req("a"))
+    assert delta() == {"open": 1, "busy": 1, "idle": 0}
+    async with pool.lease(plan) as turn:
+        await run(turn, req("a"), plan)
     assert delta() == {"open": 1, "busy": 0, "idle": 1}
     await pool.close()
     assert delta() == {"open": 0, "busy": 0, "idle": 0}
@@ -196,22 +126,27 @@ async def test_gauges_follow_every_transition(emulator: Emulator, make_pool: Poo
 
 async def test_close_uses_1001(emulator: Emulator, make_pool: PoolFactory) -> None:
     pool = make_pool()
-    lease = await pool.acquire(who("sk-a", emulator.base_url))
-    assert lease is not None
-    pool.release(lease, reusable=True)
+    plan, _ = await pool.plan(who("sk-a", emulator.base_url), req("a"))
+    async with pool.lease(plan) as turn:
+        await run(turn, req("a"), plan)
     await pool.close()
     await asyncio.sleep(0.05)
     assert [c.close_code for c in emulator.stats.connections.values()] == [1001]
 
 
-async def test_426_prefers_http_for_a_while(emulator: Emulator, make_pool: PoolFactory) -> None:
+async def test_a_refused_upgrade_goes_http_only_without_a_socket(emulator: Emulator, make_pool: PoolFactory) -> None:
     pool = make_pool()
     alice = who("sk-a", emulator.base_url)
     emulator.faults.arm("refuse_upgrade", status=426)
-    with pytest.raises(UpstreamRefused):
-        await pool.acquire(alice)
-    assert pool.prefers_http(alice) and not pool.prefers_http(who("sk-b", emulator.base_url))
-    assert pool.count() == 0
+    plan, _ = await pool.plan(alice, req("a"))
+    assert (plan.kind, plan.reason) == (PlanKind.HTTP, "upgrade_refused")
+    assert pool.planner.held_off(alice.digest, pool._clock())
+    again, _ = await pool.plan(alice, req("b"))
+    assert (again.kind, again.reason) == (PlanKind.HTTP, "upgrade_refused")
+    other, _ = await pool.plan(who("sk-b", emulator.base_url), req("c"))
+    assert other.kind is PlanKind.FULL  # another identity is not held off
+    async with pool.lease(other) as turn:
+        await run(turn, req("c"), other)
 
 
 async def test_cancelled_connect_leaves_nothing_behind() -> None:
@@ -222,43 +157,38 @@ async def test_cancelled_connect_leaves_nothing_behind() -> None:
     port = server.sockets[0].getsockname()[1]
     settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", timeouts=TimeoutSettings(connect_seconds=5))
     pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
-    task = asyncio.ensure_future(pool.acquire(who("sk-a", settings.upstream)))
+    task = asyncio.ensure_future(pool.plan(who("sk-a", settings.upstream), req("a")))
     await asyncio.sleep(0.1)
     assert pool.count(SocketState.CONNECTING) == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert pool.count() == 0 and repr(pool).endswith("Identities: 0]>")
-    server.close()
+    assert "Lanes: 0 busy" in repr(pool)
     await pool.close()
+    assert pool.count() == 0
+    server.close()
 
 
-async def test_unreachable_upstream_raises_unavailable() -> None:
+async def test_unreachable_upstream_plans_http() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     settings = Settings(upstream=f"http://127.0.0.1:{port}/v1")
     pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
-    with pytest.raises(UpstreamUnavailable):
-        await pool.acquire(who("sk-a", settings.upstream))
+    plan, _ = await pool.plan(who("sk-a", settings.upstream), req("a"))
+    assert (plan.kind, plan.reason) == (PlanKind.HTTP, "ws_unavailable")
     assert pool.count() == 0
     await pool.close()
 
 
-async def test_a_spare_socket_is_kept_warm(emulator: Emulator, make_pool: PoolFactory) -> None:
-    pool = make_pool(spare=True, max_sockets_per_identity=3)
-    alice = who("sk-a", emulator.base_url)
-    lease = await pool.acquire(alice)
-    assert lease is not None
-    pool.release(lease, reusable=True)  # no head: no spare needed
-    await asyncio.sleep(0.05)
+async def test_idle_sockets_close_and_the_sweep_expires(emulator: Emulator, make_pool: PoolFactory) -> None:
+    pool = make_pool(idle_close_seconds=0.2)
+    plan, _ = await pool.plan(who("sk-a", emulator.base_url), req("a"))
+    async with pool.lease(plan) as turn:
+        await run(turn, req("a"), plan)
     assert pool.count() == 1
-    lease = await pool.acquire(alice)
-    assert lease is not None
-    pool.release(lease, reusable=True, head=True)  # every idle socket holds a head: warm one
-    assert pool.count(SocketState.CONNECTING) == 1
-    await asyncio.sleep(0.1)
-    assert repr(pool) == "<Pool [Sockets: 0 busy, 2 idle, 0 connecting | Identities: 1]>"
-    spare = await pool.acquire(alice)  # a new conversation: the warm spare, no handshake
-    assert spare is not None and not spare.fresh and spare.key != lease.key
-    pool.release(spare, reusable=False)
+    for _ in range(100):
+        if pool.count() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert pool.count() == 0 and len(pool.heads) == 1  # store defaults to true: the head outlives its socket

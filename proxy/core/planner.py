@@ -52,6 +52,9 @@ from proxy.core.request import ParsedRequest
 
 __all__ = ["LaneLimits", "Plan", "PlanKind", "Planner", "hold_off_seconds"]
 
+LANES_RETRY_SECONDS = 600.0
+"""How long named lanes stay off after the upstream refused one."""
+
 _HOLD_426 = 300.0
 _HOLD_AUTH = 30.0
 _HOLD_MAX = 300.0
@@ -141,8 +144,7 @@ class Planner:
     def __init__(self, limits: LaneLimits, heads: HeadTable) -> None:
         self.limits = limits
         self.heads = heads
-        self.named_lanes = limits.lanes_per_socket > 1
-        """Whether named lanes are used; turned off when the upstream refuses ``stream_id``."""
+        self._lanes_off_until = 0.0
         self._sockets: dict[int, Socket] = {}
         self._by_identity: dict[str, dict[int, Socket]] = {}
         self._ids = itertools.count(1)
@@ -165,6 +167,12 @@ class Planner:
         )
 
     # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def named_lanes(self) -> bool:
+        """Whether named lanes are used: off for ``LANES_RETRY_SECONDS`` after the upstream
+        refused a ``stream_id`` (then tried again, so one misread close costs little)."""
+        return self.limits.lanes_per_socket > 1 and self._now >= self._lanes_off_until
 
     def socket(self, socket_id: int) -> Socket | None:
         """The live record of a socket, if it is not closed."""
@@ -289,8 +297,8 @@ class Planner:
     def _free_slot(self, sock: Socket) -> Lane | None:
         """An idle lane of ``sock`` with no head (creating the next slot if allowed)."""
         slots = self._slots(sock)
-        for name, lane in sock.lanes.items():
-            if name is not None and slots == 1:
+        for index, lane in enumerate(sock.lanes.values()):
+            if index >= slots:
                 break
             if lane.state is LaneState.IDLE and not (lane.head and self.heads.has(lane.key)):
                 lane.head = False
@@ -324,10 +332,12 @@ class Planner:
         for sock in socks:
             if sock.state is not SocketState.OPEN:
                 continue
-            for lane in sock.lanes.values():
+            slots = self._slots(sock)
+            for index, lane in enumerate(sock.lanes.values()):
+                if index >= slots:
+                    break
                 if lane.state is LaneState.IDLE and (victim is None or lane.used_at < victim.used_at):
-                    if lane.key[1] is None or self._slots(sock) > 1:
-                        victim = lane
+                    victim = lane
         if victim is None:
             return None
         self._let_go(victim)
@@ -516,10 +526,12 @@ class Planner:
             event = SocketEvent.FAILED if sock.state is SocketState.CONNECTING else SocketEvent.LOST
             self._forget(sock, event)
 
-    def lanes_refused(self, socket_id: int) -> None:
+    def lanes_refused(self, now: float) -> None:
         """The upstream refused a named lane (``invalid_stream_id``, unknown parameter, or a close
-        before any event on a socket that never completed a named lane): default lanes only."""
-        self.named_lanes = False
+        before any event on a socket that never routed a ``stream_id``): default lanes only, for
+        :data:`LANES_RETRY_SECONDS`."""
+        self._now = max(self._now, now)
+        self._lanes_off_until = now + LANES_RETRY_SECONDS
 
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``: that socket takes no more lanes."""

@@ -144,9 +144,9 @@ def classify(
     if isinstance(event_or_failure, UpstreamClosed) and event_or_failure.close_code == _MESSAGE_TOO_BIG:
         # The same frame would be refused again; HTTP has no frame limit. Final, so no loop.
         return Replay(ReplayCause.FRAME_TOO_BIG, new_socket=False, over_http=True)
-    if named and not isinstance(event_or_failure, BaseException):
-        # Lane refusals are the sidecar's own doing: replay even a second time, once lanes
-        # are off (the replay then goes on a default lane and cannot be refused again).
+    if named and attempt < 2 and not isinstance(event_or_failure, BaseException):
+        # Lane refusals are the sidecar's own doing: replay even a second time (the replay
+        # then goes on a lane the upstream takes), but never a third.
         if is_lane_refusal(event_or_failure):
             return Replay(ReplayCause.LANES_UNSUPPORTED, new_socket=False)
         if is_stream_limit(event_or_failure):

@@ -17,6 +17,7 @@ from proxy.core.retry import (
 )
 from proxy.errors import UpstreamClosed, UpstreamProtocolError, UpstreamTimeout
 
+CLOSED = ReplayCause.CLOSED_BEFORE_FIRST_EVENT
 NOT_FOUND_MSG = "Previous response with id 'resp_abc' not found."
 
 NOT_FOUND_SHAPES: list[tuple[str, dict[str, Any]]] = [
@@ -90,7 +91,14 @@ CASES: list[tuple[str, Any, bool, int, bool, Replay | Surface]] = [
     ("limit", LIMIT, False, 0, True, Replay(ReplayCause.CONNECTION_LIMIT, True)),
     ("limit-full-send", LIMIT, False, 0, False, Replay(ReplayCause.CONNECTION_LIMIT, True)),
     ("limit-second", LIMIT, False, 1, False, Surface("attempted")),
-    ("closed", UpstreamClosed("x", close_code=1006), False, 0, True, Replay(ReplayCause.CLOSED_BEFORE_FIRST_EVENT, True)),
+    (
+        "closed",
+        UpstreamClosed("x", close_code=1006),
+        False,
+        0,
+        True,
+        Replay(ReplayCause.CLOSED_BEFORE_FIRST_EVENT, True),
+    ),
     ("closed-emitted", UpstreamClosed("x", close_code=1011), True, 0, True, Surface("emitted")),
     ("closed-second", UpstreamClosed("x"), False, 1, False, Surface("attempted")),
     ("timeout", UpstreamTimeout("x"), False, 0, True, Surface("not_retryable")),

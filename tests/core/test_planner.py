@@ -1,0 +1,389 @@
+"""The planner as transcripts: no sockets, no sleeps, the clock passed in.
+
+Each test drives :class:`Planner` through plan → opened → finished (and the fault paths) and
+checks the commands it returns; ``test_every_transition_is_exercised`` fails if a row of the
+lane or socket table is never taken by the tests of this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+import proxy.core.lanes as lanes
+from proxy.core.conversation import HeadTable
+from proxy.core.lanes import (
+    LANE_TRANSITIONS,
+    SOCKET_TRANSITIONS,
+    InvalidTransition,
+    LaneEvent,
+    LaneState,
+    SocketEvent,
+    SocketState,
+    lane_step,
+    socket_step,
+)
+from proxy.core.planner import LANES_RETRY_SECONDS, LaneLimits, Plan, PlanKind, Planner, hold_off_seconds
+from proxy.core.reasons import MissReason, PassthroughReason
+from proxy.core.request import ParsedRequest, parse_request
+
+SEEN: set[tuple[str, str, str]] = set()
+
+
+@pytest.fixture(autouse=True)
+def record_transitions(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Note every (table, state, event) the planner takes."""
+
+    def lane(state: LaneState, event: LaneEvent) -> LaneState:
+        SEEN.add(("lane", state, event))
+        return lane_step(state, event)
+
+    def sock(state: SocketState, event: SocketEvent) -> SocketState:
+        SEEN.add(("socket", state, event))
+        return socket_step(state, event)
+
+    monkeypatch.setattr("proxy.core.planner.lane_step", lane)
+    monkeypatch.setattr("proxy.core.planner.socket_step", sock)
+    yield
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def call(n: int) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": "f", "arguments": "{}"}
+
+
+def result(n: int) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": f"call_{n}", "output": "ok"}
+
+
+def req(items: list[dict[str, Any]], **fields: Any) -> ParsedRequest:
+    return parse_request(orjson.dumps({"model": "m", "input": items, **fields}))
+
+
+def response(rid: str, *output: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "output": list(output)}
+
+
+def planner(**limits: Any) -> Planner:
+    return Planner(LaneLimits(**limits), HeadTable(max_heads=100, ttl_seconds=3600))
+
+
+def opened(p: Planner, plan: Plan, now: float = 0.0) -> Plan:
+    assert plan.lane is not None
+    if plan.open_socket:
+        p.opened(plan.lane[0], now)
+    return plan
+
+
+def complete(p: Planner, plan: Plan, r: ParsedRequest, rid: str, now: float, *output: dict[str, Any]) -> list[int]:
+    assert plan.lane is not None
+    return p.finished(plan.lane, now, req=r, response=response(rid, *output))
+
+
+def test_first_turn_opens_a_socket_and_the_next_continues_on_its_lane() -> None:
+    p = planner()
+    r1 = req([user("go")])
+    first = opened(p, p.plan("id", r1, 0.0))
+    assert (first.kind, first.reason, first.lane, first.open_socket) == (
+        PlanKind.FULL,
+        MissReason.NO_HEAD,
+        (1, None),
+        True,
+    )
+    assert complete(p, first, r1, "resp_1", 1.0, call(1)) == []
+    r2 = req([user("go"), call(1), result(1)])
+    second = p.plan("id", r2, 2.0)
+    assert (second.kind, second.lane, second.response_id, second.new_items) == (
+        PlanKind.CONTINUE,
+        (1, None),
+        "resp_1",
+        [result(1)],
+    )
+    assert not second.open_socket and not second.hydrated
+
+
+def test_conversations_spread_over_sockets_then_share_them_through_lanes() -> None:
+    p = planner(spread_sockets=2, max_sockets_per_identity=2)
+    plans = [opened(p, p.plan("id", req([user(f"c{i}")]), 0.0)) for i in range(5)]
+    assert [pl.lane for pl in plans] == [(1, None), (2, None), (1, "u1"), (2, "u1"), (1, "u2")]
+    assert [pl.stream_id for pl in plans] == [None, None, "u1", "u1", "u2"]
+    assert p.lane_counts[LaneState.BUSY] == 5 and p.busy_sockets == 2
+
+
+def test_an_idle_socket_is_reused_before_a_new_one_is_opened() -> None:
+    p = planner()
+    r = req([user("a")])
+    first = opened(p, p.plan("id", r, 0.0))
+    complete(p, first, r, "resp_a", 1.0)
+    second = p.plan("id", req([user("b")]), 2.0)
+    assert second.lane == (1, "u1") and not second.open_socket  # a free lane; the head stays
+
+
+def test_the_active_limit_per_socket_opens_another() -> None:
+    p = planner(max_active_per_socket=2, spread_sockets=1)
+    plans = [opened(p, p.plan("id", req([user(f"c{i}")]), 0.0)) for i in range(3)]
+    assert [pl.lane for pl in plans] == [(1, None), (1, "u1"), (2, None)]
+
+
+def test_at_every_limit_the_plan_is_to_wait_then_http() -> None:
+    p = planner(max_active_per_socket=1, max_sockets_per_identity=1, max_sockets_total=1)
+    opened(p, p.plan("id", req([user("a")]), 0.0))
+    assert p.plan("id", req([user("b")]), 0.0).kind is PlanKind.WAIT
+
+
+def test_a_refused_upgrade_holds_off_new_sockets_only() -> None:
+    p = planner(spread_sockets=1)
+    r = req([user("a")])
+    first = opened(p, p.plan("id", r, 0.0))
+    complete(p, first, r, "resp_a", 1.0, call(1))
+    # The first socket exists; a second identity's socket is refused with retry-after.
+    other = p.plan("other", req([user("x")]), 1.0)
+    assert other.open_socket and other.lane is not None
+    p.open_failed(other.lane[0], 1.0, status=429, headers={"retry-after": "5"})
+    assert p.held_off("other", 2.0) and not p.held_off("id", 2.0)
+    again = p.plan("other", req([user("x")]), 2.0)
+    assert (again.kind, again.reason) == (PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED)
+    # The held-off identity's existing lanes still continue; a refusal never costs a continuation.
+    cont = p.plan("id", req([user("a"), call(1), result(1)]), 2.0)
+    assert cont.kind is PlanKind.CONTINUE
+    assert not p.held_off("other", 7.0)
+
+
+def test_a_failed_connect_without_status_holds_nothing_and_may_open_false_goes_http() -> None:
+    p = planner()
+    plan = p.plan("id", req([user("a")]), 0.0)
+    assert plan.lane is not None
+    p.open_failed(plan.lane[0], 0.0, status=None, headers={})
+    assert not p.held_off("id", 0.0)
+    later = p.plan("id", req([user("a")]), 0.0, may_open=False)
+    assert (later.kind, later.reason) == (PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE)
+
+
+def test_hold_off_durations() -> None:
+    assert hold_off_seconds(426, {}) == 300
+    assert hold_off_seconds(429, {"retry-after": "7"}) == 7
+    assert hold_off_seconds(429, {"retry-after": "9999"}) == 300
+    assert hold_off_seconds(401, {}) == hold_off_seconds(403, {}) == 30
+    assert hold_off_seconds(500, {}) == hold_off_seconds(None, {}) == 0
+
+
+def test_a_busy_head_is_head_busy_and_a_fork_goes_elsewhere() -> None:
+    p = planner()
+    r = req([user("a")])
+    first = opened(p, p.plan("id", r, 0.0))
+    complete(p, first, r, "resp_a", 1.0, call(1))
+    nxt = req([user("a"), call(1), result(1)])
+    cont = p.plan("id", nxt, 2.0)
+    assert cont.kind is PlanKind.CONTINUE
+    parallel = p.plan("id", nxt, 2.0)
+    assert (parallel.kind, parallel.reason) == (PlanKind.FULL, MissReason.HEAD_BUSY)
+    assert parallel.lane != cont.lane
+
+
+def test_abandon_drains_and_frees_the_lane_without_a_head() -> None:
+    p = planner()
+    r = req([user("a")])
+    first = opened(p, p.plan("id", r, 0.0))
+    assert first.lane is not None
+    p.abandon(first.lane)
+    assert p.lane(first.lane).state is LaneState.DRAINING  # type: ignore[union-attr]
+    assert p.finished(first.lane, 1.0) == []
+    assert p.lane(first.lane).state is LaneState.IDLE  # type: ignore[union-attr]
+    assert len(p.heads) == 0
+    again = p.plan("id", req([user("b")]), 2.0)
+    assert again.lane is not None
+    p.abandon(again.lane)
+    p.socket_lost(again.lane[0])  # a draining lane goes with its socket
+    assert p.lane(again.lane) is None
+
+
+def test_a_failed_response_frees_the_lane_and_forgets_its_head() -> None:
+    p = planner()
+    r = req([user("a")])
+    first = opened(p, p.plan("id", r, 0.0))
+    complete(p, first, r, "resp_a", 1.0, call(1))
+    cont = p.plan("id", req([user("a"), call(1), result(1)]), 2.0)
+    assert cont.lane is not None
+    p.finished(cont.lane, 3.0)  # response.failed: no head; the upstream evicted the parent
+    assert len(p.heads) == 0
+
+
+def test_socket_loss_keeps_stored_heads_for_hydration_and_forgets_the_others() -> None:
+    p = planner(spread_sockets=1)
+    stored, unstored = req([user("s")]), req([user("u")], store=False)
+    a = opened(p, p.plan("id", stored, 0.0))
+    b = p.plan("id", unstored, 0.0)
+    assert a.lane is not None and b.lane is not None and a.lane[0] == b.lane[0]
+    complete(p, a, stored, "resp_s", 1.0, call(1))
+    complete(p, b, unstored, "resp_u", 1.0, call(2))
+    p.socket_lost(a.lane[0])
+    assert p.socket(a.lane[0]) is None
+    hydrated = p.plan("id", req([user("s"), call(1), result(1)]), 2.0)
+    assert (hydrated.kind, hydrated.hydrated, hydrated.response_id) == (PlanKind.CONTINUE, True, "resp_s")
+    assert hydrated.open_socket and hydrated.lane is not None and hydrated.lane[0] != a.lane[0]
+    cold = p.plan("id", req([user("u"), call(2), result(2)], store=False), 2.0)
+    assert (cold.kind, cold.reason) == (PlanKind.FULL, MissReason.NO_HEAD)
+    opened(p, hydrated, 2.0)
+    complete(p, hydrated, req([user("s"), call(1), result(1)]), "resp_s2", 3.0, call(3))
+    assert p.heads.anchor_for("id", "resp_s") is None  # the hydrated parent is replaced
+
+
+def test_eviction_detaches_a_stored_head_and_forgets_an_unstored_one() -> None:
+    p = planner(lanes_per_socket=1, max_sockets_per_identity=1)
+    r = req([user("s")])
+    a = opened(p, p.plan("id", r, 0.0))
+    complete(p, a, r, "resp_s", 1.0, call(1))
+    other = p.plan("id", req([user("t")]), 2.0)  # the only lane is taken over
+    assert other.lane == a.lane
+    back = p.plan("id", req([user("s"), call(1), result(1)]), 2.0)
+    assert back.kind is PlanKind.WAIT  # stored: still continuable, once a lane frees
+    assert other.lane is not None
+    p.finished(other.lane, 3.0)
+    again = p.plan("id", req([user("s"), call(1), result(1)]), 3.0)
+    assert (again.kind, again.hydrated) == (PlanKind.CONTINUE, True)
+
+
+def test_rotation_retires_busy_sockets_and_closes_idle_ones() -> None:
+    p = planner(rotate_after_seconds=10, idle_close_seconds=100)
+    r = req([user("a")])
+    busy = opened(p, p.plan("id", r, 0.0))
+    idle = p.plan("other", req([user("b")]), 0.0)
+    opened(p, idle)
+    assert idle.lane is not None and busy.lane is not None
+    p.finished(idle.lane, 1.0)
+    close, ages = p.tick(11.0)
+    assert close == [idle.lane[0]] and ages == [11.0]
+    assert p.socket(busy.lane[0]).state is SocketState.RETIRING  # type: ignore[union-attr]
+    assert p.plan("id", req([user("c")]), 11.0).lane != busy.lane  # no new turns on it
+    assert complete(p, busy, r, "resp_a", 12.0) == [busy.lane[0]]  # drained: closed
+
+
+def test_idle_close() -> None:
+    p = planner(idle_close_seconds=5)
+    plan = opened(p, p.plan("id", req([user("a")]), 0.0))
+    assert plan.lane is not None
+    p.finished(plan.lane, 1.0)
+    assert p.tick(3.0) == ([], [])
+    assert p.tick(6.5) == ([plan.lane[0]], [])
+
+
+def test_the_connection_limit_retires_the_socket() -> None:
+    p = planner(spread_sockets=1)
+    r = req([user("a")])
+    a = opened(p, p.plan("id", r, 0.0))
+    b = p.plan("id", req([user("b")]), 0.0)
+    assert a.lane is not None and b.lane is not None
+    assert p.finished(a.lane, 1.0, retire=True) == []  # b is still in flight
+    assert p.finished(b.lane, 1.0) == [a.lane[0]]
+
+
+def test_total_limit_closes_the_least_recently_used_idle_socket() -> None:
+    p = planner(max_sockets_total=1)
+    a = opened(p, p.plan("a", req([user("a")]), 0.0))
+    assert a.lane is not None
+    p.finished(a.lane, 1.0)
+    b = p.plan("b", req([user("b")]), 2.0)
+    assert b.close == (a.lane[0],) and b.open_socket
+
+
+def test_lane_refusal_turns_named_lanes_off_for_a_while() -> None:
+    p = planner(spread_sockets=1)
+    a = opened(p, p.plan("id", req([user("a")]), 0.0))
+    b = p.plan("id", req([user("b")]), 0.0)
+    assert b.stream_id == "u1" and b.lane is not None and a.lane is not None
+    p.lanes_refused(0.0)
+    p.finished(b.lane, 0.0)
+    assert not p.named_lanes
+    c = p.plan("id", req([user("c")]), 0.0)
+    assert c.stream_id is None and c.lane != a.lane  # a default lane of another socket
+    p.tick(LANES_RETRY_SECONDS + 1)
+    assert p.named_lanes
+
+
+def test_stream_limit_caps_that_sockets_lanes() -> None:
+    p = planner(spread_sockets=1, max_sockets_per_identity=1)
+    plans = [opened(p, p.plan("id", req([user(f"c{i}")]), 0.0)) for i in range(3)]
+    assert plans[2].lane == (1, "u2")
+    p.stream_limit(plans[2].lane)  # type: ignore[arg-type]
+    p.finished(plans[2].lane, 0.0)  # type: ignore[arg-type]
+    assert p.plan("id", req([user("d")]), 0.0).kind is PlanKind.WAIT
+
+
+def test_app_chained_requests_go_to_the_lane_that_holds_their_response() -> None:
+    p = planner()
+    r = req([user("a")])
+    a = opened(p, p.plan("id", r, 0.0))
+    complete(p, a, r, "resp_a", 1.0)
+    chained = p.plan("id", req([result(1)], previous_response_id="resp_a"), 2.0)
+    assert (chained.kind, chained.reason, chained.lane) == (PlanKind.FULL, MissReason.APP_CHAINED, a.lane)
+    stranger = p.plan("other", req([result(1)], previous_response_id="resp_a"), 2.0)
+    assert stranger.lane != a.lane
+
+
+def test_replays_are_full_sends() -> None:
+    p = planner()
+    r = req([user("a")])
+    a = opened(p, p.plan("id", r, 0.0))
+    complete(p, a, r, "resp_a", 1.0, call(1))
+    replay = p.plan("id", req([user("a"), call(1), result(1)]), 2.0, replay=True)
+    assert replay.kind is PlanKind.FULL
+
+
+def test_cancelled_connect_releases_the_reservation_and_close_all() -> None:
+    p = planner()
+    plan = p.plan("id", req([user("a")]), 0.0)
+    assert plan.lane is not None and plan.open_socket
+    p.finished(plan.lane, 0.0)  # the requester gave up while the socket was connecting
+    assert p.lane(plan.lane).state is LaneState.IDLE  # type: ignore[union-attr]
+    p.opened(plan.lane[0], 0.5)
+    assert p.close_all() == [plan.lane[0]] and p.sockets() == []
+    assert sum(p.lane_counts.values()) == 0 and sum(p.socket_counts.values()) == 0
+
+
+def test_a_connecting_socket_can_be_closed_and_an_open_one_closed_by_shutdown() -> None:
+    p = planner()
+    connecting = p.plan("id", req([user("a")]), 0.0)
+    assert connecting.lane is not None
+    p.close_all()
+    assert p.socket(connecting.lane[0]) is None
+    lost = p.plan("id", req([user("b")]), 0.0)
+    assert lost.lane is not None
+    p.socket_lost(lost.lane[0])  # lost while connecting: FAILED
+
+
+def test_retire_and_loss_while_retiring() -> None:
+    p = planner()
+    a = opened(p, p.plan("id", req([user("a")]), 0.0))
+    assert a.lane is not None
+    assert p.retire(a.lane[0]) == []  # busy: retiring
+    p.socket_lost(a.lane[0])
+    b = opened(p, p.plan("id", req([user("b")]), 0.0))
+    assert b.lane is not None
+    p.finished(b.lane, 0.0)
+    assert p.retire(b.lane[0]) == [b.lane[0]]  # idle: closed at once
+    c = opened(p, p.plan("id", req([user("c")]), 0.0))
+    assert c.lane is not None
+    p.retire(c.lane[0])
+    assert p.close_all() == [c.lane[0]]
+
+
+def test_invalid_steps_raise() -> None:
+    with pytest.raises(InvalidTransition):
+        lane_step(LaneState.IDLE, LaneEvent.FINISH)
+    with pytest.raises(InvalidTransition):
+        socket_step(SocketState.CLOSED, SocketEvent.OPENED)
+    assert isinstance(InvalidTransition("x"), AssertionError)
+
+
+def test_every_transition_is_exercised() -> None:
+    # Runs last in this module (pytest keeps file order): every row was taken by some test.
+    wanted = {("lane", s, e) for s, e in LANE_TRANSITIONS} | {("socket", s, e) for s, e in SOCKET_TRANSITIONS}
+    missing = wanted - SEEN
+    assert not missing, sorted(missing)
+    assert lanes.lane_name(0) is None and lanes.lane_name(3) == "u3"

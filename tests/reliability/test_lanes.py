@@ -1,0 +1,171 @@
+"""Lanes end to end: many conversations of one key over few sockets, and every lane fault.
+
+The emulator enforces the protocol's lane rules (16 in flight, 32 named ``stream_id``s per
+socket, per-lane caches) and, here, a per-key cap on open sockets answered with 429 +
+``retry-after`` (the field's ~32 connections per key). Every answer is checked with the oracle:
+the model saw exactly the app's history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import aiohttp
+
+from proxy.emulator import LatencyModel
+from tests.reliability.conftest import EmulatorFactory, SidecarFor
+from tests.reliability.helpers import (
+    Conversation,
+    assert_pool_quiet,
+    metric,
+    parse_sse,
+    replays,
+    wait_for,
+)
+
+
+async def _turns(convs: list[Conversation], *, stream: bool = False) -> list[dict[str, Any]]:
+    return list(await asyncio.gather(*(c.turn(stream=stream) for c in convs)))
+
+
+async def test_300_conversations_of_one_key_share_32_sockets(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    emu = await make_emulator(ws_max_connections_per_key=32, ws_connection_retry_after_s=1.0)
+    sc = await sidecar_for(emu.base_url)
+    rng = random.Random(9)
+    modes: dict[str, int] = {}
+    continued = later = 0
+    peak_lanes = 0
+
+    async def loop(http: aiohttp.ClientSession, i: int) -> None:
+        nonlocal continued, later, peak_lanes
+        conv = Conversation(http, sc.base_url, emu, name=f"c{i}")
+        for turn in range(6):
+            reply = await conv.send(f"c{i} turn {turn}", stream=turn % 2 == 1)
+            record = conv.accept(reply)  # the oracle: the model saw exactly this history
+            modes[str(reply.mode)] = modes.get(str(reply.mode), 0) + 1
+            if turn:
+                later += 1
+                continued += record["continuation"] is True
+            peak_lanes = max(peak_lanes, int(metric("upshift_upstream_lanes", state="busy")))
+            await asyncio.sleep(rng.uniform(0.05, 0.4))  # the app's tool time
+
+    async with aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(limit=0)) as http:
+        await asyncio.gather(*(loop(http, i) for i in range(300)))
+    assert sum(modes.values()) == 1800
+    assert modes.get("passthrough", 0) == 0, modes  # no turn fell back to HTTP
+    assert continued >= 0.95 * later, (continued, later, modes)
+    key = next(iter(emu.stats.keys.values()))
+    assert key.peak_open <= 32 and key.refused == 0, key  # never even hit the cap
+    assert sc.pool.count() <= 32
+    assert max(c.named_streams for c in emu.stats.connections.values()) > 0  # lanes were used
+    print(f"\n300 conversations: {sc.pool.count()} sockets, peak {peak_lanes} lanes busy, modes {modes}")
+    assert_pool_quiet(sc)
+
+
+async def test_not_found_on_one_lane_while_others_stream(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    emu = await make_emulator(latency=LatencyModel(tokens_per_second=400))
+    sc = await sidecar_for(emu.base_url, pool={"max_sockets_per_identity": 1})
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        convs = [Conversation(http, sc.base_url, emu, name=f"n{i}") for i in range(3)]
+        for conv in convs:
+            await conv.turn()  # one socket: lanes default, u1, u2
+        assert sc.pool.count() == 1
+        before = replays("previous_response_not_found")
+        emu.faults.arm("miss", match={"stream_id": "u1"})
+        records = await _turns(convs, stream=True)
+    assert replays("previous_response_not_found") == before + 1
+    assert [r["continuation"] for r in records] == [True, False, True]  # only u1's turn was replayed
+    assert_pool_quiet(sc)
+
+
+async def test_socket_dropped_with_several_lanes_in_flight(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    emu = await make_emulator()
+    sc = await sidecar_for(emu.base_url, pool={"max_sockets_per_identity": 1})
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        convs = [Conversation(http, sc.base_url, emu, name=f"d{i}") for i in range(3)]
+        for conv in convs:
+            await conv.turn()
+        before = replays("closed_before_first_event")
+        # Lane "default" has already streamed output to its app; u1 has sent nothing yet; u2's
+        # create makes the emulator drop the TCP connection.
+        emu.faults.arm("hold", after_events=4, match={"stream_id": None})
+        emu.faults.arm("hold", after_events=0, match={"stream_id": "u1"})
+        started = asyncio.ensure_future(convs[0].send("d0 streaming", stream=True))
+        waiting = asyncio.ensure_future(convs[1].turn(stream=True))
+        assert await wait_for(lambda: len(emu.faults.held) == 2)
+        emu.faults.arm("drop", after_events=0, match={"stream_id": "u2"})
+        dropped = await convs[2].turn()
+        replayed = await waiting
+        cut = await started
+    # The app that had output gets exactly one error event at the end; the others got their
+    # answer after one transparent replay each.
+    types = [kind for kind, _ in parse_sse(cut.raw)]
+    assert types.count("error") == 1 and types[-1] == "error" and "response.output_item.added" in types, types
+    assert dropped["continuation"] is False and replayed["continuation"] is False
+    assert replays("closed_before_first_event") == before + 2
+    emu.faults.release("continue")
+    assert await wait_for(lambda: "Lanes: 0 busy" in repr(sc.pool))
+
+
+async def test_connection_limit_on_a_multiplexed_socket(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    emu = await make_emulator()
+    sc = await sidecar_for(emu.base_url, pool={"max_sockets_per_identity": 2, "spread_sockets": 1})
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        convs = [Conversation(http, sc.base_url, emu, name=f"a{i}") for i in range(2)]
+        for conv in convs:
+            await conv.turn()
+        assert sc.pool.count() == 1
+        before = {c: replays(c) for c in ("connection_limit", "closed_before_first_event")}
+        emu.faults.arm("hold", after_events=0, match={"stream_id": None})
+        waiting = asyncio.ensure_future(convs[0].turn())
+        assert await wait_for(lambda: len(emu.faults.held) == 1)
+        emu.faults.arm("age_limit", match={"stream_id": "u1"})
+        aged = await convs[1].turn()  # the 60-minute error, then the socket closes
+        other = await waiting
+    assert aged["continuation"] is False and other["continuation"] is False
+    assert replays("connection_limit") == before["connection_limit"] + 1
+    assert replays("closed_before_first_event") == before["closed_before_first_event"] + 1
+    emu.faults.release("continue")
+    assert_pool_quiet(sc)
+
+
+async def test_an_upstream_that_rejects_stream_id_falls_back_to_one_lane_per_socket(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    for mode in ("reject", "close"):
+        emu = await make_emulator(ws_stream_ids=mode, latency=LatencyModel(ttft_ms=100))
+        sc = await sidecar_for(emu.base_url, pool={"max_sockets_per_identity": 1, "wait_seconds": 5})
+        fallbacks = metric("upshift_lane_fallbacks_total")
+        async with aiohttp.ClientSession(trust_env=False) as http:
+            convs = [Conversation(http, sc.base_url, emu, name=f"{mode}{i}") for i in range(3)]
+            await _turns(convs)  # the 2nd and 3rd go on named lanes, are refused, and replayed
+            assert metric("upshift_lane_fallbacks_total") == fallbacks + 1, mode
+            assert not sc.pool.planner.named_lanes
+            records = await _turns(convs)
+        # One socket, default lanes only: the turns queue for it, and each continues its own head
+        # when its lane still holds it (at most one does, on one default lane).
+        assert all(r["status"] == "completed" for r in records)
+        assert_pool_quiet(sc)
+
+
+async def test_stream_limit_reached_retires_the_lane(make_emulator: EmulatorFactory, sidecar_for: SidecarFor) -> None:
+    emu = await make_emulator(ws_max_named_streams=1, latency=LatencyModel(ttft_ms=100))
+    sc = await sidecar_for(emu.base_url, pool={"max_sockets_per_identity": 1, "wait_seconds": 5})
+    before = replays("stream_limit")
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        convs = [Conversation(http, sc.base_url, emu, name=f"s{i}") for i in range(3)]
+        await _turns(convs)  # default, u1 (allowed), u2 (over the emulator's limit: replayed)
+        await _turns(convs)
+    assert replays("stream_limit") == before + 1
+    assert max(c.named_streams for c in emu.stats.connections.values()) == 1
+    assert_pool_quiet(sc)
