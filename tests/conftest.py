@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
+import openai
 import pytest
 
 from proxy.emulator import Emulator
+
+
+@pytest.fixture(autouse=True)
+async def _close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """Every openai SDK client a test makes is closed when the test ends, in its loop (pytest
+    turns the leaked connections of an unclosed client into failures)."""
+    made: list[Any] = []
+    for cls in (openai.OpenAI, openai.AsyncOpenAI):
+        original = cls.__init__
+
+        def init(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> None:
+            __original(self, *args, **kwargs)
+            made.append(self)
+
+        monkeypatch.setattr(cls, "__init__", init)
+    yield
+    for client in reversed(made):
+        if isinstance(client, openai.AsyncOpenAI):
+            await client.close()
+        else:
+            client.close()
 
 
 @pytest.fixture

@@ -151,7 +151,10 @@ async def test_a_refused_upgrade_goes_http_only_without_a_socket(emulator: Emula
 
 async def test_cancelled_connect_leaves_nothing_behind() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(5)
+        try:
+            await asyncio.sleep(5)
+        finally:
+            writer.close()
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

@@ -123,7 +123,10 @@ async def test_silence_maps_to_upstream_timeout(emulator: Any) -> None:
 
 async def test_handshake_timeout_is_unavailable() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(5)
+        try:
+            await asyncio.sleep(5)
+        finally:
+            writer.close()
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
