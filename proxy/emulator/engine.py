@@ -154,7 +154,7 @@ def response_object(turn: Turn, *, status: str, output: list[JSON], usage: JSON,
         "temperature": body.get("temperature", 1.0),
         "text": body.get("text") or {"format": {"type": "text"}, "verbosity": "medium"},
         "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [],
+        "tools": [_echo_tool(tool) for tool in body.get("tools") or []],
         "top_logprobs": body.get("top_logprobs", 0),
         "top_p": body.get("top_p", 1.0),
         "truncation": body.get("truncation", "disabled"),
@@ -172,6 +172,14 @@ def response_object(turn: Turn, *, status: str, output: list[JSON], usage: JSON,
         obj["prompt_cache_options"] = applied
     obj.update(extra)
     return obj
+
+
+def _echo_tool(tool: JSON) -> JSON:
+    """A tool as the response echoes it: function tools get ``description``, ``parameters`` and ``strict``
+    (default true in the Responses API), which the published ``FunctionTool`` schema requires."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        return tool
+    return {"description": None, "parameters": None, **tool, "strict": tool.get("strict", True)}
 
 
 def failed_object(turn: Turn, message: str = "An error occurred while processing your request.") -> dict[str, JSON]:

@@ -176,11 +176,14 @@ async def test_prompt_cache_options(make_emulator: EmulatorFactory) -> None:
 async def test_compaction_event_on_threshold(make_emulator: EmulatorFactory) -> None:
     emu = await make_emulator()
     async with websockets.connect(emu.ws_url, additional_headers=HEADERS) as conn:
-        cm = [{"type": "compaction", "compact_threshold": 10}]
-        await conn.send(create(input="x" * 200, context_management=cm))
+        cm: list[dict[str, Any]] = [{"type": "compaction", "compact_threshold": 1000}]
+        await conn.send(create(input="x" * 4200, context_management=cm))
         events = await until_terminals(conn, 1)
         await conn.send(create(input="short", context_management=[{"type": "compaction", "compact_threshold": 10**6}]))
         quiet = await until_terminals(conn, 1)
+        await conn.send(create(context_management=[{"type": "compaction", "compact_threshold": 10}]))
+        refused = await recv(conn)
+    assert refused["error"]["code"] == "integer_below_min_value"
     kinds = [e["type"] for e in events]
     index = kinds.index("response.compaction.compacting")
     assert kinds[index - 1] == "response.output_item.added" and kinds[index + 1] == "response.output_item.done"
