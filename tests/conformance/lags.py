@@ -51,7 +51,7 @@ KNOWN_LAGS: Final[dict[str, str]] = {
         "OpenAPI lag: incomplete_details.reason has no 'steered'"
     ),
     "openapi * prompt_cache_options.ttl enum": (
-        "OpenAPI lag: PromptCacheTTLEnum is ['30m']; SDK 3.57 has '30m' | '12h' (create params and Response)"
+        "OpenAPI lag: PromptCacheTTLEnum is ['30m']; SDK 3.57 has '30m' or '12h' (create params and Response)"
     ),
     "openapi response.* response.prompt_cache_options.ttl enum": "OpenAPI lag: PromptCacheTTLEnum is ['30m']",
     # -- the SDK types lag the API / the OpenAPI file -----------------------------------------------------

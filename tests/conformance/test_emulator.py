@@ -118,3 +118,9 @@ def test_sse_round_trip_helper_returns_payloads() -> None:
     with pytest.raises(schema.ConformanceError):
         schema.validate_sse_bytes(body)  # framing is fine, the event lacks its required fields
     assert orjson.loads(body.split(b"data: ")[1]) == {"type": "response.in_progress"}
+
+
+def test_lags_are_documented() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "emulator.md").read_text(encoding="utf-8")
+    missing = [pattern for pattern in KNOWN_LAGS if f"| `{pattern}` |" not in docs]
+    assert not missing, f"docs/emulator.md lacks these known lags: {missing}"
