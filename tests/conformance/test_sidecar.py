@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -12,7 +13,8 @@ from proxy.emulator import Emulator
 from tests.conftest import SidecarFactory
 
 from . import schema
-from .scenarios import REASONING, TOOLS
+from .lags import RELAY_ONLY
+from .scenarios import HEADERS, REASONING, TOOLS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,3 +50,18 @@ async def test_app_view_and_upstream_frames_conform(emulator: Emulator, make_sid
         schema.validate_client_event(frame)
     for body in (r["body"] for r in received if r["transport"] == "http"):
         schema.validate_create_body(body)
+
+
+async def test_streams_cut_after_output_end_with_a_conformant_error(
+    emulator: Emulator, make_sidecar: SidecarFactory
+) -> None:
+    """A socket lost after the app saw bytes: the SSE stream ends with one nested ``error`` event."""
+    sidecar = await make_sidecar()
+    async with aiohttp.ClientSession(headers=HEADERS) as session:
+        for kind in ("drop", "close"):
+            emulator.faults.arm(kind, transport="ws", after_events=5)
+            body = {"model": "gpt-5", "input": "cut me", "stream": True}
+            async with session.post(sidecar.base_url + "/responses", json=body) as resp:
+                events = schema.validate_sse_bytes(await resp.read())
+            assert events[-1]["type"] == "error" and events[-1]["error"]["code"]
+    assert RELAY_ONLY <= schema.used_lags()
