@@ -109,6 +109,26 @@ async def http_errors(emu: Emulator) -> list[Payload]:
             out.append(("error", await resp.json()))
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-bad-key-123456"}) as bad:
         out.append(await _post(bad, emu, BODIES["text"]))
+    out.extend(await refused_upgrades(emu))
+    return out
+
+
+async def refused_upgrades(emu: Emulator) -> list[Payload]:
+    """Bodies of refused WebSocket upgrades: a ``refuse_upgrade`` fault (426) and the per-key cap (429)."""
+    out: list[Payload] = []
+    emu.faults.arm("refuse_upgrade")
+    capped = Emulator(ws_max_connections_per_key=1)
+    await capped.start()
+    try:
+        for target in (emu, capped):
+            async with websockets.connect(capped.ws_url, additional_headers=HEADERS):
+                try:
+                    async with websockets.connect(target.ws_url, additional_headers=HEADERS):
+                        raise AssertionError("the upgrade was not refused")
+                except websockets.InvalidStatus as refused:
+                    out.append(("error", json.loads(refused.response.body)))
+    finally:
+        await capped.stop()
     return out
 
 
