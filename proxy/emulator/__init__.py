@@ -7,7 +7,7 @@ Run it with ``python -m proxy.emulator --listen 127.0.0.1:9100``, or in process:
 
 Layout: ``config`` (settings), ``oracle`` (canonical context digests), ``model`` (the scripted
 model), ``validation`` + ``engine`` (request → response), ``events`` + ``runner`` (event sequence,
-pacing, faults), ``network`` (RTT and connection setup), ``http`` / ``ws`` (+ ``wslane``, ``wsturn``,
+pacing, faults), ``network`` (RTT and connection setup), ``http`` (+ ``sinks``) / ``ws`` (+ ``wslane``, ``wsturn``,
 ``wsreplies``, ``steering``) / ``extras`` / ``control`` (routes), ``appkeys``, ``server``
 (app + :class:`Emulator` API).
 See docs/emulator.md.
