@@ -7,7 +7,8 @@ Run it with ``python -m proxy.emulator --listen 127.0.0.1:9100``, or in process:
 
 Layout: ``config`` (settings), ``oracle`` (canonical context digests), ``model`` (the scripted
 model), ``validation`` + ``engine`` (request → response), ``events`` + ``runner`` (event sequence,
-pacing, faults), ``http`` / ``ws`` (+ ``wsreplies``) / ``extras`` / ``control`` (routes), ``appkeys``, ``server``
+pacing, faults), ``network`` (RTT and connection setup), ``http`` (+ ``sinks``) / ``ws`` (+ ``wslane``, ``wsturn``,
+``wsreplies``, ``steering``) / ``extras`` / ``control`` (routes), ``appkeys``, ``server``
 (app + :class:`Emulator` API).
 See docs/emulator.md.
 """
@@ -24,7 +25,7 @@ from .config import (
     load_config_file,
 )
 from .errors import ApiError
-from .faults import FAULT_KINDS, NOT_FOUND_SHAPES, Fault, FaultQueue
+from .faults import FAULT_KINDS, HOLD_ACTIONS, NOT_FOUND_SHAPES, Fault, FaultQueue, Held
 from .oracle import canonical_item, context_digest, settings_digest
 from .server import Emulator, ThreadedEmulator
 from .state import Stats
@@ -32,6 +33,7 @@ from .state import Stats
 __all__ = [
     "FAST_LATENCY",
     "FAULT_KINDS",
+    "HOLD_ACTIONS",
     "LATENCY_PRESETS",
     "NOT_FOUND_SHAPES",
     "REALISTIC_LATENCY",
@@ -41,6 +43,7 @@ __all__ = [
     "EmulatorConfig",
     "Fault",
     "FaultQueue",
+    "Held",
     "LatencyModel",
     "Stats",
     "ThreadedEmulator",

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import secrets
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 from .config import EmulatorConfig
 from .events import Event, build_events, lifecycle
-from .model import ModelRequest, Plan, plan, tokens
-from .oracle import Segment, clean, normalize_input, settings_digest
+from .model import ModelRequest, Plan, plan
+from .objects import failed_object, response_object, steered_object, usage
+from .oracle import settings_digest
 from .state import EmulatorState, ResponseRecord
-from .validation import check_tool_pairs, resolve_input
+from .turn import Turn, new_id, prepare
 
 __all__ = [
     "Execution",
@@ -36,173 +32,6 @@ __all__ = [
 JSON = Any
 
 
-def new_id(prefix: str, nbytes: int = 24) -> str:
-    """``<prefix>_<hex>``: unique, random (content stays deterministic)."""
-    return f"{prefix}_{secrets.token_hex(nbytes)}"
-
-
-@dataclass(slots=True)
-class Turn:
-    """One accepted create, resolved against its chain."""
-
-    id: str
-    body: dict[str, JSON]
-    transport: str
-    owner: str
-    base: Segment
-    """The inherited chain (previous response, conversation, or empty)."""
-    context: Segment
-    """``base`` + the new input: what the model sees."""
-    new_items: list[JSON]
-    input_bytes: int
-    previous_response_id: str | None = None
-    cached: bool = False
-    """``base`` came from this connection's cache (WS hit)."""
-    hydrated: bool = False
-    """``base`` was loaded from the store."""
-    connection_id: str | None = None
-    stream_id: str | None = None
-    conversation_id: str | None = None
-    created_at: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def store(self) -> bool:
-        """``store`` defaults to true."""
-        return self.body.get("store") is not False
-
-    @property
-    def generate(self) -> bool:
-        """``generate: false`` is a warm-up (WS only); ``prompt_cache_options.prewarm`` forces it (§6)."""
-        options = self.body.get("prompt_cache_options")
-        if isinstance(options, dict) and options.get("prewarm") is True:
-            return False
-        return self.body.get("generate") is not False
-
-    @property
-    def cached_bytes(self) -> int:
-        """Canonical context bytes that came from the connection cache."""
-        return self.base.nbytes if self.cached else 0
-
-    @property
-    def rebuild_bytes(self) -> int:
-        """Canonical context bytes that must be (re)processed."""
-        return self.context.nbytes - self.cached_bytes
-
-    @property
-    def settings_bytes(self) -> int:
-        """Bytes of the non-inherited settings (instructions + tools) counted as input."""
-        extra = {"instructions": self.body.get("instructions"), "tools": self.body.get("tools")}
-        return len(orjson.dumps(clean(extra)))
-
-
-def prepare(
-    body: dict[str, JSON],
-    *,
-    config: EmulatorConfig,
-    transport: str,
-    owner: str,
-    base: Segment,
-    lookup_item: Callable[[str], JSON | None],
-    input_bytes: int,
-    **extra: Any,
-) -> Turn:
-    """Resolve the new input against ``base``; raises :class:`ApiError` like the real API would."""
-    store = body.get("store") is not False
-    items = resolve_input(normalize_input(body.get("input")), store=store, lookup=lookup_item)
-    context = base.extend(items)
-    if config.validate_tool_pairs:
-        check_tool_pairs(context.to_list())
-    return Turn(
-        id=new_id("resp"),
-        body=body,
-        transport=transport,
-        owner=owner,
-        base=base,
-        context=context,
-        new_items=items,
-        input_bytes=input_bytes,
-        previous_response_id=body.get("previous_response_id"),
-        **extra,
-    )
-
-
-def response_object(turn: Turn, *, status: str, output: list[JSON], usage: JSON, **extra: JSON) -> dict[str, JSON]:
-    """The full response object of protocol.md §2.4."""
-    body = turn.body
-    reasoning = body.get("reasoning") or {}
-    obj: dict[str, JSON] = {
-        "id": turn.id,
-        "object": "response",
-        "created_at": turn.created_at,
-        "status": status,
-        "background": bool(body.get("background") or False),
-        "completed_at": int(time.time()) if status == "completed" else None,
-        "error": None,
-        "incomplete_details": None,
-        "instructions": body.get("instructions"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "max_tool_calls": body.get("max_tool_calls"),
-        "model": body["model"],
-        "output": output,
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": turn.previous_response_id,
-        "prompt_cache_key": body.get("prompt_cache_key"),
-        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-        "safety_identifier": body.get("safety_identifier"),
-        "service_tier": body.get("service_tier") or "default",
-        "store": turn.store,
-        "temperature": body.get("temperature", 1.0),
-        "text": body.get("text") or {"format": {"type": "text"}, "verbosity": "medium"},
-        "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [],
-        "top_logprobs": body.get("top_logprobs", 0),
-        "top_p": body.get("top_p", 1.0),
-        "truncation": body.get("truncation", "disabled"),
-        "usage": usage,
-        "user": body.get("user"),
-        "metadata": body.get("metadata") or {},
-    }
-    if turn.conversation_id is not None:
-        obj["conversation"] = {"id": turn.conversation_id}
-    options = body.get("prompt_cache_options")
-    if isinstance(options, dict):  # echoed as applied (SDK ``Response.prompt_cache_options``)
-        applied: dict[str, JSON] = {"mode": options.get("mode", "implicit"), "ttl": options.get("ttl", "30m")}
-        if options.get("comparison_response_id") is not None:
-            applied["comparison_response_id"] = options["comparison_response_id"]
-        obj["prompt_cache_options"] = applied
-    obj.update(extra)
-    return obj
-
-
-def failed_object(turn: Turn, message: str = "An error occurred while processing your request.") -> dict[str, JSON]:
-    """A ``failed`` response object with a ``server_error`` (protocol.md §4.2.8)."""
-    return response_object(
-        turn, status="failed", output=[], usage=None, error={"code": "server_error", "message": message}
-    )
-
-
-def steered_object(turn: Turn, final: dict[str, JSON], items_done: int) -> dict[str, JSON]:
-    """The ``incomplete`` / ``steered`` response: the items finished before the boundary (protocol.md §6)."""
-    output = list(final["output"][:items_done])
-    out_tokens = sum(_item_tokens(item) for item in output)
-    reasoning = sum(_item_tokens(item) for item in output if item.get("type") == "reasoning")
-    return response_object(
-        turn,
-        status="incomplete",
-        output=output,
-        usage=_usage(turn, out_tokens, reasoning),
-        incomplete_details={"reason": "steered"},
-    )
-
-
-def _item_tokens(item: JSON) -> int:
-    if item.get("type") == "function_call":
-        return tokens(str(item.get("name", ""))) + tokens(str(item.get("arguments", "")))
-    if item.get("type") == "reasoning":
-        return sum(tokens(str(p.get("text", ""))) for p in item.get("summary", []))
-    return sum(tokens(str(p.get("text", ""))) for p in item.get("content", []))
-
-
 @dataclass(slots=True)
 class Execution:
     """A generated response, ready to stream."""
@@ -211,20 +40,6 @@ class Execution:
     final: dict[str, JSON]
     events: list[Event]
     terminal: str
-
-
-def _usage(turn: Turn, output_tokens: int, reasoning_tokens: int) -> dict[str, JSON]:
-    input_tokens = math.ceil((turn.context.nbytes + turn.settings_bytes) / 4)
-    cached = math.ceil(turn.cached_bytes / 4)
-    # [C] WebSocket mode writes what it did not read from the lane cache into it; HTTP writes nothing
-    written = max(0, input_tokens - cached) if turn.transport == "ws" else 0
-    return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": input_tokens + output_tokens,
-    }
 
 
 def _materialise(result: Plan, include_encrypted: bool) -> list[JSON]:
@@ -264,7 +79,7 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
     """Run the model and build the event sequence (``generate: false``: created + completed only)."""
     shell = response_object(turn, status="in_progress", output=[], usage=None)
     if not turn.generate:
-        final = response_object(turn, status="completed", output=[], usage=_usage(turn, 0, 0))
+        final = response_object(turn, status="completed", output=[], usage=usage(turn, 0, 0))
         events = [Event(lifecycle("response.created", shell)), Event(lifecycle("response.completed", final))]
         return Execution(shell, final, events, "response.completed")
     body = turn.body
@@ -286,14 +101,14 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
         output.insert(0, {"id": new_id("cmp"), "type": "compaction", "encrypted_content": "gAAAAAC" + blob})
     out_tokens = sum(p.tokens for p in result.items)
     reasoning_tokens = sum(p.tokens for p in result.items if p.kind == "reasoning")
-    usage = _usage(turn, out_tokens, reasoning_tokens)
+    spent = usage(turn, out_tokens, reasoning_tokens)
     if result.incomplete:
         final = response_object(
-            turn, status="incomplete", output=output, usage=usage, incomplete_details={"reason": "max_output_tokens"}
+            turn, status="incomplete", output=output, usage=spent, incomplete_details={"reason": "max_output_tokens"}
         )
         terminal = "response.incomplete"
     else:
-        final = response_object(turn, status="completed", output=output, usage=usage)
+        final = response_object(turn, status="completed", output=output, usage=spent)
         terminal = "response.completed"
     return Execution(shell, final, build_events(shell, final, terminal, config.delta_chars), terminal)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import secrets
-import string
 from typing import Any
 
 import orjson
@@ -18,7 +16,8 @@ from .engine import Execution, Turn, execute, finish, new_id, prepare
 from .errors import ApiError
 from .faults import Fault
 from .oracle import Segment
-from .runner import CUT_KINDS, Outcome, play
+from .runner import CUT_KINDS, Hold, Outcome, play
+from .sinks import NullSink, SseSink, wants_obfuscation
 from .state import Conversation, EmulatorState, ResponseRecord
 from .validation import validate_body
 from .ws import WsConnection
@@ -37,56 +36,6 @@ def json_response(data: JSON, status: int = 200, headers: dict[str, str] | None 
 def error_response(error: ApiError) -> web.Response:
     """An OpenAI-style error body with its status and headers (a 429 keeps ``retry-after``)."""
     return json_response(error.http_body(), error.status, error.headers or None)
-
-
-_OBFUSCATION_CHARS = string.ascii_letters + string.digits
-
-
-def obfuscation(delta: str) -> str:
-    """Random padding so that ``delta`` + padding have a length that hides the delta's (1-16 chars)."""
-    length = 16 - (len(delta.encode()) % 16) or 16
-    return "".join(secrets.choice(_OBFUSCATION_CHARS) for _ in range(length))
-
-
-def wants_obfuscation(body: JSON, config_default: bool) -> bool:
-    """``stream_options.include_obfuscation`` (default true, as on the real API)."""
-    options = body.get("stream_options") if isinstance(body, dict) else None
-    if isinstance(options, dict) and options.get("include_obfuscation") is False:
-        return False
-    return config_default
-
-
-class _SseSink:
-    def __init__(self, request: web.Request, response: web.StreamResponse, obfuscate: bool) -> None:
-        self.request, self.response, self.obfuscate = request, response, obfuscate
-
-    async def send(self, payload: dict[str, JSON]) -> None:
-        if self.obfuscate and str(payload["type"]).endswith(".delta") and isinstance(payload.get("delta"), str):
-            payload = {**payload, "obfuscation": obfuscation(payload["delta"])}
-        data = orjson.dumps(payload)
-        await self.response.write(b"event: " + str(payload["type"]).encode() + b"\ndata: " + data + b"\n\n")
-
-    async def abort(self) -> None:
-        if self.request.transport is not None:
-            self.request.transport.abort()
-
-    async def close(self, code: int) -> None:
-        await self.abort()
-
-
-class _NullSink:
-    def __init__(self, request: web.Request | None) -> None:
-        self.request = request
-
-    async def send(self, payload: dict[str, JSON]) -> None:
-        return None
-
-    async def abort(self) -> None:
-        if self.request is not None and self.request.transport is not None:
-            self.request.transport.abort()
-
-    async def close(self, code: int) -> None:
-        await self.abort()
 
 
 def _fire(request: web.Request, kinds: set[str], facts: dict[str, JSON]) -> Fault | None:
@@ -178,8 +127,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if body.get("background") and body.get("stream") is not True:
         return _start_background(request, turn, execution)
     if body.get("stream") is True:
-        return await _stream(request, turn, execution, fault)
-    outcome = await play(execution, turn, _NullSink(request), latency=state.latency, fault=fault)
+        return await _stream(request, turn, execution, fault, _hold(request, facts))
+    hold = _hold(request, facts)
+    outcome = await play(execution, turn, NullSink(request), latency=state.latency, fault=fault, hold=hold)
     _finish(state, turn, outcome)
     if outcome.status == "failed":
         failure = outcome.response["error"]
@@ -187,7 +137,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return json_response(outcome.response)
 
 
-async def _stream(request: web.Request, turn: Turn, execution: Execution, fault: Fault | None) -> web.StreamResponse:
+def _hold(request: web.Request, facts: dict[str, JSON]) -> Hold | None:
+    fault = _fire(request, {"hold"}, facts)
+    return Hold(fault, request.app[FAULTS]) if fault is not None else None
+
+
+async def _stream(
+    request: web.Request, turn: Turn, execution: Execution, fault: Fault | None, hold: Hold | None
+) -> web.StreamResponse:
     state = request.app[STATE]
     latency = state.latency
     if latency.overhead_ms > 0:  # paid before the headers, as a real upstream would
@@ -197,8 +154,8 @@ async def _stream(request: web.Request, turn: Turn, execution: Execution, fault:
     response.headers["Cache-Control"] = "no-cache"
     await response.prepare(request)
     try:
-        sink = _SseSink(request, response, wants_obfuscation(turn.body, state.config.http_obfuscation))
-        outcome = await play(execution, turn, sink, latency=latency, fault=fault)
+        sink = SseSink(request, response, wants_obfuscation(turn.body, state.config.http_obfuscation))
+        outcome = await play(execution, turn, sink, latency=latency, fault=fault, hold=hold)
     except ConnectionError:
         return response
     _finish(state, turn, outcome)
@@ -226,7 +183,7 @@ def _start_background(request: web.Request, turn: Turn, execution: Execution) ->
         if state.store.get(turn.id) is not placeholder:  # cancelled or deleted meanwhile
             return
         placeholder.response = {**execution.shell, "status": "in_progress"}
-        outcome = await play(execution, turn, _NullSink(None), latency=state.latency)
+        outcome = await play(execution, turn, NullSink(None), latency=state.latency)
         if state.store.get(turn.id) is placeholder:
             _finish(state, turn, outcome)
 

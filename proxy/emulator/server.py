@@ -52,6 +52,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         if request.path.startswith("/v1/") or request.path == "/v1":
             await network.delay_inbound(request, request.app[STATE])  # rtt_ms / connect_ms (network.py)
+            request[STARTED] = time.monotonic()  # openai-processing-ms excludes the network
             request[OWNER] = authenticate(request, request.app[STATE].config)
         return await handler(request)
     except ApiError as error:
@@ -64,10 +65,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
 
 async def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
     """OpenAI's per-request headers (protocol.md §2.6); none on the WebSocket 101."""
-    if not request.path.startswith("/v1"):
-        return
-    await network.delay_outbound(request.app[STATE])  # the response start travels RTT/2 (network.py)
-    if isinstance(response, web.WebSocketResponse):
+    if isinstance(response, web.WebSocketResponse) or not request.path.startswith("/v1"):
         return
     headers = response.headers
     headers.setdefault("x-request-id", "req_" + secrets.token_hex(16))
@@ -81,6 +79,12 @@ async def _add_headers(request: web.Request, response: web.StreamResponse) -> No
             headers.setdefault(name, value)
 
 
+async def _network_out(request: web.Request, response: web.StreamResponse) -> None:
+    """The response start (HTTP headers, the 101) travels RTT/2 (network.py)."""
+    if request.path.startswith("/v1"):
+        await network.delay_outbound(request.app[STATE])
+
+
 def build_app(state: EmulatorState, faults: FaultQueue) -> web.Application:
     """The aiohttp application serving HTTP and WebSocket mode on the same port."""
     app = web.Application(middlewares=[_middleware], client_max_size=state.config.ws_max_message_bytes)
@@ -88,6 +92,7 @@ def build_app(state: EmulatorState, faults: FaultQueue) -> web.Application:
     app[FAULTS] = faults
     app[REGISTRY] = Registry()
     app.on_response_prepare.append(_add_headers)
+    app.on_response_prepare.append(_network_out)
     app.add_routes(http.routes)
     app.add_routes(extras.routes)
     app.add_routes(control.routes)

@@ -14,7 +14,8 @@ Gate: ``EmulatorConfig.steer_models`` (empty by default: every steer gets
   prepended to the client's next create with that ``previous_response_id`` on that lane;
 * otherwise ``response.steer.failed`` with ``invalid_input`` (keys other than ``type``,
   ``previous_response_id``, ``input``; input not a non-empty string or array of user messages),
-  ``response_not_found``, ``steering_not_supported``, ``response_already_completed``,
+  ``response_not_found``, ``steering_not_supported`` (model not gated, or the target uses
+  ``context_management`` / ``conversation``), ``response_already_completed``,
   ``too_many_pending_steers`` (more than :data:`MAX_PENDING` per response), ``response_not_active``
   (the target failed after accepting) or ``successor_creation_failed``.
 
@@ -140,7 +141,9 @@ class Steering:
                 await self._failed(event, "response_not_found", f"Response with id '{target_id}' not found.")
             return
         lane_key = active.lane.key
-        if not config.steering(active.turn.body.get("model")):
+        body = active.turn.body
+        if not config.steering(body.get("model")) or body.get("context_management") or body.get("conversation"):
+            # SDK docstring: responses bound to a conversation or using automatic compaction cannot be steered
             message = "Steering is not supported for this response."
             await self._failed(event, "steering_not_supported", message, stream_id=lane_key)
             return

@@ -94,6 +94,7 @@ def validate_body(body: JSON, *, transport: str, config: EmulatorConfig) -> None
     if transport == "http" and body.get("background") and body.get("store") is False:
         raise ApiError(400, "Background mode requires `store` to be true.", param="background")
     _check_prompt_cache_options(body.get("prompt_cache_options"))
+    _check_context_management(body.get("context_management"))
     include = body.get("include")
     if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
         raise _invalid_type("include", "an array of strings")
@@ -126,6 +127,30 @@ def _check_prompt_cache_options(options: JSON) -> None:
                 raise _invalid_type(name, "a string")
         else:
             raise unknown_parameter(name)
+
+
+MIN_COMPACT_THRESHOLD: Final = 1000
+
+
+def _check_context_management(entries: JSON) -> None:
+    """``context_management``: a non-empty array of ``{type, compact_threshold >= 1000}`` (OpenAPI)."""
+    if entries is None:
+        return
+    if not isinstance(entries, list) or not entries:
+        raise _invalid_type("context_management", "a non-empty array")
+    for index, entry in enumerate(entries):
+        name = f"context_management[{index}]"
+        if not isinstance(entry, dict) or "type" not in entry:
+            raise _missing(f"{name}.type")
+        threshold = entry.get("compact_threshold")
+        if threshold is not None and (not isinstance(threshold, int) or threshold < MIN_COMPACT_THRESHOLD):
+            raise ApiError(
+                400,
+                f"Invalid '{name}.compact_threshold': integer below minimum value. "
+                f"Expected a value >= {MIN_COMPACT_THRESHOLD}, but got {threshold} instead.",
+                param=f"{name}.compact_threshold",
+                code="integer_below_min_value",
+            )
 
 
 def resolve_input(items: list[JSON], *, store: bool, lookup: Callable[[str], JSON | None]) -> list[JSON]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ from .wsturn import process
 __all__ = ["WsConnection"]
 
 JSON = Any
+_log = logging.getLogger("proxy.emulator")
 
 
 class WsConnection:
@@ -141,14 +143,20 @@ class WsConnection:
                 error = ApiError(400, "Binary frames are not supported; send JSON text frames.")
                 with contextlib.suppress(Gone):
                     await self.send(error.ws_event())
-                await self.ws.close(code=1003, message=b"binary frames are not supported")
+                await self.close(1003, b"binary frames are not supported")
                 return
             else:
                 return
 
     async def _delayed_text(self, data: str) -> None:
-        with contextlib.suppress(Gone):
+        """A client frame handled RTT/2 after it arrived; a bug here must not stop the delay line."""
+        try:
             await self._on_text(data, len(data.encode()))
+        except Gone:
+            pass
+        except Exception:
+            _log.exception("emulator: handling a delayed frame failed; closing the socket")
+            await self.close(1011, b"internal error")
 
     async def _on_text(self, data: str, size: int) -> None:
         try:

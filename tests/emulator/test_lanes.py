@@ -209,3 +209,24 @@ async def test_error_fault_with_misalignment(ws: ClientConnection, emulator: Emu
     await ws.send(create("m"))
     event = await recv(ws)
     assert event["stream_id"] == "m" and event["error"]["misalignment"] == misalignment
+
+
+async def test_hold_over_http_then_fail_or_continue(emulator: Emulator) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        emulator.faults.arm("hold", transport="http", after_events=3, then="fail")
+        body = {"model": "gpt-5", "input": "hold me", "stream": True}
+        request = asyncio.create_task(session.post(emulator.base_url + "/responses", json=body))
+        await wait_held(emulator, 1)
+        assert emulator.faults.release() == 1
+        async with await request as resp:
+            text = await resp.text()
+        kinds = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+        assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+        assert kinds[-1] == "response.failed" and len(kinds) == 4
+        emulator.faults.arm("hold", transport="http")
+        plain = asyncio.create_task(session.post(emulator.base_url + "/responses", json={**body, "stream": False}))
+        await wait_held(emulator, 1)
+        emulator.faults.release("continue")
+        async with await plain as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "completed"

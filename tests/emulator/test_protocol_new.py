@@ -13,7 +13,7 @@ from websockets.asyncio.client import ClientConnection
 
 from proxy.emulator import Emulator
 
-from .conftest import KEY, TOOLS, EmulatorFactory
+from .conftest import KEY, TOOLS, ClientFactory, EmulatorFactory
 from .test_lanes import create, recv, until_terminals, wait_held
 
 pytestmark = pytest.mark.timeout(30)
@@ -176,11 +176,14 @@ async def test_prompt_cache_options(make_emulator: EmulatorFactory) -> None:
 async def test_compaction_event_on_threshold(make_emulator: EmulatorFactory) -> None:
     emu = await make_emulator()
     async with websockets.connect(emu.ws_url, additional_headers=HEADERS) as conn:
-        cm = [{"type": "compaction", "compact_threshold": 10}]
-        await conn.send(create(input="x" * 200, context_management=cm))
+        cm: list[dict[str, Any]] = [{"type": "compaction", "compact_threshold": 1000}]
+        await conn.send(create(input="x" * 4200, context_management=cm))
         events = await until_terminals(conn, 1)
         await conn.send(create(input="short", context_management=[{"type": "compaction", "compact_threshold": 10**6}]))
         quiet = await until_terminals(conn, 1)
+        await conn.send(create(context_management=[{"type": "compaction", "compact_threshold": 10}]))
+        refused = await recv(conn)
+    assert refused["error"]["code"] == "integer_below_min_value"
     kinds = [e["type"] for e in events]
     index = kinds.index("response.compaction.compacting")
     assert kinds[index - 1] == "response.output_item.added" and kinds[index + 1] == "response.output_item.done"
@@ -207,3 +210,26 @@ async def test_function_call_done_has_name_and_sse_obfuscation(make_emulator: Em
     deltas = [e for e in default if e["type"].endswith(".delta")]
     assert deltas and all(isinstance(e["obfuscation"], str) and e["obfuscation"] for e in deltas)
     assert all("obfuscation" not in e for e in plain)
+
+
+async def test_steering_through_the_sdk_connection(make_emulator: EmulatorFactory, sdk: ClientFactory) -> None:
+    emu = await make_emulator(steer_models=("gpt-5",))
+    emu.faults.arm("hold", after_events=3)
+    client = sdk(emu)
+    async with client.responses.connect() as conn:
+        await conn.response.create(model="gpt-5", input="draft it", store=False)
+        created = await conn.recv()
+        assert created.type == "response.created"
+        await wait_held(emu, 1)
+        await conn.response.steer(previous_response_id=created.response.id, input="shorter")
+        kinds = []
+        while True:
+            event = await conn.recv()
+            kinds.append(event.type)
+            if event.type == "response.steer.accepted":
+                assert event.steer.previous_response_id == created.response.id
+                emu.faults.release()
+            if event.type == "response.completed":
+                break
+    assert kinds[0] == "response.in_progress" and "response.steer.accepted" in kinds
+    assert kinds.count("response.created") == 1 and "response.incomplete" in kinds  # the successor started
