@@ -326,7 +326,7 @@ class Pool:
             return lease
         entry = lease.entry
         try:
-            ws = await open_websocket(self.settings.ws_url, identity.headers, self.settings)
+            ws = await open_websocket(identity.ws_url, identity.headers, self.settings)
         except BaseException as exc:
             if entry.state is SocketState.CONNECTING:
                 self._retire(entry)
@@ -361,7 +361,7 @@ class Pool:
 
     async def _open_spare(self, entry: _Entry) -> None:
         try:
-            ws = await open_websocket(self.settings.ws_url, entry.identity.headers, self.settings)
+            ws = await open_websocket(entry.identity.ws_url, entry.identity.headers, self.settings)
         except BaseException:
             # A spare is an optimisation: a failure only means the next request connects itself.
             if entry.state is SocketState.CONNECTING:
