@@ -23,7 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.config import Settings, merge_query
+from proxy.config import Settings, merge_query, redact_url
 from proxy.egress import egress_for
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.keys import KeySource
@@ -119,6 +119,7 @@ class Passthrough:
     async def start(self) -> None:
         """Open the client session (needs a running loop)."""
         t = self.settings.timeouts
+        log.info("upstream %s, egress %s", redact_url(self.settings.upstream), self.egress.describe())
         self._session = aiohttp.ClientSession(
             auto_decompress=False,  # pass the upstream's bytes through as they are
             cookie_jar=aiohttp.DummyCookieJar(),

@@ -79,3 +79,20 @@ async def test_azure_app_streaming_turns(emulator: Emulator) -> None:
         await client.close()
     check(emulator, run, capture)
     assert capture.modes == ["full"] + ["continuation"] * STEPS
+
+
+async def test_azure_websocket_app_through_the_relay() -> None:
+    """``AzureOpenAI(...).responses.connect()``: the upgrade carries ``api-key`` and
+    ``api-version``; the relay opens its upstream socket on ``/openai/v1/responses`` with both."""
+    async with Emulator(require_keys=KEYS) as azure, Sidecar(azure.url + "/openai/v1") as sidecar:
+        client = AsyncAzureOpenAI(base_url=sidecar.base_url, api_key=KEYS[0], api_version=API_VERSION, max_retries=0)
+        async with client.responses.connect() as conn:
+            await conn.response.create(model="gpt-5", input="Hello over Azure WebSocket mode.")
+            while True:
+                event = await asyncio.wait_for(conn.recv(), 5.0)
+                if event.type in ("response.completed", "response.failed", "error"):
+                    break
+        await client.close()
+        assert event.type == "response.completed", event
+        rec = record(azure, event.response.id)
+        assert rec["transport"] == "ws"
