@@ -13,13 +13,14 @@ taken from the environment (no proxy could reach the Pod's own loopback); an exp
 
 from __future__ import annotations
 
+import base64
 import functools
 import ipaddress
 import os
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from proxy.config import EgressSettings, Settings, redact_url
 from proxy.errors import ConfigError
@@ -49,6 +50,34 @@ class Egress:
     """Forward proxy URL (``http://[user:pass@]host:port``), or ``None``: connect directly."""
     ssl: ssl.SSLContext | None
     """TLS context for an ``https``/``wss`` upstream; ``None`` for plain ``http``/``ws``."""
+
+    def without_credentials(self) -> tuple[str | None, dict[str, str]]:
+        """The proxy URL without its userinfo, and the ``Proxy-Authorization`` header that
+        carries it (aiohttp sends no credentials from an explicit proxy URL by itself)."""
+        if self.proxy is None:
+            return None, {}
+        parts = urlsplit(self.proxy)
+        if parts.username is None and parts.password is None:
+            return self.proxy, {}
+        host = parts.netloc.rpartition("@")[2]
+        user, password = unquote(parts.username or ""), unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        return parts._replace(netloc=host).geturl(), {"Proxy-Authorization": f"Basic {token}"}
+
+    def for_websockets(self) -> str | None:
+        """The proxy URL for websockets, which sends the userinfo as written: percent-encoding
+        decoded (as curl, httpx and aiohttp do) wherever the decoded text still parses as the
+        same URL."""
+        if self.proxy is None:
+            return None
+        parts = urlsplit(self.proxy)
+        if parts.username is None or parts.password is None:
+            return self.proxy
+        user, password = unquote(parts.username), unquote(parts.password)
+        if any(c in user for c in ":@/?#") or any(c in password for c in "/?#") or not (user + password).isascii():
+            return self.proxy
+        host = parts.netloc.rpartition("@")[2]
+        return parts._replace(netloc=f"{user}:{password}@{host}").geturl()
 
     def describe(self) -> str:
         """For logs: the proxy without its password."""

@@ -47,7 +47,7 @@ class Identity:
     headers: tuple[tuple[str, str], ...] = field(compare=False, repr=False)
     """Upgrade headers for the upstream socket: the credential headers (``identity.headers``)
     the app sent, with an injected key in place of the app's own."""
-    ws_url: str = field(default="", compare=False, repr=False)
+    ws_url: str = field(compare=False, repr=False)
     """The upstream WebSocket URL of this identity's sockets: the upstream base URL's path
     prefix and query string, plus the app's own query string (``api-version``). Part of the
     digest, so sockets opened for one query string never serve another."""

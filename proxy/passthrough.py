@@ -114,6 +114,7 @@ class Passthrough:
         self.egress = egress_for(settings)
         """The forward proxy and TLS context (shared with the WebSocket client)."""
         self._ssl: ssl.SSLContext | bool = self.egress.ssl if self.egress.ssl is not None else True
+        self._proxy, self._proxy_headers = self.egress.without_credentials()
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -190,7 +191,8 @@ class Passthrough:
                 data=data,
                 allow_redirects=False,
                 skip_auto_headers=_SKIP_AUTO,
-                proxy=self.egress.proxy,
+                proxy=self._proxy,
+                proxy_headers=self._proxy_headers or None,
                 ssl=self._ssl,
             )
         except TimeoutError:

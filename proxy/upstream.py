@@ -76,6 +76,8 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
     egress = egress_for(settings)
     # The shared TLS context (egress.ca_file, SSL_CERT_FILE) for wss; none for ws.
     tls: dict[str, Any] = {"ssl": egress.ssl} if egress.ssl is not None and url.startswith("wss:") else {}
+    if egress.ssl is not None and egress.proxy is not None and egress.proxy.startswith("https:"):
+        tls["proxy_ssl"] = egress.ssl  # TLS to an https:// proxy trusts the same CAs
     try:
         return await connect(
             url,
@@ -89,7 +91,7 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
             max_size=MAX_RECEIVED_FRAME,
             # Resolved once by proxy.egress (egress.proxy: env|off|URL, NO_PROXY), never by
             # websockets itself, so the HTTP relay and the sockets take the same path.
-            proxy=egress.proxy,
+            proxy=egress.for_websockets(),
             **tls,
         )
     except InvalidProxyStatus as exc:

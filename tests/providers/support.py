@@ -42,9 +42,12 @@ class Tinyproxy:
         tmp: Directory for the config and the log.
         connect_ports: ``ConnectPort`` lines: with any, ``CONNECT`` to other ports is refused
             with 403 (a company proxy that allows only 443); none allows every port.
+        basic_auth: ``(user, password)``: requests without that ``Proxy-Authorization`` get 407.
     """
 
-    def __init__(self, tmp: Path, *, connect_ports: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, tmp: Path, *, connect_ports: tuple[int, ...] = (), basic_auth: tuple[str, str] | None = None
+    ) -> None:
         self.binary = require_tinyproxy()
         self.port = free_port()
         self.log = tmp / "tinyproxy.log"
@@ -59,6 +62,7 @@ class Tinyproxy:
             "Allow 127.0.0.1",
             "DisableViaHeader Yes",
             *(f"ConnectPort {port}" for port in connect_ports),
+            *([f"BasicAuth {basic_auth[0]} {basic_auth[1]}"] if basic_auth else []),
         ]
         self.conf.write_text("\n".join(lines) + "\n")
         self.proc: subprocess.Popen[bytes] | None = None

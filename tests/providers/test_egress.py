@@ -68,6 +68,24 @@ def test_off_and_explicit_proxy() -> None:
     assert _egress("http://127.0.0.1:1/v1", {}, proxy="http://127.0.0.1:3128") == "http://127.0.0.1:3128"
 
 
+@pytest.mark.parametrize(
+    ("proxy", "bare", "auth", "for_ws"),
+    [
+        ("http://p:3128", "http://p:3128", None, "http://p:3128"),
+        ("http://u:s%33cret@p:3128", "http://p:3128", "dTpzM2NyZXQ=", "http://u:s3cret@p:3128"),
+        ("http://u:a%40b%3Ac@p:3128", "http://p:3128", "dTphQGI6Yw==", "http://u:a@b:c@p:3128"),
+        ("http://u:a%2Fb@p:3128", "http://p:3128", "dTphL2I=", "http://u:a%2Fb@p:3128"),
+    ],
+)
+def test_proxy_credentials(proxy: str, bare: str, auth: str | None, for_ws: str) -> None:
+    egress = egress_for(Settings(upstream="https://api.openai.com/v1", egress=EgressSettings(proxy=proxy)))
+    url, headers = egress.without_credentials()
+    assert url == bare
+    assert headers == ({"Proxy-Authorization": f"Basic {auth}"} if auth else {})
+    assert egress.for_websockets() == for_ws
+    assert "s3cret" not in egress.describe() and "a%40b" not in egress.describe()
+
+
 def test_one_tls_context_for_both_clients(tmp_path: Path) -> None:
     settings = Settings(upstream="https://api.openai.com/v1")
     egress = egress_for(settings)
@@ -115,6 +133,30 @@ async def test_continuations_through_a_forward_proxy_to_a_tls_upstream(tmp_path:
         # Every upstream connection went through the proxy: at least one socket, one HTTP request.
         assert proxy.connects(tls.port) >= 2, proxy.log.read_text()
         assert emulator.stats.other_requests.get("models") == 1
+
+
+async def test_an_authenticating_proxy(tmp_path: Path) -> None:
+    """Credentials in the proxy URL reach the proxy on both transports; without them the
+    proxy's 407 gives the app a clear 502."""
+    async with TlsEmulator(tmp_path) as tls, Tinyproxy(tmp_path, basic_auth=("upshift", "s3cret")) as proxy:
+        authed = proxy.url.replace("http://", "http://upshift:s%33cret@")
+        settings = _settings(tls.base_url, authed, str(tls.ca_file))
+        async with Sidecar(tls.base_url, settings=settings) as sidecar:
+            capture = Capture()
+            client = capture.async_client(sidecar.base_url)
+            run = await run_loop_async(client, task_text(1, "proxy-auth"))
+            models = await client.models.list()
+            await client.close()
+        assert capture.modes == ["full", "continuation"] and models.data
+        assert_fidelity(tls.emulator, capture.bodies, run.response_ids)
+        async with Sidecar(tls.base_url, settings=_settings(tls.base_url, proxy.url, str(tls.ca_file))) as sidecar:
+            client = AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-test", max_retries=0)
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.responses.create(model="gpt-5", input="hi")
+            await client.close()
+        assert info.value.status_code == 502
+        body = info.value.body
+        assert isinstance(body, dict) and "(HTTP 407 to CONNECT)" in body["message"]
 
 
 async def test_ssl_cert_file_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
