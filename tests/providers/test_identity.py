@@ -4,6 +4,7 @@ upgrade and on the HTTP relay, and where they go (a capturing upstream on 127.0.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,8 +14,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config import ApiKeySettings, IdentitySettings, Settings, merge_query, upstream_ws_url
+from proxy.emulator import Emulator
 from proxy.identity import identify, request_identity
 from proxy.keys import KeySource
+from tests.clients.support import TOOLS, Capture, task_text, tool_outputs
 from tests.sidecar import Sidecar
 
 UP = "https://example.openai.azure.com/openai/v1"
@@ -185,3 +188,19 @@ async def test_injected_azure_key_on_both_transports(
         assert request.headers["api-key"] == "sk-azure-real"
         assert "Authorization" not in request.headers
         assert request.path_qs == "/openai/v1/responses?api-version=v"
+
+
+async def test_changing_turn_metadata_keeps_the_continuation(emulator: Emulator) -> None:
+    """Codex-like apps send a different ``x-codex-turn-metadata`` every turn: same identity,
+    same socket, so every later turn is still a continuation."""
+    async with Sidecar(emulator.base_url) as sidecar:
+        capture = Capture()
+        client = capture.async_client(sidecar.base_url)
+        history: list[Any] = [{"role": "user", "content": task_text(2, "metadata")}]
+        for turn in range(3):
+            extra = {"x-codex-turn-metadata": json.dumps({"turn": turn, "sandbox": "workspace-write"})}
+            response = await client.responses.create(model="gpt-5", input=history, tools=TOOLS, extra_headers=extra)
+            history += [*response.output, *tool_outputs(response.output)]
+        await client.close()
+    assert capture.modes == ["full", "continuation", "continuation"]
+    assert emulator.stats.ws_connections["opened"] <= 2  # the first socket, perhaps a spare
