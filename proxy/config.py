@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin, get_type_hints
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 import yaml
 
@@ -29,7 +29,10 @@ from proxy.errors import ConfigError
 __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
+    "DEFAULT_IDENTITY_HEADERS",
     "ApiKeySettings",
+    "EgressSettings",
+    "IdentitySettings",
     "LimitsSettings",
     "LoggingSettings",
     "MatchingSettings",
@@ -39,9 +42,12 @@ __all__ = [
     "TimeoutSettings",
     "env_name",
     "load_settings",
+    "merge_query",
     "parse_hostport",
+    "redact_url",
     "setting_keys",
     "settings_to_dict",
+    "upstream_ws_url",
 ]
 
 
@@ -55,6 +61,27 @@ class ApiKeySettings:
     """Key file (a mounted Kubernetes Secret); re-read when it changes."""
     env: str = "OPENAI_API_KEY"
     """Environment variable holding the key when ``source: env``."""
+    header: str = "Authorization"
+    """Header an injected key goes into: ``Authorization`` sends ``Bearer <key>``, any other name
+    (``api-key`` for Azure OpenAI, a gateway's own key header) sends the bare key. The app's own
+    ``Authorization``, ``api-key`` and this header are then not forwarded (they hold the app's
+    placeholder), but still count in its identity, so tenants behind one key stay apart."""
+
+
+DEFAULT_IDENTITY_HEADERS = ("Authorization", "api-key", "OpenAI-Organization", "OpenAI-Project", "OpenAI-Beta")
+"""Credential headers of OpenAI (Bearer, organisation, project, beta) and Azure OpenAI (``api-key``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IdentitySettings:
+    """What makes a credential."""
+
+    headers: tuple[str, ...] = DEFAULT_IDENTITY_HEADERS
+    """App request headers that form a credential: hashed into the identity (sockets and
+    conversation heads never cross it) and sent on the upstream WebSocket upgrade. Any other
+    header (per-turn metadata such as ``x-codex-turn-metadata``) never splits an identity and
+    is not sent on the upgrade. A gateway with its own key header adds it here
+    (``x-litellm-api-key``). ``OpenAI-Beta`` falls back to ``pool.openai_beta``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +140,21 @@ class TimeoutSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class EgressSettings:
+    """The network path to the upstream (both the WebSocket upgrade and the HTTP relay)."""
+
+    proxy: str = "env"
+    """``env``: the forward proxy of ``HTTPS_PROXY`` / ``HTTP_PROXY`` (by the upstream's scheme)
+    unless ``NO_PROXY`` lists the upstream host, as the openai SDK does; ``off``: connect
+    directly; or a proxy URL (``http://[user:pass@]host:port``), used for every upstream
+    connection."""
+    ca_file: str = ""
+    """PEM file of extra CA certificates trusted for the upstream's TLS (a TLS-inspecting proxy,
+    an internal gateway), added to the system store; ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` are
+    honoured as well. Empty: none."""
+
+
+@dataclass(frozen=True, slots=True)
 class MatchingSettings:
     """Conversation matching."""
 
@@ -160,22 +202,49 @@ class Settings:
     mode: Literal["websocket", "http"] = "websocket"
     """``http`` turns WebSocket use off entirely (pure passthrough)."""
     api_key: ApiKeySettings = field(default_factory=ApiKeySettings)
+    identity: IdentitySettings = field(default_factory=IdentitySettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     pool: PoolSettings = field(default_factory=PoolSettings)
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    egress: EgressSettings = field(default_factory=EgressSettings)
     matching: MatchingSettings = field(default_factory=MatchingSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
 
     @property
     def ws_url(self) -> str:
-        """The upstream WebSocket URL for ``/responses``."""
-        base = self.upstream.rstrip("/")
-        if base.startswith("https://"):
-            base = "wss://" + base[len("https://") :]
-        elif base.startswith("http://"):
-            base = "ws://" + base[len("http://") :]
-        return base + "/responses"
+        """The upstream WebSocket URL for ``/responses``: the base URL's path prefix
+        (``/openai/v1``) and query string kept, the app's own query string not included
+        (``Identity.ws_url`` adds it)."""
+        return upstream_ws_url(self.upstream, "")
+
+
+def merge_query(base: str, app: str) -> str:
+    """The query string of an upstream request: the upstream URL's own parameters, then the
+    app's, except those the upstream URL already sets (the configured value wins).
+
+    Both are raw (still percent-encoded) query strings without ``?``; so is the result.
+    """
+    if not app:
+        return base
+    if not base:
+        return app
+    names = {unquote_plus(pair.partition("=")[0]) for pair in base.split("&") if pair}
+    kept = [pair for pair in app.split("&") if pair and unquote_plus(pair.partition("=")[0]) not in names]
+    return "&".join([base, *kept]) if kept else base
+
+
+def upstream_ws_url(upstream: str, app_query: str) -> str:
+    """The upstream WebSocket URL of ``/responses`` for an app's raw query string.
+
+    ``https://r.openai.azure.com/openai/v1?x=1`` and ``api-version=2`` give
+    ``wss://r.openai.azure.com/openai/v1/responses?x=1&api-version=2``.
+    """
+    parts = urlsplit(upstream)
+    scheme = {"https": "wss", "http": "ws"}.get(parts.scheme, parts.scheme)
+    query = merge_query(parts.query, app_query)
+    url = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}/responses"
+    return f"{url}?{query}" if query else url
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +288,8 @@ class _Leaf:
     key: str
     """Dotted path, e.g. ``pool.max_sockets_per_identity``."""
     type: Any
-    """Resolved type hint (``int``, ``float``, ``bool``, ``str`` or a ``Literal``)."""
+    """Resolved type hint (``int``, ``float``, ``bool``, ``str``, a ``Literal`` or
+    ``tuple[str, ...]``, a list)."""
 
 
 def _collect_leaves(cls: type[Any], prefix: str = "") -> dict[str, _Leaf]:
@@ -351,12 +421,59 @@ def _coerce(leaf: _Leaf, raw: object, *, text: bool) -> object:
             raise ValueError(f"expected a string; got {raw!r}")
         _check_string(leaf.key, raw)
         return raw
+    if get_origin(tp) is tuple:
+        # A list: a YAML sequence of strings, or comma-separated text (env var, flag).
+        if text and isinstance(raw, str):
+            items: list[object] = [part.strip() for part in raw.split(",") if part.strip()]
+        elif isinstance(raw, list | tuple):
+            items = list(raw)
+        else:
+            raise ValueError(f"expected a list of strings; got {raw!r}")
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError(f"expected a list of strings; got {raw!r}")
+        values = tuple(str(item).strip() for item in items)
+        _check_list(leaf.key, values)
+        return values
     raise TypeError(f"setting {leaf.key!r} has unsupported type {tp!r}")  # a bug, not config
+
+
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+"""An HTTP field name (RFC 9110 §5.1)."""
+_NOT_CREDENTIALS = frozenset(
+    {"host", "cookie", "connection", "upgrade", "content-length", "content-type", "transfer-encoding", "te"}
+)
+"""Headers that describe the request or the connection, never a credential."""
+
+
+def _check_header_name(value: str) -> None:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not an HTTP header name")
+    lowered = value.lower()
+    if lowered in _NOT_CREDENTIALS or lowered.startswith(("sec-websocket-", "proxy-")):
+        raise ValueError(f"{value!r} cannot be a credential header")
+
+
+def _check_list(key: str, values: tuple[str, ...]) -> None:
+    """Semantic checks of list settings, by key."""
+    if key == "identity.headers":
+        seen: set[str] = set()
+        for value in values:
+            _check_header_name(value)
+            if value.lower() in seen:
+                raise ValueError(f"header {value!r} is listed twice")
+            seen.add(value.lower())
 
 
 def _check_string(key: str, value: str) -> None:
     """Semantic checks of string settings, by key (the only per-key rules)."""
-    if key in ("listen", "admin_listen"):
+    if key == "api_key.header":
+        _check_header_name(value)
+    elif key == "egress.proxy":
+        if value not in ("env", "off"):
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"expected env, off or an http(s):// proxy URL; got {redact_url(value)!r}")
+    elif key in ("listen", "admin_listen"):
         try:
             parse_hostport(value)
         except ConfigError as exc:
@@ -365,6 +482,15 @@ def _check_string(key: str, value: str) -> None:
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
             raise ValueError(f"expected an http(s):// or ws(s):// URL; got {value!r}")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its userinfo replaced by ``***`` (proxy URLs may carry one)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}"
+    return parts._replace(netloc=netloc).geturl()
 
 
 def _value(leaf: _Leaf, raw: object, *, text: bool, where: str) -> object:
@@ -527,5 +653,9 @@ def _to_dict(obj: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             out[f.name] = _to_dict(value)
         elif not _SECRET_NAME.search(f.name):
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, str) and "://" in value:
+                value = redact_url(value)  # a proxy URL's password never reaches --print-config
             out[f.name] = value
     return out

@@ -36,7 +36,7 @@ from proxy.errors import (
     UnsupportedRequest,
     UpstreamError,
 )
-from proxy.identity import Identity, identify
+from proxy.identity import Identity, request_identity
 from proxy.keys import KeySource
 from proxy.metrics import (
     DROPPED_REASONING,
@@ -74,11 +74,8 @@ class Services:
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""
-        s = self.settings
-        authorization = self.keys.authorization(request.headers.get("Authorization"))
-        return identify(
-            request.headers, upstream=s.upstream, authorization=authorization, openai_beta=s.pool.openai_beta
-        )
+        # providers hook: credential headers, injected key header and the app's query string.
+        return request_identity(request.headers, request.rel_url.raw_query_string, self.settings, self.keys)
 
 
 SERVICES = web.AppKey("upshift_services", Services)

@@ -6,22 +6,25 @@ under ``/v1`` (models, chat/completions, embeddings, files, ``GET``/``DELETE
 request body flows from the app's stream (unless it was already read), the response body is
 written as it arrives (SSE is never buffered), and the upstream's bytes stay as they are
 (no decompression, no re-encoding). Hop-by-hop headers and cookies are dropped; the
-``Authorization`` comes from :class:`~proxy.keys.KeySource`.
+``Authorization`` (or ``api_key.header``) comes from :class:`~proxy.keys.KeySource`. The
+connection takes the egress path of :mod:`proxy.egress` (forward proxy, TLS trust).
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from dataclasses import dataclass
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.config import Settings
+from proxy.config import Settings, merge_query, redact_url
+from proxy.egress import egress_for
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.keys import KeySource
 from proxy.metrics import UPSTREAM_BYTES_SENT
@@ -67,16 +70,28 @@ def error_response(exc: ProxyError, headers: dict[str, str]) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
-def _forward_headers(request: web.Request, authorization: str | None, keep_length: bool) -> CIMultiDict[str]:
+def _forward_headers(
+    request: web.Request, authorization: str | None, keep_length: bool, key_header: str | None = None
+) -> CIMultiDict[str]:
+    """The app's headers for the upstream: hop-by-hop, cookies and ``Host`` dropped, the
+    ``Authorization`` from the key source. With an injected key in ``key_header`` (not
+    ``Authorization``), the app's own ``Authorization`` and ``api-key`` (its placeholders) are
+    dropped and ``key_header`` carries the bare key."""
     listed = {h.strip().lower() for h in request.headers.getall("Connection", []) for h in h.split(",")}
+    injected = {"api-key", key_header.lower()} if key_header else set()
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in request.headers.items():
         lowered = name.lower()
-        if lowered in _REQUEST_DROP or lowered in listed:
+        if lowered in _REQUEST_DROP or lowered in listed or lowered in injected:
             if not (keep_length and lowered == "content-length"):
                 continue
         out.add(name, value)
-    if authorization:
+    if not authorization:
+        return out
+    if key_header and key_header.lower() != "authorization":
+        scheme, _, key = authorization.partition(" ")
+        out[key_header] = key.strip() if scheme.lower() == "bearer" and key else authorization
+    else:
         out["Authorization"] = authorization
     return out
 
@@ -92,16 +107,26 @@ class Passthrough:
     def __init__(self, settings: Settings, keys: KeySource) -> None:
         self.settings = settings
         self.keys = keys
-        self._base = settings.upstream.rstrip("/")
+        base = urlsplit(settings.upstream)
+        self._base = urlunsplit((base.scheme, base.netloc, base.path.rstrip("/"), "", ""))
+        self._base_query = base.query
+        self._key_header = settings.api_key.header if keys.injects else None
+        self.egress = egress_for(settings)
+        """The forward proxy and TLS context (shared with the WebSocket client)."""
+        self._ssl: ssl.SSLContext | bool = self.egress.ssl if self.egress.ssl is not None else True
+        self._proxy, self._proxy_headers = self.egress.without_credentials()
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         """Open the client session (needs a running loop)."""
         t = self.settings.timeouts
+        log.info("upstream %s, egress %s", redact_url(self.settings.upstream), self.egress.describe())
         self._session = aiohttp.ClientSession(
             auto_decompress=False,  # pass the upstream's bytes through as they are
             cookie_jar=aiohttp.DummyCookieJar(),
-            trust_env=False,  # never through a proxy from the environment
+            # The proxy is resolved by proxy.egress (egress.proxy, NO_PROXY) and passed per
+            # request, so aiohttp's own environment lookup stays off.
+            trust_env=False,
             timeout=aiohttp.ClientTimeout(
                 total=t.http_total_seconds, sock_connect=t.connect_seconds, sock_read=t.stream_idle_seconds
             ),
@@ -113,7 +138,9 @@ class Passthrough:
             await self._session.close()
 
     def url_for(self, raw_path: str) -> URL:
-        """The upstream URL of an app path under ``/v1`` (query string kept, still encoded).
+        """The upstream URL of an app path under ``/v1``: the upstream's path prefix
+        (``/openai/v1``) and query string, then the app's query string (still encoded; a
+        parameter the upstream URL sets wins over the app's).
 
         Raises:
             InvalidRequest: the path has dot segments (plain or percent-encoded) or encoded
@@ -124,8 +151,9 @@ class Passthrough:
             lowered = segment.lower()
             if unquote(segment) in (".", "..") or "%2f" in lowered or "%5c" in lowered or "\\" in segment:
                 raise InvalidRequest(f"Invalid URL ({path})")
-        tail = raw_path[3:] if raw_path.startswith("/v1") else raw_path
-        return URL(self._base + tail, encoded=True)
+        tail = path[3:] if path.startswith("/v1") else path
+        query = merge_query(self._base_query, raw_path.partition("?")[2])
+        return URL(self._base + tail + ("?" + query if query else ""), encoded=True)
 
     async def forward(
         self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
@@ -152,7 +180,7 @@ class Passthrough:
         data: bytes | aiohttp.StreamReader | None = body
         if body is None and request.body_exists:
             data = request.content
-        out_headers = _forward_headers(request, authorization, keep_length=body is None)
+        out_headers = _forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
         sent = len(body) if body is not None else request.content_length or 0
         t_send = time.perf_counter()
         try:
@@ -163,9 +191,19 @@ class Passthrough:
                 data=data,
                 allow_redirects=False,
                 skip_auto_headers=_SKIP_AUTO,
+                proxy=self._proxy,
+                proxy_headers=self._proxy_headers or None,
+                ssl=self._ssl,
             )
         except TimeoutError:
             return self._failed(UpstreamTimeout("The upstream did not answer in time."), headers, started, t_send)
+        except aiohttp.ClientHttpProxyError as exc:
+            # Never the proxy URL in the message: it may hold credentials.
+            msg = f"The egress proxy refused the connection to the upstream (HTTP {exc.status} to CONNECT)."
+            return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
+        except aiohttp.ClientProxyConnectionError as exc:
+            msg = f"The egress proxy is unreachable: {exc.os_error.strerror or exc.os_error}"
+            return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientError as exc:
             err = UpstreamUnavailable(f"The upstream is unreachable: {exc}")
             return self._failed(err, headers, started, t_send)

@@ -318,7 +318,7 @@ class Pool:
 
     async def _open(self, sid: int, identity: Identity, ready: asyncio.Future[None]) -> None:
         try:
-            ws = await open_websocket(self.settings.ws_url, identity.headers, self.settings)
+            ws = await open_websocket(identity.ws_url, identity.headers, self.settings)
         except BaseException as exc:
             status = exc.http_status if isinstance(exc, UpstreamRefused) else None
             headers = exc.headers if isinstance(exc, UpstreamRefused) else {}

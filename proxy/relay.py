@@ -52,7 +52,8 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
     INFLIGHT.inc()
     try:
         try:
-            upstream = await open_websocket(svc.settings.ws_url, svc.identity(request).headers, svc.settings)
+            identity = svc.identity(request)
+            upstream = await open_websocket(identity.ws_url, identity.headers, svc.settings)
         except UpstreamRefused as exc:
             rec.status = exc.http_status if 400 <= exc.http_status <= 599 else 426
             kind = exc.headers.get("content-type", "application/json")

@@ -17,10 +17,19 @@ from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidProxy,
+    InvalidProxyStatus,
+    InvalidStatus,
+    InvalidURI,
+    ProxyError,
+)
 from websockets.protocol import State
 
 from proxy.config import Settings
+from proxy.egress import egress_for
 from proxy.errors import (
     UpstreamClosed,
     UpstreamError,
@@ -56,15 +65,24 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
     """Open an upstream WebSocket with the sidecar's options.
 
     Args:
-        url: ``settings.ws_url``.
+        url: ``Identity.ws_url`` (the upstream's path and query plus the app's query string).
         headers: Upgrade headers (``Identity.headers``); never cookies or hop-by-hop headers.
         settings: Pool and timeout settings.
 
+    The connection goes through the egress proxy of :func:`proxy.egress.egress_for` (an HTTP
+    ``CONNECT`` tunnel), with its TLS context.
+
     Raises:
         UpstreamRefused: the upgrade was answered with a non-101 status.
-        UpstreamUnavailable: connection refused, DNS failure, handshake timeout or failure.
+        UpstreamUnavailable: connection refused, DNS failure, handshake timeout or failure, TLS
+            verification failure, or the egress proxy refused the ``CONNECT``.
     """
     pool = settings.pool
+    egress = egress_for(settings)
+    # The shared TLS context (egress.ca_file, SSL_CERT_FILE) for wss; none for ws.
+    tls: dict[str, Any] = {"ssl": egress.ssl} if egress.ssl is not None and url.startswith("wss:") else {}
+    if egress.ssl is not None and egress.proxy is not None and egress.proxy.startswith("https:"):
+        tls["proxy_ssl"] = egress.ssl  # TLS to an https:// proxy trusts the same CAs
     try:
         return await connect(
             url,
@@ -76,9 +94,18 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
             ping_timeout=pool.ping_timeout_seconds or None,
             close_timeout=_CLOSE_TIMEOUT,
             max_size=MAX_RECEIVED_FRAME,
-            # Never through an HTTP(S)_PROXY from the environment: traffic goes where configured.
-            proxy=None,
+            # Resolved once by proxy.egress (egress.proxy: env|off|URL, NO_PROXY), never by
+            # websockets itself, so the HTTP relay and the sockets take the same path.
+            proxy=egress.for_websockets(),
+            **tls,
         )
+    except InvalidProxyStatus as exc:
+        status = exc.response.status_code
+        raise UpstreamUnavailable(
+            f"The egress proxy refused the connection to the upstream (HTTP {status} to CONNECT)."
+        ) from exc
+    except (ProxyError, InvalidProxy) as exc:
+        raise UpstreamUnavailable(f"The egress proxy failed: {exc}") from exc
     except InvalidStatus as exc:
         response = exc.response
         raise UpstreamRefused(

@@ -42,7 +42,6 @@ async def emulator() -> AsyncIterator[Emulator]:
 # -- the sidecar (tests/sidecar.py) -------------------------------------------------------
 
 from collections.abc import Awaitable, Callable  # noqa: E402
-from typing import Any  # noqa: E402
 
 from tests.sidecar import Sidecar  # noqa: E402
 

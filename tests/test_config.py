@@ -138,12 +138,75 @@ def test_every_key_has_an_env_var() -> None:
     for key in setting_keys():
         default = _get(Settings(), key)
         text = str(default).lower() if isinstance(default, bool) else str(default)
+        if isinstance(default, tuple):  # a list: comma-separated
+            text = ",".join(default)
         if key in ("listen", "admin_listen"):
             text = "127.0.0.1:1234" if key == "listen" else "0.0.0.0:1235"
         settings = load_settings(None, {env_name(key): text}, None)
-        assert str(_get(settings, key)).lower() == text.lower(), key
+        value = _get(settings, key)
+        assert (",".join(value) if isinstance(value, tuple) else str(value)).lower() == text.lower(), key
     assert env_name("pool.max_sockets_per_identity") == "UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY"
     assert env_name("api_key.file") == "UPSHIFT_API_KEY_FILE"
+
+
+# ----------------------------------------------------------------------------- lists
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("Authorization, api-key", ("Authorization", "api-key")),
+        ("x-litellm-api-key", ("x-litellm-api-key",)),
+        (" Authorization ,, OpenAI-Project ,", ("Authorization", "OpenAI-Project")),
+        ("", ()),
+    ],
+)
+def test_list_from_env_is_comma_separated(text: str, want: tuple[str, ...]) -> None:
+    assert load_settings(None, {"UPSHIFT_IDENTITY_HEADERS": text}, None).identity.headers == want
+
+
+def test_list_from_yaml_and_flag(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("identity:\n  headers: [Authorization, x-portkey-api-key]\n")
+    assert load_settings(None, {}, str(path)).identity.headers == ("Authorization", "x-portkey-api-key")
+    flags = {"identity.headers": "api-key"}
+    assert load_settings(flags, {}, str(path)).identity.headers == ("api-key",)
+    assert settings_to_dict(load_settings(None, {}, str(path)))["identity"]["headers"] == [
+        "Authorization",
+        "x-portkey-api-key",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ("identity:\n  headers: Authorization\n", "expected a list of strings"),
+        ("identity:\n  headers: [Authorization, 3]\n", "expected a list of strings"),
+        ("identity:\n  headers: [Authorization, 'bad header']\n", "not an HTTP header name"),
+        ("identity:\n  headers: [Authorization, authorization]\n", "listed twice"),
+        ("identity:\n  headers: [Cookie]\n", "cannot be a credential header"),
+        ("identity:\n  headers: [Sec-WebSocket-Key]\n", "cannot be a credential header"),
+        ("api_key:\n  header: 'a b'\n", "not an HTTP header name"),
+        ("egress:\n  proxy: socks5://127.0.0.1:1080\n", "expected env, off or an http(s):// proxy URL"),
+        ("egress:\n  proxy: direct\n", "expected env, off or an http(s):// proxy URL"),
+    ],
+)
+def test_list_and_header_errors_name_the_key(tmp_path: Path, yaml_text: str, needle: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, {}, str(path))
+    assert needle in str(info.value)
+    assert info.value.param in ("identity.headers", "api_key.header", "egress.proxy")
+
+
+def test_proxy_password_never_printed() -> None:
+    settings = load_settings(None, {"UPSHIFT_EGRESS_PROXY": "http://user:s3cret@127.0.0.1:3128"}, None)
+    assert settings.egress.proxy == "http://user:s3cret@127.0.0.1:3128"
+    assert settings_to_dict(settings)["egress"]["proxy"] == "http://user:***@127.0.0.1:3128"
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, {"UPSHIFT_EGRESS_PROXY": "ftp://user:s3cret@127.0.0.1:3128"}, None)
+    assert "s3cret" not in str(info.value)
 
 
 def test_unrelated_and_service_link_env_vars_are_ignored() -> None:

@@ -33,9 +33,19 @@ _RATE_LIMIT_HEADERS = {
 }
 
 
+_AZURE_PREFIX = "/openai"
+"""Every ``/v1`` route is served under ``/openai/v1`` too (Azure OpenAI's v1 API base path)."""
+
+
 def authenticate(request: web.Request, config: EmulatorConfig) -> str:
-    """The caller's identity hash, or :class:`ApiError` 401 ``invalid_api_key`` (protocol.md §2.5)."""
+    """The caller's identity hash, or :class:`ApiError` 401 ``invalid_api_key`` (protocol.md §2.5).
+
+    Azure OpenAI's ``api-key: <key>`` header (protocol.md §6.1) is accepted as the same key as
+    ``Authorization: Bearer <key>`` when no ``Authorization`` is sent.
+    """
     header = request.headers.get("Authorization", "")
+    if not header and request.headers.get("api-key", "").strip():
+        header = "Bearer " + request.headers["api-key"].strip()
     scheme, _, key = header.partition(" ")
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
@@ -50,7 +60,7 @@ def authenticate(request: web.Request, config: EmulatorConfig) -> str:
 async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request[STARTED] = time.monotonic()
     try:
-        if request.path.startswith("/v1/") or request.path == "/v1":
+        if request.path.startswith(("/v1/", _AZURE_PREFIX + "/v1/")) or request.path == "/v1":
             await network.delay_inbound(request, request.app[STATE])  # rtt_ms / connect_ms (network.py)
             request[STARTED] = time.monotonic()  # openai-processing-ms excludes the network
             request[OWNER] = authenticate(request, request.app[STATE].config)
@@ -65,7 +75,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
 
 async def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
     """OpenAI's per-request headers (protocol.md §2.6); none on the WebSocket 101."""
-    if isinstance(response, web.WebSocketResponse) or not request.path.startswith("/v1"):
+    if isinstance(response, web.WebSocketResponse) or not request.path.startswith(("/v1", _AZURE_PREFIX + "/v1")):
         return
     headers = response.headers
     headers.setdefault("x-request-id", "req_" + secrets.token_hex(16))
@@ -96,6 +106,9 @@ def build_app(state: EmulatorState, faults: FaultQueue) -> web.Application:
     app.add_routes(http.routes)
     app.add_routes(extras.routes)
     app.add_routes(control.routes)
+    for route in [*http.routes, *extras.routes]:  # Azure OpenAI's v1 paths: /openai/v1/...
+        if isinstance(route, web.RouteDef):
+            app.router.add_route(route.method, _AZURE_PREFIX + route.path, route.handler, **route.kwargs)
     app.on_shutdown.append(_close_sockets)
     return app
 
