@@ -179,6 +179,8 @@ async def _websocket(
     heads, pool = svc.heads, svc.pool
     lookup: Lookup = heads.lookup(identity.digest, req, time.monotonic(), pool.is_idle)
     match = lookup.match
+    if match is None:  # issue 11: where the miss departs (misses only; never content)
+        rec.explain(heads.explain(identity.digest, req, lookup.reason), lookup.reason)
     prefix = _hash_prefix_in_thread(req)
     if lookup.dropped_reasoning:
         DROPPED_REASONING.labels("true" if match else "false").inc()
