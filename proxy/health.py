@@ -88,9 +88,9 @@ _NO_STORE = {"Cache-Control": "no-store"}
 
 
 async def _status(request: web.Request) -> web.Response:
-    page = render_status(
-        list(request.app[SAMPLER_KEY].samples), snapshot(), RECENT, request.app[LIFECYCLE_KEY].state.value
-    )
+    sampler = request.app[SAMPLER_KEY]
+    state = request.app[LIFECYCLE_KEY].state.value
+    page = render_status(list(sampler.samples), snapshot(), RECENT, state, sampler.interval)
     return web.Response(text=page, content_type="text/html", headers=_NO_STORE)
 
 

@@ -188,9 +188,8 @@ def _chart(samples: list[Snapshot], width: int = 720, height: int = 180) -> str:
         f'<text x="{pad_l - 4}" y="{pad_t + 8}" text-anchor="end" font-size="10">{_num(top)}</text>',
         f'<text x="{pad_l - 4}" y="{height - pad_b}" text-anchor="end" font-size="10">0</text>',
     ]
-    minutes = (samples[-1].at - samples[0].at) / 60
     parts.append(
-        f'<text x="{pad_l}" y="{height - 4}" font-size="10">−{minutes:.1f} min</text>'
+        f'<text x="{pad_l}" y="{height - 4}" font-size="10">−{_span(samples[-1].at - samples[0].at)}</text>'
         f'<text x="{width - 10}" y="{height - 4}" text-anchor="end" font-size="10">now</text>'
     )
     legend = []
@@ -247,8 +246,11 @@ td.n{text-align:right;font-variant-numeric:tabular-nums}.muted{color:#7a828c}
 """
 
 
-def render_status(samples: list[Snapshot], now: Snapshot, misses: MissRing = RECENT, state: str = "") -> str:
-    """The status page for the counters ``now`` and the chart of ``samples`` (+ ``now``)."""
+def render_status(
+    samples: list[Snapshot], now: Snapshot, misses: MissRing = RECENT, state: str = "", interval: float = 5.0
+) -> str:
+    """The status page for the counters ``now`` and the chart of ``samples`` (+ ``now``), taken
+    every ``interval`` seconds."""
     turns = now.get("upshift_requests_total", **_RESPONSES)
     cont = now.get("upshift_requests_total", mode="continuation", **_RESPONSES)
     full = now.get("upshift_requests_total", mode="full", **_RESPONSES)
@@ -261,8 +263,7 @@ def render_status(samples: list[Snapshot], now: Snapshot, misses: MissRing = REC
     if len(window) >= 2:
         d_turns = turns - window[0].get("upshift_requests_total", **_RESPONSES)
         d_cont = cont - window[0].get("upshift_requests_total", mode="continuation", **_RESPONSES)
-        minutes = (now.at - window[0].at) / 60
-        recent = f"{_pct(d_cont, d_turns)} over the last {minutes:.0f} min"
+        recent = f"continuation rate {_pct(d_cont, d_turns)} over the last {_span(now.at - window[0].at)}"
     cards = [
         ("continuation-rate", _pct(cont, turns), "continuation rate (since start)"),
         ("continuations", _num(cont), "continuations"),
@@ -295,10 +296,10 @@ def render_status(samples: list[Snapshot], now: Snapshot, misses: MissRing = REC
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>upshift status</title><style>{_CSS}</style></head>
+<link rel="icon" href="data:,"><title>upshift status</title><style>{_CSS}</style></head>
 <body><header><h1>upshift</h1><span>{stamp}{state_html}</span></header><main>
 <div class="cards">{card_html}</div>
-<section><h2>Turns per {_interval(samples)} s: continuations and misses by reason</h2>
+<section><h2>Turns per sample (every {interval:g} s): continuations and misses by reason</h2>
 <p class="muted">{html.escape(recent)}</p>{_chart(window)}</section>
 <div class="cols">
 <section><h2>Misses by reason</h2>{_table(misses_rows, "no misses")}</section>
@@ -313,10 +314,8 @@ field path, never content. Identities are digest prefixes.</p>{_misses_table(mis
 """
 
 
-def _interval(samples: list[Snapshot]) -> str:
-    if len(samples) < 2:
-        return "5"
-    return f"{(samples[-1].at - samples[0].at) / (len(samples) - 1):.0f}"
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def misses_json(misses: MissRing = RECENT, limit: int | None = None) -> dict[str, Any]:

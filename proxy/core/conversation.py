@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.core.explain import (
@@ -327,7 +327,7 @@ class HeadTable:
             return None
         keys, items = req.item_keys, req.items
         wanted = settings_fields(req.fields)
-        found: list[tuple[tuple[int, int, int], Candidate]] = []
+        found: list[tuple[tuple[int, int, int], Candidate, int]] = []
         for seen, anchor in enumerate(reversed(self._heads)):
             if seen >= self.EXPLAIN_SCAN or len(found) >= self.EXPLAIN_CANDIDATES:
                 break
@@ -349,13 +349,19 @@ class HeadTable:
             if reason == MissReason.SETTINGS_CHANGED and cand.same_settings:
                 continue
             # Same settings first, then full prefix agreement, then most agreement.
-            found.append(((int(cand.same_settings), int(sc.full_prefix), sc.agree), cand))
+            found.append(((int(cand.same_settings), int(sc.full_prefix), sc.agree), cand, sc.after))
         prefix = identity[:8]
         results = []
-        for _, cand in sorted(found, key=lambda f: f[0], reverse=True):
+        for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
             explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED)
-            if explanation is not None:
-                results.append(explanation)
+            if explanation is None:
+                continue
+            if reason == MissReason.NO_HEAD and explanation.reason == MissReason.DIVERGED and not after:
+                # A new conversation that starts like a known one (the same task again): where
+                # it departs is worth showing, but only an edit (agreement after the first
+                # difference) makes it a divergence.
+                explanation = replace(explanation, reason=MissReason.NO_HEAD)
+            results.append(explanation)
         # The candidate that explains the matcher's own verdict, else the best one.
         best = next((e for e in results if e.reason == reason), results[0] if results else None)
         return _with_identity(best, prefix) if best is not None else Explanation(reason, identity=prefix)
@@ -535,15 +541,7 @@ _EXPLAINED = frozenset(
 
 
 def _with_identity(explanation: Explanation, identity: str) -> Explanation:
-    return Explanation(
-        explanation.reason,
-        explanation.miss_item,
-        explanation.miss_type,
-        explanation.miss_field,
-        explanation.detail,
-        explanation.candidate_items,
-        identity,
-    )
+    return replace(explanation, identity=identity)
 
 
 _STRENGTH = {

@@ -186,3 +186,13 @@ def test_memory_per_head_of_the_explanation_data() -> None:
     per_head = sum(s.size_diff for s in after.compare_to(before, "filename")) / len(kept)
     print(f"explanation data per head (21 input items, 2 output items): {per_head:.0f} bytes", file=sys.stderr)
     assert per_head < 1024
+
+
+def test_same_task_again_is_no_head_with_where_it_stops() -> None:
+    """A new conversation that starts like a finished one (the demo run twice) is no edit."""
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    three_turns(heads, [SYSTEM, USER])
+    reason, exp = miss(heads, [SYSTEM, USER])
+    assert reason == MissReason.NO_HEAD
+    assert exp is not None and exp.reason == MissReason.NO_HEAD
+    assert (exp.miss_item, exp.detail, exp.candidate_items) == (2, Detail.MISSING, 7)
