@@ -171,7 +171,7 @@ def _series(samples: list[Snapshot]) -> dict[str, list[float]]:
     return series
 
 
-def _chart(samples: list[Snapshot], width: int = 720, height: int = 180) -> str:
+def _chart(samples: list[Snapshot], width: int = 900, height: int = 200) -> str:
     series = _series(samples)
     points = len(series["continuation"])
     if points < 1:
@@ -182,7 +182,7 @@ def _chart(samples: list[Snapshot], width: int = 720, height: int = 180) -> str:
     span_y = (height - pad_b - pad_t) / top
     parts = [
         f'<svg id="chart" role="img" aria-label="turns per interval" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">',
+        f'style="width:100%;max-width:{width * 3 // 2}px;height:auto" xmlns="http://www.w3.org/2000/svg">',
         f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width - 10}" y2="{height - pad_b}" stroke="#999"/>',
         f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{height - pad_b}" stroke="#999"/>',
         f'<text x="{pad_l - 4}" y="{pad_t + 8}" text-anchor="end" font-size="10">{_num(top)}</text>',

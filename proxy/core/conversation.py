@@ -362,8 +362,11 @@ class HeadTable:
                 # difference) makes it a divergence.
                 explanation = replace(explanation, reason=MissReason.NO_HEAD)
             results.append(explanation)
-        # The candidate that explains the matcher's own verdict, else the best one.
-        best = next((e for e in results if e.reason == reason), results[0] if results else None)
+        # The candidate that explains the matcher's own verdict; only a no_head may become
+        # another reason (an edit the prefix index cannot see). A verdict no recent candidate
+        # explains (its head is beyond the bounded scan) stays as it is, unexplained.
+        fallback = results[0] if results and reason == MissReason.NO_HEAD else None
+        best = next((e for e in results if e.reason == reason), fallback)
         return _with_identity(best, prefix) if best is not None else Explanation(reason, identity=prefix)
 
     def _item_digests(self, req: ParsedRequest) -> bytes | None:

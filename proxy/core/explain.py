@@ -69,8 +69,9 @@ __all__ = [
 DIGEST = 8
 """Bytes kept per item or field digest (collisions only ever hide a difference, 2**-64)."""
 
-EchoFields = tuple[tuple[str, bytes], ...]
-"""``(field path, 8-byte digest)`` of one output item's projection, in projection order."""
+EchoFields = tuple[tuple[str, ...], bytes]
+"""One output item's projection: its field paths (a shared tuple) and their 8-byte digests,
+concatenated in the same order."""
 SettingsFields = tuple[tuple[str, bytes], ...]
 """``(setting name, 8-byte digest)`` of a request's settings, in body order."""
 
@@ -225,6 +226,20 @@ def _projection(item: Mapping[str, Any], kind: str) -> list[tuple[str, Any]]:
     return [(k if _safe(k) else "?", v) for k, v in rest.items() if k not in ("status", "id")]
 
 
+_PATHS: dict[tuple[str, ...], tuple[str, ...]] = {}
+"""Path tuples shared by every head (a message with one part always has the same paths)."""
+_MAX_PATHS = 4096
+
+
+def _shared(paths: tuple[str, ...]) -> tuple[str, ...]:
+    known = _PATHS.get(paths)
+    if known is not None:
+        return known
+    if len(_PATHS) < _MAX_PATHS:
+        _PATHS[paths] = paths
+    return paths
+
+
 def echo_fields(item: Mapping[str, Any]) -> EchoFields:
     """What a head keeps of one upstream output item to name the field an echo changed."""
     kind = _kind(item)
@@ -235,7 +250,12 @@ def echo_fields(item: Mapping[str, Any]) -> EchoFields:
             out.append(("$text", _d("".join(str(p.get("text", "")) for p in parts))))
     if kind == "reasoning" and item.get("encrypted_content") is not None:
         out.append(("encrypted_content", _d(item["encrypted_content"])))
-    return tuple(out)
+    return _shared(tuple(path for path, _ in out)), b"".join(d for _, d in out)
+
+
+def _unpack(fields: EchoFields) -> list[tuple[str, bytes]]:
+    paths, digests = fields
+    return [(path, digests[i * DIGEST : (i + 1) * DIGEST]) for i, path in enumerate(paths)]
 
 
 def _echo_field(fp: OutputFingerprint, fields: EchoFields, echo: Any) -> str | None:
@@ -249,7 +269,8 @@ def _echo_field(fp: OutputFingerprint, fields: EchoFields, echo: Any) -> str | N
         return "id"
     if _kind(echo) != fp.kind:
         return "type"
-    mine = dict(fields)
+    pairs = _unpack(fields)
+    mine = dict(pairs)
     if fp.kind == "message" and isinstance(echo.get("content"), str):
         if _d(echo.get("role")) != mine.get("role"):
             return "role"
@@ -257,7 +278,7 @@ def _echo_field(fp: OutputFingerprint, fields: EchoFields, echo: Any) -> str | N
             return "content"
     else:
         theirs = dict((path, _d(value)) for path, value in _projection(echo, fp.kind))
-        for path, want in fields:
+        for path, want in pairs:
             if path in ("$text", "encrypted_content"):
                 continue
             if theirs.get(path) != want:

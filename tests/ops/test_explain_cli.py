@@ -87,7 +87,9 @@ async def test_explain_matches_the_access_log(
 
     human = run_explain(p("previous.json"), p("response.sse"), p("edited.json"))
     assert human.returncode == 1
-    assert "miss: diverged" in human.stdout and "input item 0 (message) differs at field content[0].text" in human.stdout
+    assert (
+        "miss: diverged" in human.stdout and "input item 0 (message) differs at field content[0].text" in human.stdout
+    )
     assert "10:05" not in human.stdout and "10:00" not in human.stdout
 
     ok = run_explain(p("previous.json"), p("response.json"), p("good.json"))
