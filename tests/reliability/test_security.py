@@ -241,7 +241,11 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "route": {"responses", "responses_ws", "other"},
     "mode": {"continuation", "full", "passthrough", "relay"},
     "outcome": {"ok", "client_error", "upstream_error", "proxy_error", "cancelled"},
-    "reason": {v for k, v in vars(MissReason).items() if k.isupper()} | {"pool_full"},
+    "reason": {v for k, v in vars(MissReason).items() if k.isupper()}
+    | {"pool_full"}
+    # upshift_passthrough_total{reason}: the HTTP reasons, and replay causes sent over HTTP
+    | {"mode_http", "background", "conversation", "ws_only_field", "oversize", "upgrade_refused", "ws_unavailable"}
+    | {"previous_response_not_found", "connection_limit", "closed_before_first_event", "frame_too_big", "unknown"},
     "cause": {"previous_response_not_found", "connection_limit", "closed_before_first_event", "frame_too_big"},
     "code": {c.code for c in vars(proxy.errors).values() if isinstance(c, type) and hasattr(c, "code")},
     "state": {"open", "busy", "idle"},
@@ -347,11 +351,15 @@ async def test_admin_listener_exposes_no_request_data(
         ("GET", "/"), ("GET", "/v1/responses"), ("POST", "/v1/responses"), ("GET", "/v1/models"),
         ("GET", "/debug"), ("GET", "/debug/pprof"), ("GET", "/config"), ("GET", "/heads"), ("GET", "/pool"),
         ("GET", "/_emulator/stats"), ("GET", "/metrics/../v1/models"), ("GET", "/healthz?verbose=1"),
+        ("GET", "/status"), ("GET", "/misses"), ("POST", "/status"),
     ]:  # fmt: skip
         async with http.request(method, admin + path, headers=auth(), data=b"{}") as resp:
             body = await resp.text()
             assert CONTENT not in body and "resp_" not in body and "sk-" not in body, (path, body[:200])
-            if not path.startswith(("/healthz", "/metrics")):
+            # The status page (/, /status) and /misses are read-only views without content.
+            if not (
+                path.startswith(("/healthz", "/metrics")) or (method == "GET" and path in ("/", "/status", "/misses"))
+            ):
                 assert resp.status in (404, 405), (method, path, resp.status)
     assert emulator.stats.requests == requests_before, "the admin listener forwarded a request"
 
