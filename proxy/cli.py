@@ -1,4 +1,5 @@
-"""Command line: ``upshift [flags]`` runs the sidecar; ``upshift demo ...`` runs the demo.
+"""Command line: ``upshift [flags]`` runs the sidecar; ``upshift demo ...`` runs the demo;
+``upshift explain PREVIOUS RESPONSE NEXT`` explains whether a saved request would continue.
 
 Flags override env vars (``UPSHIFT_*``), which override the YAML file, which overrides the
 defaults (see :func:`proxy.config.load_settings`). Exit codes: 0 ok, 1 configuration error,
@@ -49,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="upshift",
         description="Sidecar relaying full-history Responses API calls as WebSocket continuations.",
         epilog="Every setting is also a config-file key and an UPSHIFT_<SECTION>_<KEY> env var; "
-        "precedence: flags > env > file > defaults. 'upshift demo --help' runs the demo.",
+        "precedence: flags > env > file > defaults. 'upshift demo --help' runs the demo; "
+        "'upshift explain --help' explains a miss.",
     )
     p.add_argument("--listen", metavar="HOST:PORT", help="API listener (default 127.0.0.1:8080)")
     p.add_argument("--admin-listen", metavar="HOST:PORT", help="admin listener (default 0.0.0.0:9090)")
@@ -78,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         argv: Arguments without the program name; ``sys.argv[1:]`` when ``None``.
     """
     args_list = sys.argv[1:] if argv is None else argv
+    if args_list[:1] == ["explain"]:
+        # Offline: says whether a saved request would continue the previous one (no server).
+        explain = importlib.import_module("proxy.explain_cmd")
+        sys.exit(explain.main(args_list[1:]))
     if args_list[:1] == ["demo"]:
         # Imported lazily: the demo pulls in client libraries the sidecar itself never needs.
         demo = importlib.import_module("proxy.demo")

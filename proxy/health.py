@@ -1,4 +1,6 @@
-"""Admin endpoints: ``/healthz`` (liveness), ``/readyz`` (startup + readiness), ``/metrics``.
+"""Admin endpoints: ``/healthz`` (liveness), ``/readyz`` (startup + readiness), ``/metrics``,
+and for people: ``/`` and ``/status`` (the live status page, :mod:`proxy.status`) and ``/misses``
+(the last explained misses as JSON, :mod:`proxy.misses`). All read-only, none shows content.
 
 Both probes are dependency-free and answer in well under 10 ms. Neither ever looks at the
 upstream: a transient upstream error must not mark the whole Pod NotReady (readiness) or
@@ -9,13 +11,16 @@ lifecycle: 503 while starting and while draining.
 from __future__ import annotations
 
 import enum
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy.metrics import REGISTRY
+from proxy.misses import RECENT
+from proxy.status import Sampler, misses_json, render_status, snapshot
 
-__all__ = ["LIFECYCLE_KEY", "Lifecycle", "State", "make_admin_app"]
+__all__ = ["LIFECYCLE_KEY", "SAMPLER_KEY", "Lifecycle", "State", "make_admin_app"]
 
 
 class State(enum.Enum):
@@ -76,11 +81,34 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "unavailable", "reason": lifecycle.state.value}, status=503)
 
 
-def make_admin_app(lifecycle: Lifecycle) -> web.Application:
-    """The admin application: ``GET /healthz``, ``GET /readyz``, ``GET /metrics``, nothing else.
+SAMPLER_KEY = web.AppKey("status_sampler", Sampler)
+"""The :class:`~proxy.status.Sampler` behind the status page's chart."""
+
+_NO_STORE = {"Cache-Control": "no-store"}
+
+
+async def _status(request: web.Request) -> web.Response:
+    sampler = request.app[SAMPLER_KEY]
+    state = request.app[LIFECYCLE_KEY].state.value
+    page = render_status(list(sampler.samples), snapshot(), RECENT, state, sampler.interval)
+    return web.Response(text=page, content_type="text/html", headers=_NO_STORE)
+
+
+async def _misses(request: web.Request) -> web.Response:
+    try:
+        limit = int(request.query.get("limit", "0")) or None
+    except ValueError:
+        limit = None
+    return web.json_response(misses_json(RECENT, limit), headers=_NO_STORE)
+
+
+def make_admin_app(lifecycle: Lifecycle, *, sample_seconds: float = 5.0) -> web.Application:
+    """The admin application: ``GET /healthz``, ``/readyz``, ``/metrics``, ``/``, ``/status``,
+    ``/misses``, nothing else.
 
     Args:
         lifecycle: Shared with the server, which moves it forward.
+        sample_seconds: How often the status page's chart samples the counters (15 minutes kept).
 
     Returns:
         An aiohttp application to serve on ``admin_listen`` (run it with ``access_log=None``:
@@ -88,6 +116,17 @@ def make_admin_app(lifecycle: Lifecycle) -> web.Application:
     """
     app = web.Application()
     app[LIFECYCLE_KEY] = lifecycle
+    sampler = app[SAMPLER_KEY] = Sampler(sample_seconds, 900.0)
+
+    async def _sampling(app: web.Application) -> AsyncIterator[None]:
+        sampler.start()
+        yield
+        await sampler.stop()
+
+    app.cleanup_ctx.append(_sampling)
+    app.router.add_get("/", _status)
+    app.router.add_get("/status", _status)
+    app.router.add_get("/misses", _misses)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     # Only proxy.metrics.REGISTRY: metrics hold bounded labels, never request data.

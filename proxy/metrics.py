@@ -18,6 +18,7 @@ __all__ = [
     "INPUT_ITEMS_AVOIDED",
     "LANES",
     "LANES_FALLBACKS",
+    "PASSTHROUGH",
     "POOL_WAIT",
     "REGISTRY",
     "REPLAYS",
@@ -89,6 +90,15 @@ INPUT_ITEMS_AVOIDED = Counter(
     "Input items not re-sent upstream thanks to continuations.",
     registry=REGISTRY,
 )
+
+PASSTHROUGH = Counter(
+    "upshift_passthrough",
+    "POST /v1/responses requests sent over plain HTTP instead of a WebSocket, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: mode_http | background | conversation | ws_only_field | oversize | upgrade_refused |
+ws_unavailable | pool_full | a replay cause sent over HTTP (bounded set)."""
 
 SOCKETS = Gauge(
     "upshift_upstream_sockets",

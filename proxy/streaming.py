@@ -24,10 +24,12 @@ import orjson
 from aiohttp import web
 
 from proxy.core.channel import Channel, Out
+from proxy.core.explain import Explanation
 from proxy.core.sse import CONTENT_TYPE, encode_event
 from proxy.errors import BodyTooLarge, InvalidRequest
 from proxy.log import access_log
-from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, REQUESTS
+from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, PASSTHROUGH, REQUESTS
+from proxy.misses import RECENT
 
 __all__ = ["Downstream", "Lane", "Record", "json_body", "new_request_id", "pump", "read_body"]
 
@@ -180,17 +182,38 @@ class Record:
     replays: int = 0
     upstream_s: float = 0.0
     added_s: float = 0.0
+    explanation: Explanation | None = None
+    """Where a miss departed from its best candidate head (issue 11), set by :meth:`explain`."""
+    explained: str = ""
+    """The matcher's verdict the explanation was computed for."""
+
+    def explain(self, explanation: Explanation | None, reason: str) -> None:
+        """Attach the explanation of the matcher's miss ``reason`` (never content).
+
+        If the request still goes out in full for that reason, the line carries ``miss_item``,
+        ``miss_type``, ``miss_field``, ``miss_detail`` and ``candidate_items``, and the reason
+        becomes the explanation's (a ``no_head`` that edited an early item is ``diverged``).
+        """
+        self.explanation, self.explained = explanation, reason
 
     def finish(self) -> None:
         """Emit the metrics and the access line."""
         if not self.outcome:
             self.outcome = "ok" if self.status < 400 else "client_error" if self.status < 500 else "upstream_error"
+        exp = self.explanation
+        if exp is None or self.mode != "full" or self.reason != self.explained:
+            exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
+        elif exp.reason:
+            self.reason = exp.reason
         REQUESTS.labels(self.route, self.mode, self.outcome).inc()
         if self.mode == "continuation":
             INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
         elif self.reason and not self.replays and (self.mode == "full" or self.reason == "pool_full"):
             # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
             CONTINUATION_MISSES.labels(self.reason).inc()
+            RECENT.add(self.reason, self.items_in, exp)
+        if self.mode == "passthrough" and self.route == "responses":
+            PASSTHROUGH.labels(self.reason or "unknown").inc()
         ADDED_LATENCY.observe(self.added_s)
         access_log(
             {
@@ -207,6 +230,7 @@ class Record:
                 "replays": self.replays,
                 "upstream_ms": round(self.upstream_s * 1000, 3),
                 "added_ms": round(self.added_s * 1000, 3),
+                **(exp.fields() if exp is not None else {}),
             }
         )
 

@@ -25,11 +25,22 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from proxy.core.explain import (
+    Candidate,
+    EchoFields,
+    Explanation,
+    SettingsFields,
+    echo_fields,
+    explain_against,
+    item_digests,
+    score,
+    settings_fields,
+)
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
-from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
+from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, item_key
 from proxy.core.reasons import MissReason
 from proxy.core.request import ParsedRequest, parse_request
 
@@ -57,6 +68,10 @@ class Head:
     chained: bool = False
     """The app chained this turn itself (``previous_response_id``): its input is a delta, so
     the head serves only :meth:`HeadTable.anchor_for`, never full-history matching."""
+    items: bytes | None = None
+    """8 bytes per input item (:func:`~proxy.core.explain.item_digests`), to explain misses."""
+    echo: tuple[EchoFields, ...] = ()
+    """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +142,8 @@ class HeadTable:
         self._owners: OrderedDict[str, str] = OrderedDict()
         self.max_owners = max(4 * max_heads, 1024)
         """Response ids remembered with their identity (LRU), for :meth:`owner_of`."""
+        self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
+        """Per settings digest, one digest per setting (:meth:`explain`; LRU, shared by heads)."""
 
     def __len__(self) -> int:
         return len(self._heads)
@@ -291,6 +308,98 @@ class HeadTable:
             return None
         return anchor
 
+    # -- explained misses (issue 11; only ever called on a miss) -------------------------
+
+    EXPLAIN_CANDIDATES = 8
+    """Most recent heads of the identity compared position by position to explain a miss."""
+    EXPLAIN_SCAN = 512
+    """Most recent heads looked at (of any identity) to find those candidates: bounded cost."""
+    MAX_SETTINGS_FIELDS = 1024
+    """Distinct settings whose per-setting digests are kept (LRU)."""
+
+    def explain(self, identity: str, req: ParsedRequest, reason: str) -> Explanation | None:
+        """Say where a missed request departs from its best candidate head, or ``None``.
+
+        ``reason`` is the :meth:`lookup` verdict. A ``no_head`` whose request agrees with a
+        recent head of ``identity`` on items after the first differing one (an edited early
+        item: a timestamp in the system prompt, an edited first message) is explained as
+        ``diverged`` at that item. Nothing here touches the continuation path, and nothing of
+        the request's content is returned.
+        """
+        if req.previous_response_id is not None or reason not in _EXPLAINED:
+            return None
+        keys, items = req.item_keys, req.items
+        wanted = settings_fields(req.fields)
+        found: list[tuple[tuple[int, int, int], Candidate, int]] = []
+        for seen, anchor in enumerate(reversed(self._heads)):
+            if seen >= self.EXPLAIN_SCAN or len(found) >= self.EXPLAIN_CANDIDATES:
+                break
+            head = self._heads[anchor]
+            if head.identity != identity or head.chained or head.items is None:
+                continue
+            cand = Candidate(
+                n_input=head.n_input,
+                items=head.items,
+                output=head.output,
+                echo=head.echo,
+                same_settings=head.settings == req.settings_digest,
+                settings=self._settings_fields.get(head.settings),
+                body=head.raw.body if head.raw is not None else None,
+            )
+            sc = score(cand, keys, items)
+            if sc.agree == 0 or not (sc.full_prefix or sc.after):
+                continue  # shares nothing, or only a first stretch: a new conversation
+            if reason == MissReason.SETTINGS_CHANGED and cand.same_settings:
+                continue
+            # Same settings first, then full prefix agreement, then most agreement.
+            found.append(((int(cand.same_settings), int(sc.full_prefix), sc.agree), cand, sc.after))
+        prefix = identity[:8]
+        results = []
+        for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
+            explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED)
+            if explanation is None:
+                continue
+            if reason == MissReason.NO_HEAD and explanation.reason == MissReason.DIVERGED and not after:
+                # A new conversation that starts like a known one (the same task again): where
+                # it departs is worth showing, but only an edit (agreement after the first
+                # difference) makes it a divergence.
+                explanation = replace(explanation, reason=MissReason.NO_HEAD)
+            results.append(explanation)
+        # The candidate that explains the matcher's own verdict; only a no_head may become
+        # another reason (an edit the prefix index cannot see). A verdict no recent candidate
+        # explains (its head is beyond the bounded scan) stays as it is, unexplained.
+        fallback = results[0] if results and reason == MissReason.NO_HEAD else None
+        best = next((e for e in results if e.reason == reason), fallback)
+        return _with_identity(best, prefix) if best is not None else Explanation(reason, identity=prefix)
+
+    def _item_digests(self, req: ParsedRequest) -> bytes | None:
+        """The per-item digests of ``req`` for its head (8 bytes an item), cheaply.
+
+        A fast parse extends the digests of the head whose prefix it skipped (the prefix is
+        never parsed); if that head is gone, the digests are unknown (``None``).
+        """
+        if req.previous_response_id is not None:
+            return None
+        if req.base is not None and req.tail is not None:
+            base = self._heads.get(req.base.anchor)
+            if (
+                base is None
+                or base.items is None
+                or base.n_input != req.base.count
+                or base.input_digest != req.base.input_state.digest()[:16]
+            ):
+                return None
+            return base.items + item_digests([item_key(item) for item in req.tail])
+        return item_digests(req.item_keys)
+
+    def _note_settings(self, digest: bytes, req: ParsedRequest) -> None:
+        if digest in self._settings_fields:
+            self._settings_fields.move_to_end(digest)
+            return
+        self._settings_fields[digest] = settings_fields(req.fields)
+        while len(self._settings_fields) > self.MAX_SETTINGS_FIELDS:
+            self._settings_fields.popitem(last=False)
+
     # -- updates ---------------------------------------------------------------------------
 
     def rekey(self, anchor: Hashable, new: Hashable) -> None:
@@ -317,6 +426,7 @@ class HeadTable:
         ``prefix_state`` is :func:`~proxy.core.fastparse.hash_prefix` of a fully parsed body,
         when the caller computed it off the event loop.
         """
+        digests = self._item_digests(req)  # before discard: a fast parse extends this head's
         self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
@@ -340,6 +450,9 @@ class HeadTable:
                 input_state=state,
                 raw=raw_prefix(req, prefix_state),
             )
+            head.items = digests
+            head.echo = tuple(echo_fields(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
+            self._note_settings(head.settings, req)
         head.store = req.store
         self._insert(head, now)
 
@@ -427,6 +540,23 @@ class HeadTable:
     @staticmethod
     def _key(head: Head) -> _Key:
         return (head.identity, head.settings, head.n_input, head.input_digest)
+
+
+_EXPLAINED = frozenset(
+    {
+        MissReason.NO_HEAD,
+        MissReason.DIVERGED,
+        MissReason.SETTINGS_CHANGED,
+        MissReason.DROPPED_REASONING,
+        MissReason.RETRY,
+        MissReason.NO_NEW_ITEMS,
+    }
+)
+"""Miss reasons :meth:`HeadTable.explain` explains (the others are not about the input)."""
+
+
+def _with_identity(explanation: Explanation, identity: str) -> Explanation:
+    return replace(explanation, identity=identity)
 
 
 _STRENGTH: dict[str, int] = {

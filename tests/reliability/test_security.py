@@ -24,7 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import LoggingSettings, Settings, load_settings
-from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, ReplayCause, Route
+from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
 from proxy.log import setup_logging
@@ -240,7 +240,9 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "route": set(Route),
     "mode": set(Mode),
     "outcome": set(Outcome),
-    "reason": set(MissReason),
+    # upshift_continuation_misses_total{reason} and upshift_passthrough_total{reason} (the HTTP
+    # reasons, and replay causes sent over HTTP)
+    "reason": set(MissReason) | set(PassthroughReason) | set(ReplayCause) | {"unknown"},
     "cause": set(ReplayCause),
     "code": set(ErrorCode),
     "state": {"open", "busy", "idle", "connecting", "draining"},
@@ -347,11 +349,15 @@ async def test_admin_listener_exposes_no_request_data(
         ("GET", "/"), ("GET", "/v1/responses"), ("POST", "/v1/responses"), ("GET", "/v1/models"),
         ("GET", "/debug"), ("GET", "/debug/pprof"), ("GET", "/config"), ("GET", "/heads"), ("GET", "/pool"),
         ("GET", "/_emulator/stats"), ("GET", "/metrics/../v1/models"), ("GET", "/healthz?verbose=1"),
+        ("GET", "/status"), ("GET", "/misses"), ("POST", "/status"),
     ]:  # fmt: skip
         async with http.request(method, admin + path, headers=auth(), data=b"{}") as resp:
             body = await resp.text()
             assert CONTENT not in body and "resp_" not in body and "sk-" not in body, (path, body[:200])
-            if not path.startswith(("/healthz", "/metrics")):
+            # The status page (/, /status) and /misses are read-only views without content.
+            if not (
+                path.startswith(("/healthz", "/metrics")) or (method == "GET" and path in ("/", "/status", "/misses"))
+            ):
                 assert resp.status in (404, 405), (method, path, resp.status)
     assert emulator.stats.requests == requests_before, "the admin listener forwarded a request"
 

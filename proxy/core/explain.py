@@ -1,0 +1,457 @@
+"""Explained misses: where a full-history request departed from the best candidate head.
+
+A miss reason (``diverged``, ``settings_changed``, ...) says *that* a turn went upstream in full;
+an :class:`Explanation` says *where*: the index of the first input item that differs from the
+candidate head (``miss_item``), that item's type (``miss_type``), the first differing field
+path inside it (``miss_field``: ``arguments``, ``content[0].text``, or a setting's name such as
+``tools``), and the candidate's length. Never a value: only indices, schema names and digests.
+
+The comparison is the matcher's own (client-echo.md §4): input items by
+:func:`~proxy.core.items.item_key` (kept on the head as 8-byte digests), echoed output items by
+:func:`~proxy.core.items.echo_matches`, settings field by field after rules 1-2. So an item a
+client re-serialised into an equivalent form is never reported; one it changed is.
+
+What a head keeps for this (see :func:`item_digests`, :func:`echo_fields`, :func:`settings_fields`):
+
+* 8 bytes per input item: enough to find the first differing index without content;
+* per output item, one 8-byte digest per projected field (``call_id``, ``name``, ``arguments``,
+  ``content[i].text``, ...): enough to name the field of an echo that differs;
+* per distinct settings, one 8-byte digest per top-level setting (shared by every head with
+  those settings);
+* the field path inside a differing *input* item needs the previous body, which the head keeps
+  only while hot (:class:`~proxy.core.fastparse.RawPrefix` ``body``); after that the answer is an
+  honest :attr:`Detail.FIELD_UNKNOWN`.
+
+Pure: no I/O, no clock. :class:`~proxy.core.conversation.HeadTable` picks the candidates.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.core.items import (
+    OutputFingerprint,
+    _args_value,
+    _is_reference,
+    _kind,
+    _message_parts,
+    _optional_equal,
+    _summary_texts,
+    canonical,
+    echo_matches,
+)
+from proxy.core.request import NON_SETTINGS_FIELDS
+
+__all__ = [
+    "DIGEST",
+    "Candidate",
+    "Detail",
+    "EchoFields",
+    "Explanation",
+    "Score",
+    "SettingsFields",
+    "echo_fields",
+    "explain_against",
+    "first_field_diff",
+    "input_items",
+    "item_digests",
+    "score",
+    "settings_fields",
+]
+
+DIGEST = 8
+"""Bytes kept per item or field digest (collisions only ever hide a difference, 2**-64)."""
+
+EchoFields = tuple[tuple[str, ...], bytes]
+"""One output item's projection: its field paths (a shared tuple) and their 8-byte digests,
+concatenated in the same order."""
+SettingsFields = tuple[tuple[str, bytes], ...]
+"""``(setting name, 8-byte digest)`` of a request's settings, in body order."""
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+"""A key or type shown in an explanation must look like a schema name, never free text."""
+
+
+class Detail(enum.StrEnum):
+    """How the request departs at ``miss_item`` (``miss_detail`` in the access log)."""
+
+    FIELD = "field"
+    """A field of the item differs: ``miss_field`` names it."""
+    FIELD_UNKNOWN = "field_unknown"
+    """The item differs, but the candidate keeps only its digest now (its body went cold)."""
+    MISSING = "missing"
+    """The request ends (or skips) where the candidate has an item (truncated history)."""
+    SETTING = "setting"
+    """A setting differs: ``miss_field`` is its name (``tools``, ``instructions``, ...)."""
+    REASONING_DROPPED = "reasoning_dropped"
+    """The echo leaves out a reasoning item of the candidate's output."""
+    NO_NEW_ITEMS = "no_new_items"
+    """The request is the candidate's input and output echo, with nothing new after it."""
+    RETRY = "retry"
+    """The request's input equals the candidate's input: the same turn again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Where a miss departed from its best candidate head (no content, ever).
+
+    Attributes:
+        reason: The miss reason; a ``no_head`` with a candidate that agrees on later items
+            becomes ``diverged`` (an edited early item), or ``settings_changed``.
+        miss_item: Index of the first differing input item, or ``None`` (a setting differs,
+            or no candidate).
+        miss_type: That item's type (the request's item; the candidate's when missing).
+        miss_field: First differing field path inside the item, or the setting's name.
+        detail: A :class:`Detail`, or ``None`` without a candidate.
+        candidate_items: The candidate's length: its input plus its output items.
+        identity: A digest prefix of the caller's identity (set by the head table).
+    """
+
+    reason: str
+    miss_item: int | None = None
+    miss_type: str | None = None
+    miss_field: str | None = None
+    detail: Detail | None = None
+    candidate_items: int | None = None
+    identity: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        """The access-log / ``/misses`` fields."""
+        return {
+            "miss_item": self.miss_item,
+            "miss_type": self.miss_type,
+            "miss_field": self.miss_field,
+            "miss_detail": self.detail.value if self.detail is not None else None,
+            "candidate_items": self.candidate_items,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What a head offers for an explanation (built by the head table)."""
+
+    n_input: int
+    items: bytes
+    """:data:`DIGEST` bytes per input item."""
+    output: tuple[OutputFingerprint, ...]
+    echo: tuple[EchoFields, ...]
+    same_settings: bool
+    settings: SettingsFields | None
+    """The head's settings digests, if still known."""
+    body: bytes | None = None
+    """The head's request body while hot (field paths inside differing input items)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """How far a request agrees with a candidate, position by position."""
+
+    agree: int
+    """Positions (input and echoed output) that agree."""
+    first: int | None
+    """First position that differs, if any."""
+    after: int
+    """Positions after ``first`` that agree again: evidence of an edit, not a new conversation."""
+    n_input: int
+    """The candidate's input length."""
+
+    @property
+    def full_prefix(self) -> bool:
+        """The request starts with the candidate's input (as far as both go)."""
+        return self.first is None or self.first >= self.n_input
+
+
+def _d(value: Any) -> bytes:
+    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).digest()[:DIGEST]
+
+
+def _safe(name: Any) -> str | None:
+    return name if isinstance(name, str) and _NAME.match(name) else None
+
+
+def item_digests(keys: Sequence[bytes]) -> bytes:
+    """The per-item digests a head keeps: the first :data:`DIGEST` bytes of each item key."""
+    return b"".join(k[:DIGEST] for k in keys)
+
+
+def settings_fields(fields: Mapping[str, Any]) -> SettingsFields:
+    """One digest per setting, with the equivalences of the settings digest (rules 1-2, 8)."""
+    out = []
+    for name, value in fields.items():
+        if name in NON_SETTINGS_FIELDS or value is None:
+            continue
+        value = canonical(value)
+        if name == "include" and isinstance(value, list):
+            value = sorted(set(orjson.dumps(v).decode() for v in value))
+        out.append((name, _d(value)))
+    return tuple(out)
+
+
+def _projection(item: Mapping[str, Any], kind: str) -> list[tuple[str, Any]]:
+    """The per-type projection of client-echo.md rule 5, one entry per field path."""
+    if kind == "message":
+        parts = _message_parts(item)
+        if not isinstance(parts, list):
+            parts = [parts]
+        out: list[tuple[str, Any]] = [("role", item.get("role"))]
+        for index, part in enumerate(parts):
+            if not isinstance(part, dict):
+                out.append((f"content[{index}]", {"$bad": canonical(part)}))
+                continue
+            ptype = part.get("type")
+            key = "refusal" if ptype == "refusal" else "text"
+            out.append((f"content[{index}].type", ptype))
+            out.append((f"content[{index}].{key}", part.get(key)))
+        return out
+    if kind == "function_call":
+        return [
+            ("call_id", item.get("call_id")),
+            ("name", item.get("name")),
+            ("arguments", _args_value(item.get("arguments"))),
+        ]
+    if kind == "custom_tool_call":
+        return [(k, canonical(item.get(k))) for k in ("call_id", "name", "input")]
+    if kind == "reasoning":
+        return [(f"summary[{i}].text", text) for i, text in enumerate(_summary_texts(item.get("summary")))]
+    rest = canonical(item)
+    if not isinstance(rest, dict):
+        return [("item", rest)]
+    return [(k if _safe(k) else "?", v) for k, v in rest.items() if k not in ("status", "id")]
+
+
+_PATHS: dict[tuple[str, ...], tuple[str, ...]] = {}
+"""Path tuples shared by every head (a message with one part always has the same paths)."""
+_MAX_PATHS = 4096
+
+
+def _shared(paths: tuple[str, ...]) -> tuple[str, ...]:
+    known = _PATHS.get(paths)
+    if known is not None:
+        return known
+    if len(_PATHS) < _MAX_PATHS:
+        _PATHS[paths] = paths
+    return paths
+
+
+def echo_fields(item: Mapping[str, Any]) -> EchoFields:
+    """What a head keeps of one upstream output item to name the field an echo changed."""
+    kind = _kind(item)
+    out = [(path, _d(value)) for path, value in _projection(item, kind)]
+    if kind == "message":
+        parts = _message_parts(item)
+        if isinstance(parts, list) and all(isinstance(p, dict) and p.get("type") == "output_text" for p in parts):
+            out.append(("$text", _d("".join(str(p.get("text", "")) for p in parts))))
+    if kind == "reasoning" and item.get("encrypted_content") is not None:
+        out.append(("encrypted_content", _d(item["encrypted_content"])))
+    return _shared(tuple(path for path, _ in out)), b"".join(d for _, d in out)
+
+
+def _unpack(fields: EchoFields) -> list[tuple[str, bytes]]:
+    paths, digests = fields
+    return [(path, digests[i * DIGEST : (i + 1) * DIGEST]) for i, path in enumerate(paths)]
+
+
+def _echo_field(fp: OutputFingerprint, fields: EchoFields, echo: Any) -> str | None:
+    """The first field path at which ``echo`` fails to match the output item behind ``fp``."""
+    if not isinstance(echo, dict):
+        return None
+    if _is_reference(echo):
+        return "id"
+    echo_id = echo.get("id")
+    if echo_id is not None and echo_id != fp.id:
+        return "id"
+    if _kind(echo) != fp.kind:
+        return "type"
+    pairs = _unpack(fields)
+    mine = dict(pairs)
+    if fp.kind == "message" and isinstance(echo.get("content"), str):
+        if _d(echo.get("role")) != mine.get("role"):
+            return "role"
+        if mine.get("$text") != _d(echo["content"]):
+            return "content"
+    else:
+        theirs = dict((path, _d(value)) for path, value in _projection(echo, fp.kind))
+        for path, want in pairs:
+            if path in ("$text", "encrypted_content"):
+                continue
+            if theirs.get(path) != want:
+                return path
+        for path in theirs:
+            if path not in mine:
+                return path
+    if fp.kind == "message":
+        content = echo.get("content")
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                notes = part.get("annotations") if isinstance(part, dict) else None
+                if notes is not None and not _optional_equal(fp, f"annotations.{index}", notes):
+                    return f"content[{index}].annotations"
+        if echo.get("phase") is not None and not _optional_equal(fp, "phase", echo["phase"]):
+            return "phase"
+    if fp.kind == "reasoning":
+        enc = echo.get("encrypted_content")
+        if enc is not None and mine.get("encrypted_content") != _d(enc):
+            return "encrypted_content"
+        if enc is None and "encrypted_content" in mine:
+            return "encrypted_content"
+    return None
+
+
+def _input_view(item: Any) -> Any:
+    """An input item as :func:`~proxy.core.items.item_key` sees it (rules 1-4 and 7)."""
+    value = canonical(item)
+    if isinstance(value, dict) and "role" in value and value.get("type", "message") == "message":
+        value["type"] = "message"
+        parts = _message_parts(value)
+        if isinstance(parts, list):
+            value["content"] = [
+                {k: v for k, v in p.items() if k != "parsed"} if isinstance(p, dict) else p for p in parts
+            ]
+    return value
+
+
+def first_field_diff(old: Any, new: Any, path: str = "", depth: int = 0) -> str | None:
+    """The first field path at which two input items differ (after rules 1-4 and 7).
+
+    Keys are visited in the old item's order, then keys only the new one has; list elements
+    by index. A path names schema keys and indices only (odd keys show as ``?``).
+    """
+    if depth == 0:
+        old, new = _input_view(old), _input_view(new)
+    if old == new:
+        return None
+    if isinstance(old, dict) and isinstance(new, dict) and depth < 8:
+        for key in [*old, *(k for k in new if k not in old)]:
+            if old.get(key) != new.get(key):
+                name = _safe(key) or "?"
+                sub = f"{path}.{name}" if path else name
+                return first_field_diff(old.get(key), new.get(key), sub, depth + 1) or sub
+    if isinstance(old, list) and isinstance(new, list) and depth < 8:
+        for index in range(max(len(old), len(new))):
+            a = old[index] if index < len(old) else None
+            b = new[index] if index < len(new) else None
+            if index >= len(old) or index >= len(new) or a != b:
+                sub = f"{path}[{index}]"
+                return first_field_diff(a, b, sub, depth + 1) or sub
+    return path or None
+
+
+def input_items(body: bytes) -> list[Any] | None:
+    """The input items of a request body (string input = one user message), if parseable."""
+    try:
+        fields = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    raw = fields.get("input")
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    return raw if isinstance(raw, list) else None
+
+
+def _type_of(item: Any) -> str | None:
+    if not isinstance(item, dict):
+        return None
+    return _safe(_kind(item)) or "other"
+
+
+def score(cand: Candidate, keys: Sequence[bytes], items: Sequence[Any]) -> Score:
+    """Agreement of a request with ``cand``, position by position (input, then echo)."""
+    agree, first, after = 0, None, 0
+    n, m = cand.n_input, len(keys)
+    digests = cand.items
+    for i in range(min(n, m)):
+        if keys[i][:DIGEST] == digests[i * DIGEST : (i + 1) * DIGEST]:
+            agree += 1
+            after += first is not None
+        elif first is None:
+            first = i
+    for j, fp in enumerate(cand.output):
+        position = n + j
+        if position >= m:
+            break
+        if echo_matches(fp, items[position]):
+            agree += 1
+            after += first is not None
+        elif first is None and fp.kind != "reasoning":
+            first = position
+    return Score(agree, first, after, n)
+
+
+def explain_against(
+    cand: Candidate,
+    keys: Sequence[bytes],
+    items: Sequence[Any],
+    settings: SettingsFields,
+    reason: str,
+) -> Explanation | None:
+    """Walk the request against ``cand`` as the matcher does, and say where it departs.
+
+    Args:
+        cand: The candidate head.
+        keys: The request's item keys; ``items``: its input items.
+        settings: :func:`settings_fields` of the request.
+        reason: What to call a departure in the input items (``diverged``).
+
+    Returns:
+        The explanation, or ``None`` if the request would continue ``cand``.
+    """
+    length = cand.n_input + len(cand.output)
+
+    def at(why: str, index: int | None, kind: str | None, detail: Detail, name: str | None = None) -> Explanation:
+        return Explanation(why, index, kind, name, detail, length)
+
+    if not cand.same_settings:
+        name = _first_setting(cand.settings, settings) if cand.settings is not None else None
+        return at("settings_changed", None, None, Detail.SETTING, name)
+    n, m = cand.n_input, len(items)
+    digests = cand.items
+    for i in range(n):
+        if i >= m:
+            return at(reason, i, None, Detail.MISSING)
+        if keys[i][:DIGEST] != digests[i * DIGEST : (i + 1) * DIGEST]:
+            old = input_items(cand.body) if cand.body is not None else None
+            if old is not None and i < len(old):
+                name = first_field_diff(old[i], items[i])
+                return at(reason, i, _type_of(items[i]), Detail.FIELD, name)
+            return at(reason, i, _type_of(items[i]), Detail.FIELD_UNKNOWN)
+    if m == n:
+        kind = cand.output[0].kind if cand.output else None
+        return at("retry", n, kind, Detail.RETRY)
+    position = n
+    dropped: int | None = None
+    for fp, fields in zip(cand.output, cand.echo, strict=False):
+        if position < m and echo_matches(fp, items[position]):
+            position += 1
+        elif fp.kind == "reasoning":
+            dropped = position if dropped is None else dropped
+        elif position >= m:
+            return at(reason, position, fp.kind, Detail.MISSING)
+        else:
+            name = _echo_field(fp, fields, items[position])
+            detail = Detail.FIELD if name is not None else Detail.FIELD_UNKNOWN
+            return at(reason, position, _type_of(items[position]), detail, name)
+    if position == m:
+        return at("no_new_items", m, None, Detail.NO_NEW_ITEMS)
+    if dropped is not None:
+        return at("dropped_reasoning", dropped, "reasoning", Detail.REASONING_DROPPED)
+    return None
+
+
+def _first_setting(old: SettingsFields, new: SettingsFields) -> str | None:
+    mine, theirs = dict(old), dict(new)
+    for name, value in old:
+        if theirs.get(name) != value:
+            return _safe(name) or "?"
+    for name in theirs:
+        if name not in mine:
+            return _safe(name) or "?"
+    return None

@@ -1,0 +1,199 @@
+"""HeadTable.explain: where a miss departs from its best candidate (pure, no sockets)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import orjson
+
+from proxy.core.conversation import HeadTable, MissReason
+from proxy.core.explain import Detail, echo_fields, first_field_diff
+from proxy.core.request import ParsedRequest, parse_request
+
+BASE = {"model": "gpt-5", "tools": [{"type": "function", "name": "read"}], "store": False}
+IDLE = lambda anchor: True  # noqa: E731
+SYSTEM = {"role": "system", "content": "You are helpful. Today is 2026-12-01T10:00."}
+USER = {"role": "user", "content": "do 3 steps"}
+
+
+def req(items: list[Any], **fields: Any) -> ParsedRequest:
+    body = dict(BASE, **fields)
+    body["input"] = items
+    return parse_request(orjson.dumps(body))
+
+
+def call(n: int, arguments: str | None = None) -> dict[str, Any]:
+    return {
+        "id": f"fc_{n}",
+        "type": "function_call",
+        "status": "completed",
+        "call_id": f"call_{n}",
+        "name": "read",
+        "arguments": arguments if arguments is not None else f'{{"step":{n}}}',
+    }
+
+
+def result(n: int) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": f"call_{n}", "output": f"out {n}"}
+
+
+def reasoning(n: int) -> dict[str, Any]:
+    return {"id": f"rs_{n}", "type": "reasoning", "summary": [], "encrypted_content": f"enc{n}"}
+
+
+def response(rid: str, *output: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "response", "status": "completed", "output": list(output)}
+
+
+def three_turns(heads: HeadTable, first: list[Any]) -> list[Any]:
+    """Record a 3-turn tool loop on socket s1; returns the history after turn 3's output."""
+    history = list(first)
+    for turn in (1, 2, 3):
+        r = req(history)
+        assert heads.lookup("id", r, turn, IDLE).reason in ("continuation", MissReason.NO_HEAD)
+        heads.begin("s1")
+        heads.record("id", "s1", r, response(f"resp_{turn}", call(turn)), turn)
+        history += [call(turn), result(turn)]
+    return history
+
+
+def miss(heads: HeadTable, items: list[Any], **fields: Any) -> tuple[str, Any]:
+    r = req(items, **fields)
+    found = heads.lookup("id", r, 10, IDLE)
+    assert found.match is None
+    return found.reason, heads.explain("id", r, found.reason)
+
+
+def test_edited_first_item_is_diverged_at_zero_not_no_head() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    history = three_turns(heads, [SYSTEM, USER])
+    edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
+    reason, exp = miss(heads, edited)
+    assert reason == MissReason.NO_HEAD  # the matcher alone cannot tell
+    assert exp is not None and exp.reason == MissReason.DIVERGED
+    assert (exp.miss_item, exp.miss_type, exp.miss_field, exp.detail) == (0, "message", "content[0].text", Detail.FIELD)
+    assert exp.candidate_items == 7  # 6 input items + 1 output item of turn 3
+    assert exp.identity == "id"
+
+
+def test_cold_head_says_field_unknown() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=600, hot_seconds=0.5)
+    history = three_turns(heads, [SYSTEM, USER])
+    heads.expire(100.0)  # bodies go cold, heads stay (ttl 600)
+    edited = [SYSTEM, dict(USER, content="do 4 steps"), *history[2:]]
+    _, exp = miss(heads, edited)
+    assert exp is not None and exp.reason == MissReason.DIVERGED
+    assert (exp.miss_item, exp.miss_type, exp.miss_field, exp.detail) == (1, "message", None, Detail.FIELD_UNKNOWN)
+
+
+def test_new_conversation_sharing_the_system_prompt_stays_no_head() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    three_turns(heads, [SYSTEM, USER])
+    reason, exp = miss(heads, [SYSTEM, dict(USER, content="another task")])
+    assert reason == MissReason.NO_HEAD
+    assert exp is not None and exp.reason == MissReason.NO_HEAD and exp.miss_item is None
+
+
+def test_reserialised_arguments_equal_continue_but_changed_ones_are_reported() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1, '{"path":"a.py","n":2}')), 0)
+    same = req([USER, call(1, '{ "n": 2.0, "path": "a.py" }'), result(1)])
+    assert heads.lookup("id", same, 1, IDLE).match is not None
+    reason, exp = miss(heads, [USER, call(1, '{"path":"a.py","n":"2"}'), result(1)])
+    assert reason == MissReason.DIVERGED
+    assert exp is not None
+    assert (exp.reason, exp.miss_item, exp.miss_type, exp.miss_field) == ("diverged", 1, "function_call", "arguments")
+
+
+def test_changed_tools_name_the_setting() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
+    tools = [{"type": "function", "name": "read"}, {"type": "function", "name": "write"}]
+    reason, exp = miss(heads, [USER, call(1), result(1)], tools=tools)
+    assert reason == MissReason.SETTINGS_CHANGED
+    assert exp is not None
+    assert (exp.reason, exp.miss_item, exp.miss_field, exp.detail) == (
+        "settings_changed",
+        None,
+        "tools",
+        Detail.SETTING,
+    )
+
+
+def test_dropped_reasoning_retry_and_no_new_items() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    heads.record("id", "s1", req([USER]), response("resp_1", reasoning(1), call(1)), 0)
+    reason, exp = miss(heads, [USER, call(1), result(1)])
+    assert reason == MissReason.DROPPED_REASONING
+    assert exp is not None and (exp.reason, exp.miss_item, exp.miss_type) == ("dropped_reasoning", 1, "reasoning")
+    reason, exp = miss(heads, [USER])
+    assert reason == MissReason.RETRY
+    assert exp is not None and (exp.reason, exp.miss_item, exp.miss_type, exp.detail) == (
+        "retry",
+        1,
+        "reasoning",
+        Detail.RETRY,
+    )
+    reason, exp = miss(heads, [USER, reasoning(1), call(1)])
+    assert reason == MissReason.NO_NEW_ITEMS
+    assert exp is not None and (exp.reason, exp.miss_item, exp.detail) == ("no_new_items", 3, Detail.NO_NEW_ITEMS)
+
+
+def test_echoed_message_text_changed() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    out = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}
+    heads.record("id", "s1", req([USER]), response("resp_1", out), 0)
+    as_string = {"role": "assistant", "content": "done"}
+    assert heads.lookup("id", req([USER, as_string, USER]), 1, IDLE).match is not None
+    edited = {"role": "assistant", "content": [{"type": "output_text", "text": "done!"}]}
+    _, exp = miss(heads, [USER, edited, USER])
+    assert exp is not None and (exp.miss_item, exp.miss_type, exp.miss_field) == (1, "message", "content[0].text")
+
+
+def test_field_diff_paths_are_names_and_indices_only() -> None:
+    old = {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "SECRET"}]}
+    new = {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "OTHER"}]}
+    assert first_field_diff(old, new) == "output[0].text"
+    assert (
+        first_field_diff(
+            {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_text", "text": "a"}]}
+        )
+        is None
+    )
+    assert first_field_diff({"a": {"weird key!": 1}}, {"a": {"weird key!": 2}}) == "a.?"
+
+
+def test_memory_per_head_of_the_explanation_data() -> None:
+    """Measured and bounded: 8 bytes an input item, about 100-120 bytes an output item."""
+    heads = HeadTable(max_heads=10_000, ttl_seconds=600)
+    history = [USER]
+    for n in range(10):
+        history += [call(n), result(n)]
+    r = req(history)
+    r.item_keys  # noqa: B018 (computed by lookup anyway)
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}
+    output = [reasoning(99), call(99), message]
+    digests = heads._item_digests(r)
+    assert digests is not None and len(digests) == 8 * 21
+    tuple(echo_fields(i) for i in output)  # the shared path tuples exist once per process
+
+    echo = tuple(echo_fields(i) for i in output)
+    again = tuple(echo_fields(i) for i in output)
+    assert all(a[0] is b[0] for a, b in zip(echo, again, strict=True))  # paths: shared, not per head
+    # What one head holds for explanations (the shared path tuples excluded).
+    size = sys.getsizeof(digests) + sys.getsizeof(echo)
+    size += sum(sys.getsizeof(pair) + sys.getsizeof(pair[1]) for pair in echo)
+    print(f"explanation data per head (21 input items, 3 output items): {size} bytes", file=sys.stderr)
+    assert sys.getsizeof(digests) == 33 + 8 * 21
+    assert size < 8 * 21 + 33 + 64 + 3 * 130
+
+
+def test_same_task_again_is_no_head_with_where_it_stops() -> None:
+    """A new conversation that starts like a finished one (the demo run twice) is no edit."""
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    three_turns(heads, [SYSTEM, USER])
+    reason, exp = miss(heads, [SYSTEM, USER])
+    assert reason == MissReason.NO_HEAD
+    assert exp is not None and exp.reason == MissReason.NO_HEAD
+    assert (exp.miss_item, exp.detail, exp.candidate_items) == (2, Detail.MISSING, 7)
