@@ -52,7 +52,6 @@ def three_turns(heads: HeadTable, first: list[Any]) -> list[Any]:
     for turn in (1, 2, 3):
         r = req(history)
         assert heads.lookup("id", r, turn, IDLE).reason in ("continuation", MissReason.NO_HEAD)
-        heads.begin("s1")
         heads.record("id", "s1", r, response(f"resp_{turn}", call(turn)), turn)
         history += [call(turn), result(turn)]
     return history
