@@ -35,6 +35,7 @@ from proxy.errors import (
 )
 from proxy.identity import Identity, identify
 from proxy.keys import KeySource
+from proxy.memory import Lease, MemoryGate, MemoryRefused
 from proxy.metrics import (
     DROPPED_REASONING,
     ERRORS,
@@ -67,6 +68,8 @@ class Services:
     streams: set[tuple[Downstream, Channel]] = field(default_factory=set)
     """Responses being pumped to apps right now (ended by :func:`cut_stream` if the drain's
     grace runs out)."""
+    memory: MemoryGate | None = None
+    """The memory budget every request draws from (issue 12; proxy/memory.py)."""
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""
@@ -79,6 +82,9 @@ class Services:
 
 SERVICES = web.AppKey("upshift_services", Services)
 
+_NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
+"""Stands in for the memory lease when there is no gate (Services built without one)."""
+
 _WARM_ABOVE = 256 * 1024
 """Bodies larger than this that were parsed in full get their item keys in slices."""
 _WARM_SLICE = 16
@@ -90,8 +96,15 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     rec = Record(new_request_id())
     INFLIGHT.inc()
+    svc = request.app[SERVICES]
     try:
-        response = await _post(request.app[SERVICES], request, rec, started)
+        # issue 12: the request's memory lease, from before its body is read until its answer
+        # is written; a refusal (429/503 + retry-after) is answered here, nothing was read.
+        try:
+            async with svc.memory.lease(request.content_length) if svc.memory else _NO_LEASE as mem:
+                response = await _post(svc, request, rec, started, mem)
+        except MemoryRefused as exc:
+            response = _error(exc, exc.headers(rec.request_id), rec, started)
         rec.status = response.status
         return response
     except asyncio.CancelledError:
@@ -116,10 +129,12 @@ def _error(exc: ProxyError, headers: dict[str, str], rec: Record, started: float
     return web.Response(body=json_body(exc.body()), status=exc.status, content_type="application/json", headers=headers)
 
 
-async def _post(svc: Services, request: web.Request, rec: Record, started: float) -> web.StreamResponse:
+async def _post(
+    svc: Services, request: web.Request, rec: Record, started: float, mem: Lease | None = None
+) -> web.StreamResponse:
     headers = {"x-request-id": rec.request_id}
     try:
-        body = await read_body(request, svc.settings.limits.max_body_bytes)
+        body = await read_body(request, svc.settings.limits.max_body_bytes, mem)  # issue 12: lease
         rec.bytes_in = len(body)
         REQUEST_BYTES.inc(len(body))
         identity = svc.identity(request)
@@ -143,7 +158,7 @@ async def _post(svc: Services, request: web.Request, rec: Record, started: float
         transport, reason = Transport.HTTP, "upgrade_refused"
     if transport is Transport.HTTP:
         return await _passthrough(svc, request, req, rec, headers, started, reason)
-    return await _websocket(svc, request, req, identity, rec, headers, started)
+    return await _websocket(svc, request, req, identity, rec, headers, started, mem)
 
 
 async def _passthrough(
@@ -175,6 +190,7 @@ async def _websocket(
     rec: Record,
     headers: dict[str, str],
     started: float,
+    mem: Lease | None = None,
 ) -> web.StreamResponse:
     heads, pool = svc.heads, svc.pool
     lookup: Lookup = heads.lookup(identity.digest, req, time.monotonic(), pool.is_idle)
@@ -187,7 +203,6 @@ async def _websocket(
         # The app chains itself: relay its id as is, on the socket that produced it if known.
         anchor = heads.anchor_for(identity.digest, req.previous_response_id)
     down = Downstream(request, stream=req.stream, headers=headers, started=started)
-    full_frame: bytes | None = None
     attempt, fresh = 0, False
     while True:
         try:
@@ -204,7 +219,7 @@ async def _websocket(
             rec.mode, rec.reason = "continuation", "continuation"
             rec.items_sent, rec.items_avoided = len(match.new_items), match.items_avoided
         else:
-            frame = full_frame = full_frame or build_frame(req)
+            frame = build_frame(req)  # issue 12: not kept across attempts (a replay rebuilds it)
             rec.mode, rec.items_sent = "full", req.n_items
             if attempt == 0:
                 rec.reason = lookup.reason if match is None else MissReason.HEAD_BUSY
@@ -215,8 +230,11 @@ async def _websocket(
         sent_at = time.perf_counter()
         entry = (down, channel)
         svc.streams.add(entry)
+        # issue 12: pump takes the only reference to the frame, frees it once sent, shrinks `mem`.
+        frames, sent = [frame], len(frame)
+        del frame
         try:
-            await pump(lease.socket, frame, channel, down, svc.settings.timeouts.stream_idle_seconds)
+            await pump(lease.socket, frames, channel, down, svc.settings.timeouts.stream_idle_seconds, mem)
         except UpstreamError as exc:
             pool.release(lease, reusable=False)
             failure = exc
@@ -239,8 +257,8 @@ async def _websocket(
             pool.release(lease, reusable=not aged, head=done)
         finally:
             svc.streams.discard(entry)
-        rec.bytes_sent += len(frame)
-        UPSTREAM_BYTES_SENT.labels("websocket").inc(len(frame))
+        rec.bytes_sent += sent
+        UPSTREAM_BYTES_SENT.labels("websocket").inc(sent)
         rec.upstream_s = down.upstream_wait
         if failure is None and channel.released:
             return await _finish(down, channel, rec)

@@ -25,6 +25,7 @@ from proxy.handlers import SERVICES, Services, cut_stream, post_responses
 from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
 from proxy.log import setup_logging
+from proxy.memory import MemoryGate, effective_settings, tune_allocator
 from proxy.metrics import ERRORS
 from proxy.passthrough import Passthrough
 from proxy.pool import Pool
@@ -160,6 +161,8 @@ class Server:
     """
 
     def __init__(self, settings: Settings, lifecycle: Lifecycle | None = None) -> None:
+        tune_allocator()  # issue 12: large buffers get their own mappings, returned on free
+        settings, derived = effective_settings(settings)  # issue 12: limits derived from the budget
         self.settings = settings
         self.lifecycle = lifecycle or Lifecycle()
         server_log = logging.getLogger("aiohttp.server")
@@ -175,6 +178,7 @@ class Server:
         )
         keys = KeySource(settings.api_key)
         self.services = Services(settings, keys, heads, Pool(settings, heads, spare=True), Passthrough(settings, keys))
+        self.services.memory = MemoryGate(derived, heads, wait_seconds=settings.limits.memory_wait_seconds)
         self._api = web.AppRunner(
             build_app(self.services),
             access_log=None,

@@ -161,6 +161,17 @@ class ParsedRequest:
         self._keys = done
         return True
 
+    def release_items(self) -> bool:
+        """Let go of the parsed input of a full parse once its item keys are known (issue 12:
+        the parsed copy is about as large as the body). The frame splices the body's bytes and
+        heads need only the keys; anything that still asks for :attr:`items` re-parses."""
+        if self.base is not None or self._keys is None or self.span is None or self._items is None:
+            return False
+        self._items = None
+        if isinstance(self.fields.get("input"), list):
+            self.fields["input"] = None  # the marker stays in place, its value goes
+        return True
+
     def input_state(self) -> Any:
         """SHA-256 state over the keys of every input item (cheap after a fast parse)."""
         if self.base is not None and self.tail is not None:
@@ -367,6 +378,8 @@ def build_frame(
             exact_items = [{"role": "user", "content": raw_input}] if isinstance(raw_input, str) else raw_input
             items = exact_items[len(exact_items) - len(items) :] if items else []
         frame = _frame(req, exact, previous_response_id, items)
+    # The frame now carries the history: the parsed copy of a full parse may go (issue 12).
+    req.release_items()
     return frame
 
 
