@@ -71,6 +71,9 @@ _UNLIMITED = 1 << 60
 """cgroup v1 writes "no limit" as a huge number (9223372036854771712)."""
 _GROW_STEP = 1024 * 1024
 """A chunked body's reservation grows by at least this much at a time."""
+_BUFFERED = 384 * 1024
+"""What a connection's read buffers take in of a body before reading pauses (aiohttp's
+StreamReader high-water mark, 128 KiB, plus one 256 KiB socket read)."""
 _TRIM_DELAY = 0.25
 """Seconds the gate must stay idle before memory is handed back to the OS."""
 
@@ -332,10 +335,10 @@ class MemoryGate:
 
     # -- internals -------------------------------------------------------------------------
 
-    async def _acquire(self, want: int) -> Ticket:
+    async def _acquire(self, want: int, buffered: int = 0) -> Ticket:
         if self.heads is not None:
             self._apply(self.budget.set_heads(len(self.heads) * HEAD_COST))
-        ticket, out = self.budget.ask(want)
+        ticket, out = self.budget.ask(want, buffered)
         self._apply(out)
         if ticket.verdict is Verdict.TOO_LARGE:
             MEMORY_REFUSALS.labels("too_large").inc()
@@ -426,8 +429,10 @@ class Lease:
         return self._ticket.want if self._ticket is not None else 0
 
     async def __aenter__(self) -> Lease:
-        want = max(AMPLIFICATION * (self.length or 0), MIN_RESERVATION)
-        self._ticket = await self.gate._acquire(want)
+        want = AMPLIFICATION * (self.length or 0) + MIN_RESERVATION
+        # While it waits, the start of the body is in the server's read buffers already.
+        buffered = min(self.length if self.length is not None else _BUFFERED, _BUFFERED) + MIN_RESERVATION
+        self._ticket = await self.gate._acquire(want, buffered)
         return self
 
     async def __aexit__(
@@ -444,7 +449,7 @@ class Lease:
         self.body = size
         ticket = self._ticket
         assert ticket is not None, "grow outside the lease"
-        need = AMPLIFICATION * size - ticket.want
+        need = AMPLIFICATION * size + MIN_RESERVATION - ticket.want
         if need <= 0:
             return
         more = max(need, _GROW_STEP)
@@ -453,11 +458,7 @@ class Lease:
         gate._apply(out)
         if ok:
             return
-        extra = await gate._acquire(more)
-        # Merge the extra ticket into this one.
-        gate.budget.tickets -= 1
-        ticket.want += extra.want
-        extra.want, extra.verdict = 0, Verdict.RELEASED
+        gate.budget.merge(ticket, await gate._acquire(more))
 
     def read(self, size: int) -> None:
         """The whole body is read (``size`` bytes)."""
@@ -466,4 +467,4 @@ class Lease:
     def sent(self) -> None:
         """The frame went to the upstream socket: from now on the request holds its body only."""
         if self._ticket is not None:
-            self.gate._apply(self.gate.budget.settle(self._ticket, max(self.body, MIN_RESERVATION)))
+            self.gate._apply(self.gate.budget.settle(self._ticket, self.body + MIN_RESERVATION))

@@ -45,8 +45,9 @@ AMPLIFICATION = 4
 parsed items (about 1x for tool outputs), the frame, and the send buffers of the WebSocket
 library (masked copy). Measured peak per in-flight byte, see bench/memory.py."""
 
-MIN_RESERVATION = 64 * 1024
-"""Floor of a request's reservation (buffers and objects of even an empty request)."""
+MIN_RESERVATION = 128 * 1024
+"""Added to every request's reservation: its connection's buffers and objects, held even
+while it waits (bench: 200 connections at once cost ~25 MiB beyond their bodies)."""
 
 HEAD_COST = 24 * 1024
 """Bytes per conversation head, its upstream socket included (bench: ~23 KB)."""
@@ -58,8 +59,10 @@ CGROUP_FRACTION = 0.85
 """Share of the container's memory limit the sidecar budgets for itself (the rest: the
 kernel's socket buffers, allocator slack, the probes)."""
 
-BASELINE_SLACK = 0.05
-"""Share of the budget left unassigned on top of the idle process (allocator fragmentation)."""
+BASELINE_SLACK = 0.15
+"""Share of the budget left unassigned on top of the idle process: the read buffers of connections
+that arrive while the budget is taken (~0.5 MiB each, in memory before any handler runs) and
+allocator fragmentation (bench: 200 connections at once)."""
 
 
 class Kind(enum.StrEnum):
@@ -87,6 +90,9 @@ class Ticket:
 
     want: int
     """Bytes asked for (granted: held)."""
+    held: int = 0
+    """Bytes counted now: ``want`` once granted; while waiting, what the connection's buffers
+    already hold of the unread body (see :meth:`Budget.ask`)."""
     verdict: Verdict = Verdict.WAITING
     waited: bool = False
     """Whether it had to queue."""
@@ -171,9 +177,14 @@ class Budget:
 
     # -- requests --------------------------------------------------------------------------
 
-    def ask(self, want: int) -> tuple[Ticket, Outcome]:
+    def ask(self, want: int, buffered: int = 0) -> tuple[Ticket, Outcome]:
         """Reserve ``want`` bytes: granted now (maybe evicting kept bodies), queued, or refused
-        because it could not fit even into an empty budget."""
+        because it could not fit even into an empty budget.
+
+        ``buffered``: bytes the request holds even while it waits (the start of its body that
+        the server's read buffers took in before backpressure set in); counted at once, even
+        over the capacity, because they are in memory either way.
+        """
         ticket = Ticket(max(want, 0))
         out = Outcome()
         if ticket.want > self.capacity - self.heads:
@@ -183,6 +194,8 @@ class Budget:
             self._grant(ticket)
             return ticket, out
         ticket.waited = True
+        ticket.held = min(max(buffered, 0), ticket.want)
+        self.in_flight += ticket.held
         self._queue.append(ticket)
         return ticket, out
 
@@ -197,6 +210,7 @@ class Budget:
         if not self._fits(more, out):
             return False, out
         ticket.want += more
+        ticket.held += more
         self.in_flight += more
         return True, out
 
@@ -205,18 +219,19 @@ class Budget:
         if ticket.verdict is not Verdict.GRANTED or hold >= ticket.want:
             return Outcome()
         self.in_flight -= ticket.want - max(hold, 0)
-        ticket.want = max(hold, 0)
+        ticket.want = ticket.held = max(hold, 0)
         return self._admit()
 
     def release(self, ticket: Ticket) -> Outcome:
         """The request is over (any way): its bytes return; a waiting ticket leaves the queue."""
         if ticket.verdict is Verdict.GRANTED:
-            self.in_flight -= ticket.want
+            self.in_flight -= ticket.held
             self.tickets -= 1
-            ticket.verdict = Verdict.RELEASED
+            ticket.held, ticket.verdict = 0, Verdict.RELEASED
             return self._admit()
         if ticket.verdict is Verdict.WAITING:
-            ticket.verdict = Verdict.CANCELLED
+            self.in_flight -= ticket.held
+            ticket.held, ticket.verdict = 0, Verdict.CANCELLED
             head = bool(self._queue) and self._queue[0] is ticket
             self._queue.remove(ticket)
             if head:
@@ -252,6 +267,16 @@ class Budget:
 
     # -- internals -------------------------------------------------------------------------
 
+    def merge(self, ticket: Ticket, extra: Ticket) -> None:
+        """Fold a granted ``extra`` ticket into ``ticket`` (a chunked body's growth)."""
+        if ticket.verdict is not Verdict.GRANTED or extra.verdict is not Verdict.GRANTED:
+            raise ValueError("merge of tickets not both granted")
+        ticket.want += extra.want
+        ticket.held += extra.held
+        extra.want = extra.held = 0
+        extra.verdict = Verdict.RELEASED
+        self.tickets -= 1
+
     def _fits(self, want: int, out: Outcome) -> bool:
         """Whether ``want`` fits, evicting kept bodies (oldest first) if that makes it fit."""
         if want <= self.free:
@@ -266,7 +291,8 @@ class Budget:
 
     def _grant(self, ticket: Ticket) -> None:
         ticket.verdict = Verdict.GRANTED
-        self.in_flight += ticket.want
+        self.in_flight += ticket.want - ticket.held
+        ticket.held = ticket.want
         self.tickets += 1
 
     def _admit(self) -> Outcome:
@@ -276,10 +302,11 @@ class Budget:
             ticket = self._queue[0]
             if ticket.want > self.capacity - self.heads:
                 self._queue.popleft()
-                ticket.verdict = Verdict.TOO_LARGE
+                self.in_flight -= ticket.held
+                ticket.held, ticket.verdict = 0, Verdict.TOO_LARGE
                 out.granted.append(ticket)  # woken to be refused
                 continue
-            if not self._fits(ticket.want, out):
+            if not self._fits(ticket.want - ticket.held, out):
                 break
             self._queue.popleft()
             self._grant(ticket)
