@@ -233,6 +233,17 @@ class RssSampler:
     def now(self) -> int:
         return int(self.proc.memory_info().rss)
 
+    def high_water(self) -> int:
+        """The kernel's exact peak RSS of the process (``VmHWM``), 0 if unknown."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
     async def _run(self) -> None:
         while True:
             try:
@@ -376,6 +387,7 @@ async def run_budget(
             result = await conversation_load(side.base_url, conversations, int(size_mb * MIB), turns)
             elapsed = time.perf_counter() - started
             peak = await sampler.stop()
+            peak = max(peak, sampler.high_water())
             await asyncio.sleep(2.0)
             after = sampler.now()
             metrics = await side.metrics()
