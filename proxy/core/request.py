@@ -121,6 +121,8 @@ class ParsedRequest:
     _keys: list[bytes] | None = field(default=None, repr=False)
     _partial: list[bytes] = field(default_factory=list, repr=False)
     _prefix: dict[int, bytes] = field(default_factory=dict, repr=False)
+    _count: int | None = field(default=None, repr=False)
+    """Input items of a full parse whose items were released."""
 
     @property
     def items(self) -> list[Any]:
@@ -134,6 +136,8 @@ class ParsedRequest:
         """Number of input items, without a full parse."""
         if self.base is not None and self.tail is not None:
             return self.base.count + len(self.tail)
+        if self._items is None and self._count is not None:
+            return self._count
         return len(self.items)
 
     @property
@@ -167,6 +171,7 @@ class ParsedRequest:
         heads need only the keys; anything that still asks for :attr:`items` re-parses."""
         if self.base is not None or self._keys is None or self.span is None or self._items is None:
             return False
+        self._count = len(self._items)
         self._items = None
         if isinstance(self.fields.get("input"), list):
             self.fields["input"] = None  # the marker stays in place, its value goes
@@ -366,6 +371,8 @@ def build_frame(
         previous_response_id: The anchor of a continuation; ``None`` keeps the app's own.
         items: The new items of a continuation; ``None`` keeps the app's whole input.
     """
+    # The frame splices the body's own bytes: a full parse's items may go first (issue 12).
+    req.release_items()
     frame = _frame(req, req.fields, previous_response_id, items)
     # Only what is written anew is checked: a spliced input array keeps the app's own digits.
     written = items if items is not None else (req.fields.get("input") if req.span is None else None)
@@ -378,8 +385,6 @@ def build_frame(
             exact_items = [{"role": "user", "content": raw_input}] if isinstance(raw_input, str) else raw_input
             items = exact_items[len(exact_items) - len(items) :] if items else []
         frame = _frame(req, exact, previous_response_id, items)
-    # The frame now carries the history: the parsed copy of a full parse may go (issue 12).
-    req.release_items()
     return frame
 
 
