@@ -129,7 +129,7 @@ def derive(memory_bytes: int, baseline: int) -> Derived:
     return Derived(
         memory_bytes=memory_bytes,
         capacity=capacity,
-        max_body_bytes=min(64 * 1024 * 1024, capacity // AMPLIFICATION),
+        max_body_bytes=min(64 * 1024 * 1024, (capacity - MIN_RESERVATION) // AMPLIFICATION),
         hot_prefix_bytes=capacity // 2,
     )
 
