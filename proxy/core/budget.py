@@ -125,7 +125,9 @@ def derive(memory_bytes: int, baseline: int) -> Derived:
     """The capacity and the default size limits for a budget of ``memory_bytes`` (RSS) when the
     idle process takes ``baseline`` bytes."""
     slack = int(memory_bytes * BASELINE_SLACK)
-    capacity = max(memory_bytes - baseline - slack, 8 * 1024 * 1024)
+    # A process already larger than its budget (a test runner hosting sidecars) still gets a
+    # quarter of it rather than nothing.
+    capacity = max(memory_bytes - baseline - slack, memory_bytes // 4)
     return Derived(
         memory_bytes=memory_bytes,
         capacity=capacity,
