@@ -105,6 +105,7 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
                 response = await _post(svc, request, rec, started, mem)
         except MemoryRefused as exc:
             response = _error(exc, exc.headers(rec.request_id), rec, started)
+            rec.outcome = "proxy_error"
         rec.status = response.status
         return response
     except asyncio.CancelledError:

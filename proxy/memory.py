@@ -301,8 +301,12 @@ class MemoryGate:
         wait_seconds: Longest wait for memory before a 429.
     """
 
-    def __init__(self, derived: Derived, heads: HeadTable | None, *, wait_seconds: float) -> None:
+    def __init__(
+        self, derived: Derived, heads: HeadTable | None, *, wait_seconds: float, max_body_bytes: int = 0
+    ) -> None:
         self.derived = derived
+        self.max_body_bytes = max_body_bytes
+        """Bodies declared larger are not reserved for: the reader refuses them (413) unread."""
         self.budget = Budget(derived.capacity)
         self.heads = heads
         self.wait_seconds = wait_seconds
@@ -319,6 +323,8 @@ class MemoryGate:
 
     def lease(self, length: int | None) -> Lease:
         """A lease for one request whose body declares ``length`` bytes (``None``: chunked)."""
+        if length is not None and self.max_body_bytes and length > self.max_body_bytes:
+            length = 0  # a 413, answered before anything is read
         return Lease(self, length)
 
     # -- HeadTable keeper ------------------------------------------------------------------

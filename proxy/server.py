@@ -178,7 +178,10 @@ class Server:
         )
         keys = KeySource(settings.api_key)
         self.services = Services(settings, keys, heads, Pool(settings, heads, spare=True), Passthrough(settings, keys))
-        self.services.memory = MemoryGate(derived, heads, wait_seconds=settings.limits.memory_wait_seconds)
+        limits = settings.limits
+        self.services.memory = MemoryGate(
+            derived, heads, wait_seconds=limits.memory_wait_seconds, max_body_bytes=limits.max_body_bytes
+        )
         self._api = web.AppRunner(
             build_app(self.services),
             access_log=None,

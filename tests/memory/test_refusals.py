@@ -137,3 +137,12 @@ async def test_a_chunked_body_reserves_as_it_is_read(
     record = emulator.record(answer["id"])
     assert record is not None and record["context_digest"] == context_digest(orjson.loads(body)["input"])
     await _until(side, "upshift_memory_bytes", 0, kind="in_flight")
+
+
+async def test_a_body_over_the_derived_size_limit_is_still_a_413(emulator: Emulator, limited: LimitedFactory) -> None:
+    side = await _start(limited, emulator)  # max_body_bytes derived: the largest body that fits
+    reader, writer = await _open(side, 50 * MIB)
+    status, _, body = await _answer(reader)
+    writer.close()
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large", (status, body)
+    assert metric(await scrape(side.admin), "upshift_memory_refusals_total", reason="too_large") == 0
