@@ -71,9 +71,10 @@ _UNLIMITED = 1 << 60
 """cgroup v1 writes "no limit" as a huge number (9223372036854771712)."""
 _GROW_STEP = 1024 * 1024
 """A chunked body's reservation grows by at least this much at a time."""
-_BUFFERED = 384 * 1024
-"""What a connection's read buffers take in of a body before reading pauses (aiohttp's
-StreamReader high-water mark, 128 KiB, plus one 256 KiB socket read)."""
+_BUFFERED = 256 * 1024
+"""What a waiting connection's read buffers hold of its body before reading pauses (the API
+listener's aiohttp read buffer is 16 KiB, proxy/server.py; measured: a connection waiting with
+a 4 MB body adds ~124 KiB of RSS, 756 KiB with aiohttp's default 64 KiB buffer)."""
 _TRIM_DELAY = 0.25
 """Seconds the gate must stay idle before memory is handed back to the OS."""
 

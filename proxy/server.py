@@ -55,6 +55,11 @@ class _MalformedRequestFilter(logging.Filter):
 _FILTER = _MalformedRequestFilter()
 
 
+_READ_BUFSIZE = 16 * 1024
+"""aiohttp's per-connection read buffer limit (issue 12): a connection whose body waits for
+memory holds at most about twice this plus one socket read before reading pauses."""
+
+
 def split_hostport(value: str) -> tuple[str, int]:
     """``"127.0.0.1:8080"``, ``"[::1]:8080"`` or ``":8080"`` → (host, port)."""
     host, _, port = value.rpartition(":")
@@ -189,6 +194,7 @@ class Server:
             # only their payload: half of it each keeps the whole drain within the grace.
             shutdown_timeout=settings.shutdown.grace_seconds / 2,
             handle_signals=False,
+            read_bufsize=_READ_BUFSIZE,
         )
         self._admin = web.AppRunner(make_admin_app(self.lifecycle), access_log=None, handle_signals=False)
         self.api_address: tuple[str, int] = ("", 0)

@@ -61,7 +61,7 @@ kernel's socket buffers, allocator slack, the probes)."""
 
 BASELINE_SLACK = 0.15
 """Share of the budget left unassigned on top of the idle process: the read buffers of connections
-that arrive while the budget is taken (~0.5 MiB each, in memory before any handler runs) and
+that arrive while the budget is taken (~0.15 MiB each, in memory before any handler runs) and
 allocator fragmentation (bench: 200 connections at once)."""
 
 
