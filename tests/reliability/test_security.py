@@ -24,7 +24,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import proxy.errors
+import proxy.memory
 from proxy.config import LoggingSettings, Settings, load_settings
+from proxy.core.budget import Kind
 from proxy.core.conversation import MissReason
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
@@ -241,9 +243,15 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "route": {"responses", "responses_ws", "other"},
     "mode": {"continuation", "full", "passthrough", "relay"},
     "outcome": {"ok", "client_error", "upstream_error", "proxy_error", "cancelled"},
-    "reason": {v for k, v in vars(MissReason).items() if k.isupper()} | {"pool_full"},
+    "reason": {v for k, v in vars(MissReason).items() if k.isupper()} | {"pool_full", "too_large", "wait_timeout"},
     "cause": {"previous_response_not_found", "connection_limit", "closed_before_first_event", "frame_too_big"},
-    "code": {c.code for c in vars(proxy.errors).values() if isinstance(c, type) and hasattr(c, "code")},
+    "code": {
+        c.code
+        for module in (proxy.errors, proxy.memory)
+        for c in vars(module).values()
+        if isinstance(c, type) and hasattr(c, "code")
+    },
+    "kind": {k.value for k in Kind},
     "state": {"open", "busy", "idle"},
     "transport": {"websocket", "http"},
     "accepted": {"true", "false"},
