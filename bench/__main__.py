@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from . import report as rpt
-from .memory import run_memory
+from .memory import WORKLOADS, run_budget, run_memory
 from .overhead import parse_size, run_overhead
 from .phases import LoadMonitor, meta, profile_pass, quiet_stderr, rollouts_phase, wait_quiet
 from .procs import EmulatorProc, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
@@ -81,6 +81,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--phases", default=",".join(PHASES), help="phases to run")
     p.add_argument("--memory-conversations", type=int, default=2000)
+    p.add_argument("--memory-budget-mb", type=float, default=256.0,
+                   help="limits.memory_bytes for the memory phase's load workloads (issue 12)")  # fmt: skip
     p.add_argument("--stall-streams", type=int, default=8)
     p.add_argument("--stall-size", default="3m")
     p.add_argument("--stall-repeats", type=int, default=3, help="rounds of each stall scenario (medians reported)")
@@ -203,6 +205,11 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
                 monitor.phase()
                 log(f"phase memory: {args.memory_conversations} idle conversations")
                 report["memory"] = await run_memory(emu, side, args.memory_conversations)
+                # The memory budget under the issue's load (its own sidecar per workload).
+                loads = [(6, 4.0, 2)] if args.quick else WORKLOADS
+                log(f"phase memory: budget {args.memory_budget_mb:g} MiB under {loads}")
+                budget = int(args.memory_budget_mb * 2**20)
+                report["memory"]["budget"] = await run_budget(emu, logs, loads, budget_bytes=budget, log=log)
                 load["memory"] = monitor.phase()
             if "stall" in phases:
                 side.stop()

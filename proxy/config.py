@@ -86,10 +86,17 @@ class IdentitySettings:
 
 @dataclass(frozen=True, slots=True)
 class LimitsSettings:
-    """Request size limits."""
+    """Request size limits and the memory budget (docs/reliability.md, "Memory")."""
 
-    max_body_bytes: int = 64 * 1024 * 1024
-    """Largest request body accepted from an app (413 above)."""
+    memory_bytes: int = 0
+    """The sidecar's memory budget (RSS) that request bodies, their parsed copies and frames,
+    kept bodies and heads all draw from. 0: 85% of the container's cgroup memory limit, or
+    1 GiB when there is none. When it is taken, new request bodies wait unread (backpressure)."""
+    memory_wait_seconds: float = 30.0
+    """Longest a request waits for memory before it is answered 429 with ``retry-after``."""
+    max_body_bytes: int = 0
+    """Largest request body accepted from an app (413 above). 0: derived from the budget (the
+    largest body that fits it, at most 64 MiB)."""
     ws_frame_budget_bytes: int = 15 * 1024 * 1024
     """Largest ``response.create`` frame sent upstream; larger requests go over HTTP."""
 
@@ -164,9 +171,10 @@ class MatchingSettings:
     """Conversation heads kept in memory across identities (LRU)."""
     head_ttl_seconds: float = 3600.0
     """Forget a head unused for this long."""
-    hot_prefix_bytes: int = 256 * 1024 * 1024
+    hot_prefix_bytes: int = 0
     """Request bodies kept, in total, so the next turn's history prefix is checked by a byte
-    comparison instead of a SHA-256 digest (faster; same answer)."""
+    comparison instead of a SHA-256 digest (faster; same answer). 0: half the memory budget's
+    share for requests; kept bodies give way to requests first either way."""
     hot_prefix_seconds: float = 120.0
     """A kept body is let go this long after its turn (idle heads keep only digests)."""
 
@@ -269,7 +277,6 @@ _SERVICE_LINK_PORT = re.compile(r"^(?:tcp|udp|sctp)://")
 # the sidecar unusable rather than merely switch something off.
 _POSITIVE = frozenset(
     {
-        "limits.max_body_bytes",
         "pool.max_sockets_per_identity",
         "pool.max_sockets_total",
         "pool.lanes_per_socket",

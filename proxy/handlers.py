@@ -38,6 +38,7 @@ from proxy.errors import (
 )
 from proxy.identity import Identity, request_identity
 from proxy.keys import KeySource
+from proxy.memory import Lease, MemoryGate, MemoryRefused
 from proxy.metrics import (
     DROPPED_REASONING,
     ERRORS,
@@ -71,6 +72,8 @@ class Services:
     streams: set[tuple[Downstream, Channel]] = field(default_factory=set)
     """Responses being pumped to apps right now (ended by :func:`cut_stream` if the drain's
     grace runs out)."""
+    memory: MemoryGate | None = None
+    """The memory budget every request draws from (issue 12; proxy/memory.py)."""
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""
@@ -79,6 +82,9 @@ class Services:
 
 
 SERVICES = web.AppKey("upshift_services", Services)
+
+_NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
+"""Stands in for the memory lease when there is no gate (Services built without one)."""
 
 _WARM_ABOVE = 256 * 1024
 """Bodies larger than this that were parsed in full get their item keys in slices."""
@@ -91,8 +97,16 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     rec = Record(new_request_id())
     INFLIGHT.inc()
+    svc = request.app[SERVICES]
     try:
-        response = await _post(request.app[SERVICES], request, rec, started)
+        # issue 12: the request's memory lease, from before its body is read until its answer
+        # is written; a refusal (429/503 + retry-after) is answered here, nothing was read.
+        try:
+            async with svc.memory.lease(request.content_length) if svc.memory else _NO_LEASE as mem:
+                response = await _post(svc, request, rec, started, mem)
+        except MemoryRefused as exc:
+            response = _error(exc, exc.headers(rec.request_id), rec, started)
+            rec.outcome = "proxy_error"
         rec.status = response.status
         return response
     except asyncio.CancelledError:
@@ -117,10 +131,12 @@ def _error(exc: ProxyError, headers: dict[str, str], rec: Record, started: float
     return web.Response(body=json_body(exc.body()), status=exc.status, content_type="application/json", headers=headers)
 
 
-async def _post(svc: Services, request: web.Request, rec: Record, started: float) -> web.StreamResponse:
+async def _post(
+    svc: Services, request: web.Request, rec: Record, started: float, mem: Lease | None = None
+) -> web.StreamResponse:
     headers = {"x-request-id": rec.request_id}
     try:
-        body = await read_body(request, svc.settings.limits.max_body_bytes)
+        body = await read_body(request, svc.settings.limits.max_body_bytes, mem)  # issue 12: lease
         rec.bytes_in = len(body)
         REQUEST_BYTES.inc(len(body))
         identity = svc.identity(request)
@@ -142,7 +158,7 @@ async def _post(svc: Services, request: web.Request, rec: Record, started: float
     transport, reason = choose_transport(req, mode=s.mode, frame_budget=s.limits.ws_frame_budget_bytes)
     if transport is Transport.HTTP:
         return await _passthrough(svc, request, req, rec, headers, started, reason)
-    return await _websocket(svc, request, req, identity, rec, headers, started)
+    return await _websocket(svc, request, req, identity, rec, headers, started, mem)
 
 
 async def _passthrough(
@@ -174,6 +190,7 @@ async def _websocket(
     rec: Record,
     headers: dict[str, str],
     started: float,
+    mem: Lease | None = None,
 ) -> web.StreamResponse:
     """Plan → lease a lane → relay → finish; a failure before output is replayed once."""
     down = Downstream(request, stream=req.stream, headers=headers, started=started)
@@ -190,13 +207,16 @@ async def _websocket(
         headers["x-upshift-mode"] = rec.mode
         channel = Channel(req.previous_response_id)
         failure: UpstreamError | None = None
+        # issue 12: pump takes the only reference to the frame, frees it once sent, shrinks `mem`.
+        frames, sent = [frame], len(frame)
+        del frame
         try:
             async with svc.pool.lease(plan) as turn:
-                await _relay(svc, turn, frame, channel, down, req, identity, prefix)
+                await _relay(svc, turn, frames, channel, down, req, identity, prefix, mem)
         except UpstreamError as exc:
             failure = exc
-        rec.bytes_sent += len(frame)
-        UPSTREAM_BYTES_SENT.labels("websocket").inc(len(frame))
+        rec.bytes_sent += sent
+        UPSTREAM_BYTES_SENT.labels("websocket").inc(sent)
         rec.upstream_s = down.upstream_wait
         if failure is None and channel.released:
             return await _finish(down, channel, rec)
@@ -243,19 +263,20 @@ def _note_plan(rec: Record, req: ParsedRequest, plan: Plan, attempt: int) -> byt
 async def _relay(
     svc: Services,
     turn: Turn,
-    frame: bytes,
+    frames: list[bytes],
     channel: Channel,
     down: Downstream,
     req: ParsedRequest,
     identity: Identity,
     prefix: asyncio.Future[Any] | None,
+    mem: Lease | None,
 ) -> None:
     """One response on one lane, to its terminal event; the lane's head is set on the way out."""
     entry = (down, channel)
     svc.streams.add(entry)
     try:
         sent_at = time.perf_counter()
-        await pump(turn, frame, channel, down, svc.settings.timeouts.stream_idle_seconds)
+        await pump(turn, frames, channel, down, svc.settings.timeouts.stream_idle_seconds, mem)
         UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
     finally:
         svc.streams.discard(entry)

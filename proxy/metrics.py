@@ -6,6 +6,8 @@ several in-process sidecars do not collide.
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = [
@@ -18,6 +20,12 @@ __all__ = [
     "INPUT_ITEMS_AVOIDED",
     "LANES",
     "LANES_FALLBACKS",
+    "MEMORY_BUDGET",
+    "MEMORY_BYTES",
+    "MEMORY_REFUSALS",
+    "MEMORY_RSS",
+    "MEMORY_WAITING",
+    "MEMORY_WAITS",
     "PASSTHROUGH",
     "POOL_WAIT",
     "REGISTRY",
@@ -163,3 +171,58 @@ INFLIGHT = Gauge(
     "Requests in flight.",
     registry=REGISTRY,
 )
+
+# -- the memory budget (proxy/memory.py) -------------------------------------------------------
+
+MEMORY_BUDGET = Gauge(
+    "upshift_memory_budget_bytes",
+    "The sidecar's memory budget (limits.memory_bytes, RSS).",
+    registry=REGISTRY,
+)
+
+MEMORY_BYTES = Gauge(
+    "upshift_memory_bytes",
+    "Bytes of the memory budget in use, by kind.",
+    ["kind"],
+    registry=REGISTRY,
+)
+"""kind: in_flight (requests received, parsed, sent) | kept_bodies (heads' byte-comparison
+copies) | heads (heads and their sockets) | baseline (the idle process, fixed at startup)."""
+
+MEMORY_WAITING = Gauge(
+    "upshift_memory_waiting_requests",
+    "Requests whose body is not read yet because the memory budget is taken.",
+    registry=REGISTRY,
+)
+
+MEMORY_WAITS = Counter(
+    "upshift_memory_waits",
+    "Requests that had to wait for memory before their body was read.",
+    registry=REGISTRY,
+)
+
+MEMORY_REFUSALS = Counter(
+    "upshift_memory_refusals",
+    "Requests refused for memory (429/503 with retry-after), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: too_large (would not fit an empty budget) | wait_timeout (limits.memory_wait_seconds)."""
+
+
+def _rss() -> float:
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return float(int(fh.read().split()[1]) * _PAGE)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+MEMORY_RSS = Gauge(
+    "upshift_memory_rss_bytes",
+    "Resident set size of the sidecar process, read at scrape time.",
+    registry=REGISTRY,
+)
+MEMORY_RSS.set_function(_rss)

@@ -25,6 +25,7 @@ from proxy.handlers import SERVICES, Services, cut_stream, post_responses
 from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
 from proxy.log import setup_logging
+from proxy.memory import MemoryGate, effective_settings, tune_allocator
 from proxy.metrics import ERRORS
 from proxy.passthrough import Passthrough
 from proxy.pool import Pool
@@ -52,6 +53,11 @@ class _MalformedRequestFilter(logging.Filter):
 
 
 _FILTER = _MalformedRequestFilter()
+
+
+_READ_BUFSIZE = 16 * 1024
+"""aiohttp's per-connection read buffer limit (issue 12): a connection whose body waits for
+memory holds at most about twice this plus one socket read before reading pauses."""
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -160,6 +166,8 @@ class Server:
     """
 
     def __init__(self, settings: Settings, lifecycle: Lifecycle | None = None) -> None:
+        tune_allocator()  # issue 12: large buffers get their own mappings, returned on free
+        settings, derived = effective_settings(settings)  # issue 12: limits derived from the budget
         self.settings = settings
         self.lifecycle = lifecycle or Lifecycle()
         server_log = logging.getLogger("aiohttp.server")
@@ -175,6 +183,10 @@ class Server:
         )
         keys = KeySource(settings.api_key)
         self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
+        limits = settings.limits
+        self.services.memory = MemoryGate(
+            derived, heads, wait_seconds=limits.memory_wait_seconds, max_body_bytes=limits.max_body_bytes
+        )
         self._api = web.AppRunner(
             build_app(self.services),
             access_log=None,
@@ -182,6 +194,7 @@ class Server:
             # only their payload: half of it each keeps the whole drain within the grace.
             shutdown_timeout=settings.shutdown.grace_seconds / 2,
             handle_signals=False,
+            read_bufsize=_READ_BUFSIZE,
         )
         self._admin = web.AppRunner(make_admin_app(self.lifecycle), access_log=None, handle_signals=False)
         self.api_address: tuple[str, int] = ("", 0)

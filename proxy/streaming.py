@@ -14,7 +14,6 @@ response. A failed first attempt that is replayed counts as the sidecar's time, 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from proxy.core.explain import Explanation
 from proxy.core.sse import CONTENT_TYPE, encode_event
 from proxy.errors import BodyTooLarge, InvalidRequest
 from proxy.log import access_log
+from proxy.memory import BodyBuffer, Lease
 from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, PASSTHROUGH, REQUESTS
 from proxy.misses import RECENT
 
@@ -127,8 +127,19 @@ class Lane(Protocol):
     def pending(self) -> bool: ...
 
 
-async def pump(lane: Lane, frame: bytes, channel: Channel, down: Downstream, idle_timeout: float) -> None:
+async def pump(
+    lane: Lane,
+    frame: bytes | list[bytes],
+    channel: Channel,
+    down: Downstream,
+    idle_timeout: float,
+    lease: Lease | None = None,
+) -> None:
     """Send ``frame`` and move its response's events to the app until the channel is done.
+
+    ``frame`` may come as a one-element list that pump empties: then the frame is freed as
+    soon as it is sent, not when the response ends, and ``lease`` (the request's memory)
+    shrinks to the body (issue 12).
 
     Returns when the terminal event arrived; what the app gets for it (if it was held) is the
     caller's decision.
@@ -136,7 +147,10 @@ async def pump(lane: Lane, frame: bytes, channel: Channel, down: Downstream, idl
     Raises:
         UpstreamClosed | UpstreamTimeout | UpstreamProtocolError: from the socket or a bad frame.
     """
-    await lane.send(frame)
+    await lane.send(frame.pop() if isinstance(frame, list) else frame)
+    del frame
+    if lease is not None:
+        lease.sent()
     stream = down.stream
     clock = time.perf_counter
     batch: list[Out] = []
@@ -235,27 +249,45 @@ class Record:
         )
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, lease: Lease | None = None) -> bytes:
     """Read the body, refusing more than ``limit`` bytes while reading (never unbounded).
+
+    With a memory ``lease`` (issue 12): a body with ``Content-Length`` was reserved before
+    this call and is read into one buffer; a chunked body reserves as it is read (the rest
+    stays unread, in the kernel, while memory is short).
 
     Raises:
         BodyTooLarge: over the limit (declared or actual).
         InvalidRequest: the body ended before its declared length.
+        MemoryRefused: a chunked body waited too long for memory.
     """
     message = f"The request body is larger than the sidecar's limit of {limit} bytes."
     length = request.content_length
+    content = request.content
     if length is not None:
         if length > limit:
             raise BodyTooLarge(message)
-        try:
-            return await request.content.readexactly(length)
-        except asyncio.IncompleteReadError:
-            raise InvalidRequest("The request body ended before its Content-Length.") from None
+        # One buffer of the declared size, filled chunk by chunk as they arrive (aiohttp's
+        # readexactly keeps every chunk and joins them: twice the body at the end).
+        buffer = BodyBuffer(length)
+        while not buffer.full:
+            chunk = await content.read(buffer.missing)
+            if not chunk:
+                raise InvalidRequest("The request body ended before its Content-Length.")
+            buffer.write(chunk)
+        if lease is not None:
+            lease.read(length)
+        return buffer.value()
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
+    async for chunk in content.iter_any():
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(message)
+        if lease is not None:
+            await lease.grow(size)
         chunks.append(chunk)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    if lease is not None:
+        lease.read(size)
+    return body

@@ -49,6 +49,10 @@ _CLOSE_TIMEOUT = 2.0
 """Seconds to wait for the closing handshake before dropping the TCP connection."""
 
 
+_FRAGMENT = 1024 * 1024
+"""Frames above this go as a fragmented message (issue 12: memory per byte sent)."""
+
+
 def closed_error(exc: ConnectionClosed) -> UpstreamClosed:
     """Map ``ConnectionClosed`` to :class:`UpstreamClosed`, keeping code and reason."""
     frame = exc.rcvd or exc.sent
@@ -277,11 +281,20 @@ class UpstreamSocket:
             raise self.error
         self._first.append(lane)
         try:
-            await asyncio.shield(self.ws.send(frame, text=True))
+            await asyncio.shield(self._send(frame))
         except ConnectionClosed as exc:
             raise closed_error(exc) from exc
         except OSError as exc:
             raise UpstreamClosed(f"Sending to the upstream failed: {exc}") from exc
+
+    async def _send(self, frame: bytes) -> None:
+        if len(frame) > _FRAGMENT:
+            # issue 12: a large frame goes as one message in 1 MiB fragments, so the library's
+            # masked copy and its write buffer hold one fragment at a time, not the whole frame.
+            view = memoryview(frame)
+            await self.ws.send((view[i : i + _FRAGMENT] for i in range(0, len(frame), _FRAGMENT)), text=True)
+        else:
+            await self.ws.send(frame, text=True)
 
     async def _read(self) -> None:
         error: UpstreamError

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.core.explain import (
     Candidate,
@@ -44,7 +44,19 @@ from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, item_
 from proxy.core.reasons import MissReason
 from proxy.core.request import ParsedRequest, parse_request
 
-__all__ = ["Head", "HeadTable", "Lookup", "Match", "MissReason"]
+__all__ = ["Head", "HeadTable", "Keeper", "Lookup", "Match", "MissReason"]
+
+
+class Keeper(Protocol):
+    """Who else accounts for kept bodies (the memory budget, :class:`proxy.memory.MemoryGate`)."""
+
+    def keep(self, anchor: Hashable, size: int) -> bool:
+        """Whether the head of ``anchor`` may keep a body of ``size`` bytes."""
+        ...
+
+    def cooled(self, anchor: Hashable) -> None:
+        """The head of ``anchor`` let its kept body go."""
+        ...
 
 
 @dataclass(slots=True)
@@ -132,6 +144,8 @@ class HeadTable:
         self.hot_seconds = hot_seconds
         self._hot: OrderedDict[Hashable, float] = OrderedDict()
         self._hot_size = 0
+        self.keeper: Keeper | None = None
+        """Asked before a body is kept, told when one is let go (the memory budget)."""
         self.ttl_seconds = ttl_seconds
         self.allow_dropped_reasoning = allow_dropped_reasoning
         self._heads: OrderedDict[Hashable, Head] = OrderedDict()
@@ -469,6 +483,9 @@ class HeadTable:
             if head.raw is not None:
                 probes = self._raw.setdefault(head.identity, {}).setdefault(head.raw.length, {})
                 probes.setdefault(head.raw.probe, []).append(anchor)
+                if head.raw.body is not None and self.keeper is not None:
+                    if not self.keeper.keep(anchor, len(head.raw.body)):
+                        head.raw.body = None  # no memory to spare: the digest serves this head
                 if head.raw.body is not None:
                     self._hot[anchor] = now
                     self._hot_size += len(head.raw.body)
@@ -511,6 +528,11 @@ class HeadTable:
         if not bucket.lengths:
             del self._buckets[bucket_key]
 
+    def cool(self, anchor: Hashable) -> None:
+        """Let go of the body the head of ``anchor`` keeps, if any (memory pressure: the head
+        then checks the next prefix with its digest; same answer, slower)."""
+        self._cool(anchor)
+
     def _cool(self, anchor: Hashable, head: Head | None = None) -> None:
         """Let go of the body a head keeps for the byte comparison (the digest stays)."""
         if self._hot.pop(anchor, None) is None:
@@ -519,6 +541,8 @@ class HeadTable:
         if head is not None and head.raw is not None and head.raw.body is not None:
             self._hot_size -= len(head.raw.body)
             head.raw.body = None
+        if self.keeper is not None:
+            self.keeper.cooled(anchor)
 
     def expire(self, now: float) -> list[Hashable]:
         """Drop heads unused for ``ttl_seconds`` and bodies older than ``hot_seconds``;

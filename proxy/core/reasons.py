@@ -79,6 +79,10 @@ class ErrorCode(enum.StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_CLOSED = "upstream_closed"
     UPSTREAM_PROTOCOL = "upstream_protocol"
+    MEMORY_BUSY = "memory_busy"
+    """The memory budget stayed taken for ``limits.memory_wait_seconds``: 429 + ``retry-after``."""
+    MEMORY_TOO_LARGE = "memory_too_large"
+    """The request cannot fit even into an empty memory budget: 503."""
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
 

@@ -122,6 +122,8 @@ class ParsedRequest:
     _keys: list[bytes] | None = field(default=None, repr=False)
     _partial: list[bytes] = field(default_factory=list, repr=False)
     _prefix: dict[int, bytes] = field(default_factory=dict, repr=False)
+    _count: int | None = field(default=None, repr=False)
+    """Input items of a full parse whose items were released."""
 
     @property
     def items(self) -> list[Any]:
@@ -135,6 +137,8 @@ class ParsedRequest:
         """Number of input items, without a full parse."""
         if self.base is not None and self.tail is not None:
             return self.base.count + len(self.tail)
+        if self._items is None and self._count is not None:
+            return self._count
         return len(self.items)
 
     @property
@@ -160,6 +164,18 @@ class ParsedRequest:
         if len(done) < len(items):
             return False
         self._keys = done
+        return True
+
+    def release_items(self) -> bool:
+        """Let go of the parsed input of a full parse once its item keys are known (issue 12:
+        the parsed copy is about as large as the body). The frame splices the body's bytes and
+        heads need only the keys; anything that still asks for :attr:`items` re-parses."""
+        if self.base is not None or self._keys is None or self.span is None or self._items is None:
+            return False
+        self._count = len(self._items)
+        self._items = None
+        if isinstance(self.fields.get("input"), list):
+            self.fields["input"] = None  # the marker stays in place, its value goes
         return True
 
     def input_state(self) -> Any:
@@ -358,6 +374,8 @@ def build_frame(
         items: The new items of a continuation; ``None`` keeps the app's whole input.
         stream_id: The lane's ``stream_id`` (``None``: the default lane).
     """
+    # The frame splices the body's own bytes: a full parse's items may go first (issue 12).
+    req.release_items()
     frame = _frame(req, req.fields, previous_response_id, items, stream_id)
     # Only what is written anew is checked: a spliced input array keeps the app's own digits.
     written = items if items is not None else (req.fields.get("input") if req.span is None else None)

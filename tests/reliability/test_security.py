@@ -24,6 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import LoggingSettings, Settings, load_settings
+from proxy.core.budget import Kind
 from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
@@ -242,11 +243,12 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "outcome": set(Outcome),
     # upshift_continuation_misses_total{reason} and upshift_passthrough_total{reason} (the HTTP
     # reasons, and replay causes sent over HTTP)
-    "reason": set(MissReason) | set(PassthroughReason) | set(ReplayCause) | {"unknown"},
+    "reason": set(MissReason) | set(PassthroughReason) | set(ReplayCause) | {"unknown", "too_large", "wait_timeout"},
     "cause": set(ReplayCause),
     "code": set(ErrorCode),
     "state": {"open", "busy", "idle", "connecting", "draining"},
     "pool": {"lanes", "http"},
+    "kind": {k.value for k in Kind},
     "transport": {"websocket", "http"},
     "accepted": {"true", "false"},
 }
