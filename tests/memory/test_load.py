@@ -113,10 +113,8 @@ async def test_the_issue_workloads_at_full_scale(
     emulator: Emulator, limited: LimitedFactory, conversations: int, size_mb: float, turns: int
 ) -> None:
     budget = 256 * MIB
-    # One app key for all: 200 conversations need more than the default 64 sockets per key to
-    # keep their heads (as in bench/procs.py); the pool is not what this test is about.
-    pool = {"UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "1024"}
-    side = limited(emulator.base_url, UPSHIFT_LIMITS_MEMORY_BYTES=str(budget), **pool)
+    # One app key for all: 200 conversations share its 32 sockets through lanes.
+    side = limited(emulator.base_url, UPSHIFT_LIMITS_MEMORY_BYTES=str(budget))
     async with aiohttp.ClientSession() as session:
         await side.wait_ready(session)
     idle = side.rss()
