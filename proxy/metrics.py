@@ -10,11 +10,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = [
     "ADDED_LATENCY",
+    "CLUSTER_PEERS",
     "CONTINUATION_MISSES",
     "DROPPED_REASONING",
     "ERRORS",
+    "FORWARDS",
+    "FORWARDS_RECEIVED",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
+    "LISTENER_CLOSED",
+    "LISTENER_CONNECTIONS",
+    "OWNER_MISSES",
     "REGISTRY",
     "REPLAYS",
     "REQUESTS",
@@ -23,6 +29,8 @@ __all__ = [
     "SOCKET_AGE_AT_ROTATION",
     "UPSTREAM_BYTES_SENT",
     "UPSTREAM_DURATION",
+    "WORKERS_READY",
+    "WORKER_RESTARTS",
 ]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -118,5 +126,67 @@ UPSTREAM_DURATION = Histogram(
 INFLIGHT = Gauge(
     "upshift_inflight_requests",
     "Requests in flight.",
+    registry=REGISTRY,
+)
+
+# -- cluster: affinity, forwarding, workers, the hardened listener ---------------------------
+
+FORWARDS = Counter(
+    "upshift_forwards",
+    "Requests forwarded (or meant to be) to the process owning their conversation, by level and outcome.",
+    ["level", "outcome"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; outcome: ok | cut | owner_down | connect_timeout | busy | refused |
+failed_before_answer (see proxy.cluster.Outcome)."""
+
+FORWARDS_RECEIVED = Counter(
+    "upshift_forwards_received",
+    "Requests received from another process that forwarded them here, by level and marker check.",
+    ["level", "verified"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; verified: true | false (bad signature) | unsigned (no secret)."""
+
+OWNER_MISSES = Counter(
+    "upshift_owner_misses",
+    "Requests served by a process that does not own their conversation (a full send), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: the forward outcome that made it local (owner_down, connect_timeout, busy, refused,
+failed_before_answer)."""
+
+CLUSTER_PEERS = Gauge(
+    "upshift_cluster_peers",
+    "Peers known to this process (itself included), by level and state.",
+    ["level", "state"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; state: up | down (skipped after a failure)."""
+
+LISTENER_CONNECTIONS = Gauge(
+    "upshift_listener_connections",
+    "Open connections on the API listener.",
+    registry=REGISTRY,
+)
+
+LISTENER_CLOSED = Counter(
+    "upshift_listener_closed_connections",
+    "Connections the API listener closed on its own, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: header_timeout | max_connections."""
+
+WORKER_RESTARTS = Counter(
+    "upshift_worker_restarts",
+    "Worker processes restarted by the supervisor after they exited.",
+    registry=REGISTRY,
+)
+
+WORKERS_READY = Gauge(
+    "upshift_workers_ready",
+    "Worker processes answering their readiness probe (supervisor only).",
     registry=REGISTRY,
 )
