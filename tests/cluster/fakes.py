@@ -98,12 +98,13 @@ class FakePeer:
                 + owner
                 + b"Transfer-Encoding: chunked\r\n\r\n"
                 + chunk
-                + b'5\r\nevent'  # half of a third event, then the connection breaks
+                + b"5\r\nevent"  # half of a third event, then the connection breaks
             )
             await writer.drain()
             return False
         if self.behaviour == "cut_json":
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + owner + b"Content-Length: 1000\r\n\r\n{\"id\":")
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + owner
+            writer.write(head + b'Content-Length: 1000\r\n\r\n{"id":')
             await writer.drain()
             return False
         await asyncio.sleep(self.delay)

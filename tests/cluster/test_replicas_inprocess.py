@@ -8,7 +8,7 @@ import aiohttp
 
 from proxy.emulator import Emulator
 
-from .support import assert_fidelity, continued, direct, start_replicas, summary, task_text, tool_loop, STEPS
+from .support import STEPS, assert_fidelity, continued, direct, start_replicas, summary, task_text, tool_loop
 
 
 async def test_round_robin_over_three_replicas_keeps_continuations(emulator: Emulator) -> None:
