@@ -214,8 +214,16 @@ def _replica_peer(url: str, limit: int) -> _Peer:
 
 
 def _worker_peer(index: int, path: str, limit: int) -> _Peer:
-    def connect() -> Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        return asyncio.open_unix_connection(path)
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # Connected by hand: uvloop refuses abstract names (a leading NUL) in open_unix_connection.
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, path)
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_unix_connection(sock=sock)
 
     return _Peer(f"worker-{index}", Level.WORKER, b"localhost", connect, asyncio.Semaphore(limit))
 

@@ -35,7 +35,6 @@ import socket
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -122,7 +121,7 @@ def merge_metrics(texts: Iterable[tuple[int, str]]) -> list[Metric]:
     families: dict[str, Metric] = {}
     for index, text in texts:
         for family in text_string_to_metric_families(text):
-            if family.name in _SUPERVISOR_FAMILIES:
+            if family.name.removesuffix("_created") in _SUPERVISOR_FAMILIES:
                 continue
             merged = families.get(family.name)
             if merged is None:
@@ -241,7 +240,7 @@ class _Supervisor:
         WORKERS_READY.set(sum(await self._probe("/readyz")))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Static(merge_metrics(scraped)))
-        own = [m for m in REGISTRY.collect() if m.name in _SUPERVISOR_FAMILIES]
+        own = [m for m in REGISTRY.collect() if m.name.removesuffix("_created") in _SUPERVISOR_FAMILIES]
         registry.register(_Static(own))
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encoder(registry), headers={"Content-Type": content_type})
@@ -340,21 +339,31 @@ async def _serve_worker(settings: Settings, index: int, sockets: tuple[str, ...]
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
 
-    def orphaned() -> None:  # the supervisor's end of stdin closed: it is gone
-        with contextlib.suppress(Exception):
-            sys.stdin.buffer.read()
-        loop.call_soon_threadsafe(stop.set)
+    class Orphaned(asyncio.Protocol):  # the supervisor's end of stdin closed: it is gone
+        def connection_lost(self, exc: Exception | None) -> None:
+            stop.set()
 
-    threading.Thread(target=orphaned, daemon=True).start()
+    transport, _ = await loop.connect_read_pipe(Orphaned, os.fdopen(0, "rb", buffering=0, closefd=False))
     await stop.wait()
+    transport.close()
     await server.stop()
     return 0
 
 
+def _read_exactly(fd: int, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = os.read(fd, size)
+        if not chunk:
+            raise EOFError("the supervisor closed stdin before the worker spec")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
 def _worker_main() -> int:
-    stdin = sys.stdin.buffer
-    (size,) = struct.unpack(">Q", stdin.read(8))
-    spec: Any = pickle.loads(stdin.read(size))  # from our own supervisor, over a pipe
+    (size,) = struct.unpack(">Q", _read_exactly(0, 8))
+    spec: Any = pickle.loads(_read_exactly(0, size))  # from our own supervisor, over a pipe
     settings, index, sockets, admin = spec
     setup_logging(settings.logging)
     try:
