@@ -48,12 +48,13 @@ async def wait_ready(proc: SidecarProcess, session: aiohttp.ClientSession, timeo
     raise AssertionError(f"not ready:\n{proc.logs()}")
 
 
-async def metrics(
-    proc: SidecarProcess, session: aiohttp.ClientSession
-) -> dict[str, list[tuple[dict[str, str], float]]]:
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+async def metrics(proc: SidecarProcess, session: aiohttp.ClientSession) -> Samples:
     async with session.get(proc.admin + "/metrics") as resp:
         text = await resp.text()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    out: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out.setdefault(sample.name, []).append((sample.labels, sample.value))
