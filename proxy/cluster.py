@@ -100,7 +100,8 @@ _HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect", MARKER}
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect", MARKER}
+"""``content-encoding``: aiohttp already decoded the body that is forwarded."""
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length", "date", "server"}
 _IDLE_KEEP_SECONDS = 20.0
 """An idle forwarding connection older than this is closed instead of reused (owners close
@@ -481,7 +482,10 @@ class Cluster:
             lines += [name, b": ", value, b"\r\n"]
         if peer.level is Level.REPLICA:
             lines += [MARKER.encode(), b": ", self.marker(rec.request_id).encode(), b"\r\n"]
-        lines += [b"Content-Length: ", str(len(body)).encode(), b"\r\nExpect: 100-continue\r\n\r\n"]
+        lines += [b"Content-Length: ", str(len(body)).encode(), b"\r\n"]
+        if peer.level is Level.REPLICA:
+            lines.append(b"Expect: 100-continue\r\n")
+        lines.append(b"\r\n")
         return b"".join(lines)
 
     async def _connection(self, peer: _Peer) -> tuple[_Conn, bool]:
@@ -495,8 +499,15 @@ class Cluster:
         return _Conn(reader, writer), False
 
     async def _send(self, peer: _Peer, request: web.Request, body: bytes, rec: Record) -> _Answer:
-        """Connect, send the head, wait for ``100 Continue``, send the body, read the answer's head."""
+        """Connect, send the head, wait for ``100 Continue``, send the body, read the answer's head.
+
+        A worker on the same machine is sent head and body at once (no ``Expect``): its unix
+        socket refuses a connection when the worker is gone, and the supervisor's watchdog
+        restarts a worker that hangs, so the round trip would buy nothing but latency.
+        """
         head = self._head(peer, request, body, rec)
+        if peer.level is Level.WORKER:
+            return await self._send_at_once(peer, head + body)
         async with asyncio.timeout(self._timeout):
             for _ in range(2):
                 conn, reused = await self._connection(peer)
@@ -523,6 +534,25 @@ class Cluster:
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             conn.close()
             raise _PeerError(str(exc) or type(exc).__name__) from None
+
+    async def _send_at_once(self, peer: _Peer, data: bytes) -> _Answer:
+        for _ in range(2):
+            async with asyncio.timeout(self._timeout):
+                conn, reused = await self._connection(peer)
+            try:
+                conn.writer.write(data)
+                async with asyncio.timeout(self._idle):
+                    await conn.writer.drain()
+                    return await _read_head(conn)
+            except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
+                conn.close()
+                if not reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                    raise _PeerError(str(exc) or type(exc).__name__) from None
+                # the worker had closed this kept-alive connection: once more, on a fresh one
+            except (_PeerError, OSError, TimeoutError) as exc:
+                conn.close()
+                raise _PeerError(str(exc) or type(exc).__name__) from None
+        raise _PeerError("no connection")  # pragma: no cover - the second attempt is fresh
 
     async def _relay(self, peer: _Peer, request: web.Request, answer: _Answer) -> tuple[web.StreamResponse, Outcome]:
         headers = CIMultiDict((k, v) for k, v in answer.headers.items() if k.lower() not in _RESPONSE_DROP)
