@@ -60,7 +60,7 @@ from multidict import CIMultiDict
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
 from proxy.core.sse import encode_event, nested_error
-from proxy.errors import UpstreamClosed
+from proxy.errors import ConfigError, UpstreamClosed
 from proxy.identity import Identity
 from proxy.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, OWNER_MISSES
 from proxy.streaming import Record, json_body
@@ -313,8 +313,11 @@ class Cluster:
         """Read the secret, resolve ``peers_dns`` once, start its refresh."""
         c = self.settings.cluster
         if c.secret_file:
-            with open(c.secret_file, "rb") as fh:
-                self._secret = fh.read().strip()
+            try:
+                with open(c.secret_file, "rb") as fh:
+                    self._secret = fh.read().strip()
+            except OSError as exc:
+                raise ConfigError(f"cluster.secret_file: cannot read {c.secret_file}: {exc.strerror or exc}") from None
         if c.peers_dns:
             await self._resolve()
             self._refresh = asyncio.create_task(self._refresh_loop())
@@ -425,7 +428,6 @@ class Cluster:
                 break
         if failed is not None:
             OWNER_MISSES.labels(failed).inc()
-            rec.reason = f"forward_{failed}"
         return None
 
     def _mark_down(self, peer: _Peer, why: str) -> None:

@@ -41,7 +41,8 @@ REQUESTS = Counter(
     ["route", "mode", "outcome"],
     registry=REGISTRY,
 )
-"""route: responses | responses_ws | other; mode: continuation | full | passthrough | relay;
+"""route: responses | responses_ws | other; mode: continuation | full | passthrough | relay |
+forwarded (sent on to the conversation's owner, which counts it again with its own mode);
 outcome: ok | client_error | upstream_error | proxy_error | cancelled."""
 
 CONTINUATION_MISSES = Counter(
