@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from proxy.config import Settings, parse_hostport
+from proxy.errors import ConfigError
 from proxy.health import Lifecycle
 from proxy.log import setup_logging
 from proxy.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
@@ -310,7 +311,18 @@ class _Supervisor:
 
 
 def supervise(settings: Settings) -> int:
-    """Run ``settings.workers`` workers until SIGTERM/SIGINT; the exit code."""
+    """Run ``settings.workers`` workers until SIGTERM/SIGINT; the exit code.
+
+    Raises:
+        ConfigError: ``cluster.secret_file`` cannot be read (checked here, once, rather than
+            by every worker in a restart loop).
+    """
+    if settings.cluster.secret_file:
+        try:
+            with open(settings.cluster.secret_file, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"cluster.secret_file: cannot read {settings.cluster.secret_file}: {exc}") from None
     try:
         supervisor = _Supervisor(settings)
     except OSError as exc:
