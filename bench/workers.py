@@ -11,6 +11,10 @@ forwarded answer carries its owner's mode). CPU seconds of the sidecar (supervis
 the emulator and this client are read with psutil: on a small machine they compete for the
 same cores, so the figures say how far the sidecar itself scales, not a clean per-core rate.
 Efficiency = turns/s with N workers / (N x turns/s with 1), capped by the cores available.
+``capacity/s`` = N x 1000 / (sidecar CPU ms per turn): what N workers could relay with N idle
+cores, the figure that matters where the load generator does not share the machine.
+
+Register it in ``python -m bench`` as a phase by calling :func:`main` with its own arguments.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ async def measure(workers: int, concurrency: int, duration: float, warmup: float
                 "emulator": round((cpu1[1] - cpu0[1]) / duration, 2),
                 "client": round((cpu1[2] - cpu0[2]) / duration, 2),
             },
+            "sidecar_cpu_ms_per_turn": round((cpu1[0] - cpu0[0]) / load.turns * 1000, 3) if load.turns else None,
             "machine_cpu_percent": machine,
             "loadavg_1m": round(os.getloadavg()[0], 2),
         }
@@ -163,14 +168,21 @@ async def main(argv: list[str] | None = None) -> int:
             print(json.dumps(point), flush=True)
     base = results[0]["turns_per_s"] if results and results[0]["workers"] == 1 else None
     cores = psutil.cpu_count() or 1
-    print(f"\n{'workers':>7} {'turns/s':>8} {'speedup':>8} {'efficiency':>10} {'cont.':>6} {'sidecar cores':>13}")
+    print(
+        f"\n{'workers':>7} {'turns/s':>8} {'speedup':>8} {'efficiency':>10} {'cont.':>6} {'sidecar cores':>13}"
+        f" {'ms CPU/turn':>11} {'capacity/s':>10}"
+    )
     for r in results:
         speedup = r["turns_per_s"] / base if base else float("nan")
         efficiency = speedup / min(r["workers"], cores) if base else float("nan")
         r["speedup"], r["efficiency"] = round(speedup, 3), round(efficiency, 3)
+        per_turn = r["sidecar_cpu_ms_per_turn"] or float("nan")
+        # What N workers could relay with N free cores: the sidecar's own CPU per turn decides.
+        r["capacity_turns_per_s"] = round(r["workers"] * 1000 / per_turn, 0)
         print(
             f"{r['workers']:>7} {r['turns_per_s']:>8} {speedup:>8.2f} {efficiency:>10.0%} "
-            f"{r['continuation_rate']:>6} {r['cpu_cores']['sidecar']:>13}"
+            f"{r['continuation_rate']:>6} {r['cpu_cores']['sidecar']:>13} {per_turn:>11}"
+            f" {r['capacity_turns_per_s']:>10}"
         )
     print(f"(machine: {cores} cores, load average {os.getloadavg()[0]:.2f})")
     if args.json:
@@ -179,5 +191,16 @@ async def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> int:
+    """Entry point (uvloop for the load generator when installed: the client is the costliest
+    process of the three on a small machine)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    result: int = uvloop.run(main())
+    return result
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(run())
