@@ -271,10 +271,16 @@ class Cluster:
             for i, path in enumerate(worker.sockets):
                 if i != worker.index:
                     self._workers[f"worker-{i}"] = _worker_peer(i, path, self._limit)
-        CLUSTER_PEERS.labels("replica", "up").set_function(lambda: self._count(self._replicas, up=True))
-        CLUSTER_PEERS.labels("replica", "down").set_function(lambda: self._count(self._replicas, up=False))
-        CLUSTER_PEERS.labels("worker", "up").set_function(lambda: self._count(self._workers, up=True))
-        CLUSTER_PEERS.labels("worker", "down").set_function(lambda: self._count(self._workers, up=False))
+        self._gauges()
+
+    def _gauges(self) -> None:
+        """``upshift_cluster_peers`` for the levels in use (none for a single process)."""
+        if self.settings.cluster.peers or self.settings.cluster.peers_dns:
+            CLUSTER_PEERS.labels("replica", "up").set_function(lambda: self._count(self._replicas, up=True))
+            CLUSTER_PEERS.labels("replica", "down").set_function(lambda: self._count(self._replicas, up=False))
+        if self._workers:
+            CLUSTER_PEERS.labels("worker", "up").set_function(lambda: self._count(self._workers, up=True))
+            CLUSTER_PEERS.labels("worker", "down").set_function(lambda: self._count(self._workers, up=False))
 
     def _count(self, peers: dict[str, _Peer], *, up: bool) -> float:
         now = time.monotonic()

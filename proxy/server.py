@@ -234,7 +234,10 @@ class Server:
         if self.worker is not None:
             await HardenedUnixSite(self._api, self.worker.sockets[self.worker.index], self.guard).start()
         self.lifecycle.mark_ready()
-        log.info("upshift listening on %s:%d (admin %s:%d)", *self.api_address, *self.admin_address)
+        if self.worker is not None:
+            log.info("upshift worker %d listening on %s:%d", self.worker.index, *self.api_address)
+        else:
+            log.info("upshift listening on %s:%d (admin %s:%d)", *self.api_address, *self.admin_address)
 
     async def stop(self) -> None:
         """Drain and stop: ``/readyz`` fails, no new connections, in-flight requests get the
