@@ -12,7 +12,6 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from proxy.cluster import WorkerPlacement
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
 from proxy.core.affinity import owner_key, rank, root_digest
 from proxy.emulator import Emulator, context_digest
@@ -184,7 +183,6 @@ __all__ = [
     "KEY",
     "STEPS",
     "Conversation",
-    "WorkerPlacement",
     "assert_fidelity",
     "continued",
     "direct",
