@@ -10,13 +10,15 @@ from collections import Counter
 from collections.abc import Callable
 
 import aiohttp
+import orjson
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.emulator import Emulator
+from proxy.emulator import Emulator, LatencyModel
+from tests.clients.support import MODEL
 from tests.sidecar import SidecarProcess
 
-from .support import STEPS, assert_fidelity, continued, direct, free_ports, summary, task_text, tool_loop
+from .support import HEADERS, STEPS, assert_fidelity, continued, direct, free_ports, summary, task_text, tool_loop
 
 CONVERSATIONS = 200
 
@@ -109,3 +111,47 @@ async def test_a_dead_worker_is_restarted(emulator: Emulator, spawn: Callable[..
         async with session.get(proc.admin + "/healthz") as resp:
             assert resp.status == 200 and (await resp.json())["workers_alive"] == 2
     assert await proc.terminate() == 0
+
+
+async def test_sigterm_drains_every_worker(spawn: Callable[..., SidecarProcess]) -> None:
+    """Streams in flight through the workers (some forwarded between them) finish after SIGTERM;
+    /readyz fails at once; the supervisor exits 0 once all workers have."""
+    async with Emulator(latency=LatencyModel(tokens_per_second=50.0)) as emu:  # ~2 s per response
+        proc = await start_workers(spawn, emu.base_url, count=2)
+        started = asyncio.Event()
+        arrived = 0
+
+        async def stream(i: int) -> bytes:
+            nonlocal arrived
+            body = {"model": MODEL, "input": f"drain {i} reply_bytes=400", "stream": True}
+            async with aiohttp.ClientSession() as own:  # own connection: spread over the workers
+                async with own.post(proc.base_url + "/responses", data=orjson.dumps(body), headers=HEADERS) as resp:
+                    assert resp.status == 200
+                    chunks: list[bytes] = []
+                    counted = False
+                    async for chunk in resp.content.iter_any():
+                        chunks.append(chunk)
+                        if not counted and b"output_text.delta" in chunk:
+                            counted = True
+                            arrived += 1
+                            if arrived == 8:
+                                started.set()
+                    return b"".join(chunks)
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(8)]
+        await asyncio.wait_for(started.wait(), 15)
+        proc.proc.send_signal(signal.SIGTERM)
+        async with aiohttp.ClientSession() as session:
+            ready = 200
+            for _ in range(50):
+                async with session.get(proc.admin + "/readyz") as resp:
+                    ready = resp.status
+                if ready == 503:
+                    break
+                await asyncio.sleep(0.02)
+            assert ready == 503
+        assert not all(t.done() for t in tasks)
+        for raw in await asyncio.gather(*tasks):
+            events = [e.splitlines()[0] for e in raw.decode().split("\n\n") if e]
+            assert events[-1] == "event: response.completed" and "event: error" not in events
+        assert await proc.wait(30) == 0, proc.logs()
