@@ -80,6 +80,12 @@ def _reserve(listen: str) -> tuple[socket.socket, str]:
     """Bind (not listen) the API address with ``SO_REUSEPORT``; returns it as ``host:port``."""
     host, port = parse_hostport(listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port:
+        # Without SO_REUSEPORT first: another process's SO_REUSEPORT group on this port (say a
+        # second upshift of the same user) would otherwise silently share our connections.
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
