@@ -35,6 +35,7 @@ _FLAG_KEYS = {
     "mode": "mode",
     "log_level": "logging.level",
     "api_key_file": "api_key.file",
+    "workers": "workers",
 }
 
 
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="inject the key in this file upstream (implies api_key.source=file)",
     )
+    p.add_argument("--workers", metavar="N", help="worker processes on the API address (default 1)")
     p.add_argument(
         "--print-config",
         action="store_true",

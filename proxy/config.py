@@ -33,6 +33,8 @@ __all__ = [
     "ApiKeySettings",
     "EgressSettings",
     "IdentitySettings",
+    "ClusterSettings",
+    "ListenerSettings",
     "LimitsSettings",
     "LoggingSettings",
     "MatchingSettings",
@@ -45,6 +47,7 @@ __all__ = [
     "merge_query",
     "parse_hostport",
     "redact_url",
+    "peer_urls",
     "setting_keys",
     "settings_to_dict",
     "upstream_ws_url",
@@ -198,6 +201,47 @@ class ShutdownSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ListenerSettings:
+    """The API listener, hardened for a network (a gateway, replicas and peers reach it)."""
+
+    max_connections: int = 4096
+    """Open connections on the API listener; one more is answered 503 and closed."""
+    header_timeout_seconds: float = 5.0
+    """A connection that has not sent a request's complete headers this long after it opened
+    (or after the first byte of a later request) is closed."""
+    keepalive_seconds: float = 75.0
+    """Close a keep-alive connection idle between requests for this long."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """Conversation affinity across replicas (workers of one machine are peers automatically)."""
+
+    peers: str = ""
+    """API base URLs of all replicas, comma-separated (``http://10.0.0.1:8080,...``), this one
+    included; empty: no replicas (unless ``peers_dns``)."""
+    self_url: str = ""
+    """This replica's name in the peer set (exactly as listed, or as DNS yields it:
+    ``http://<pod IP>:<port>``); never derived from the listen address."""
+    peers_dns: str = ""
+    """``name:port`` of a headless Service whose addresses are the replicas (instead of
+    ``peers``); re-resolved every ``dns_refresh_seconds``."""
+    dns_refresh_seconds: float = 5.0
+    """How often ``peers_dns`` is re-resolved."""
+    secret_file: str = ""
+    """File holding a secret shared by the replicas; it signs the forwarding marker so owners
+    tell genuine forwards from forged ones (empty: markers unsigned)."""
+    connect_timeout_seconds: float = 0.75
+    """A forward whose owner has not accepted the request (connected and answered ``100
+    Continue``) within this time is served locally, and the owner is marked down."""
+    down_seconds: float = 5.0
+    """How long an owner that failed stays skipped before it is tried again."""
+    max_forwards_per_peer: int = 64
+    """Forwards in flight to one peer; more wait up to ``connect_timeout_seconds`` for a slot,
+    then are served locally."""
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """All settings of the sidecar."""
 
@@ -218,6 +262,11 @@ class Settings:
     matching: MatchingSettings = field(default_factory=MatchingSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
+    workers: int = 1
+    """Worker processes sharing the API listen address (``SO_REUSEPORT``); above 1, a supervisor
+    owns the admin listener and restarts workers that die."""
+    listener: ListenerSettings = field(default_factory=ListenerSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
     @property
     def ws_url(self) -> str:
@@ -284,6 +333,12 @@ _POSITIVE = frozenset(
         "timeouts.connect_seconds",
         "timeouts.stream_idle_seconds",
         "timeouts.http_total_seconds",
+        "workers",
+        "listener.max_connections",
+        "listener.header_timeout_seconds",
+        "cluster.dns_refresh_seconds",
+        "cluster.connect_timeout_seconds",
+        "cluster.max_forwards_per_peer",
     }
 )
 
@@ -485,6 +540,16 @@ def _check_string(key: str, value: str) -> None:
             parse_hostport(value)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+    elif key == "cluster.peers":
+        for url in filter(None, (u.strip() for u in value.split(","))):
+            _check_peer_url(url)
+    elif key == "cluster.self_url" and value:
+        _check_peer_url(value)
+    elif key == "cluster.peers_dns" and value:
+        try:
+            parse_hostport(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
     elif key == "upstream":
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
@@ -498,6 +563,12 @@ def redact_url(url: str) -> str:
         return url
     netloc = f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}"
     return parts._replace(netloc=netloc).geturl()
+
+
+def _check_peer_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ValueError(f"expected a peer base URL like http://10.0.0.1:8080; got {url!r}")
 
 
 def _value(leaf: _Leaf, raw: object, *, text: bool, where: str) -> object:
@@ -600,11 +671,23 @@ def _check_settings(s: Settings) -> None:
             f"settings: pool.max_active_per_socket ({s.pool.max_active_per_socket}) exceeds 16 "
             "(the upstream queues beyond 16 responses per connection)"
         )
+    c = s.cluster
+    if c.peers and c.peers_dns:
+        raise ConfigError("settings: set cluster.peers or cluster.peers_dns, not both")
+    if (c.peers or c.peers_dns) and not c.self_url:
+        raise ConfigError("settings: cluster.self_url is required with cluster.peers or cluster.peers_dns")
+    if c.peers and c.self_url.rstrip("/") not in peer_urls(c.peers):
+        raise ConfigError(f"settings: cluster.self_url ({c.self_url}) is not one of cluster.peers")
     host, port = parse_hostport(s.listen)
     admin_host, admin_port = parse_hostport(s.admin_listen)
     wildcard = ("0.0.0.0", "::")
     if port and port == admin_port and (host == admin_host or host in wildcard or admin_host in wildcard):
         raise ConfigError(f"settings: listen ({s.listen}) and admin_listen ({s.admin_listen}) share a port")
+
+
+def peer_urls(value: str) -> tuple[str, ...]:
+    """``cluster.peers`` as a tuple of normalised base URLs (no trailing slash)."""
+    return tuple(sorted({u.strip().rstrip("/") for u in value.split(",") if u.strip()}))
 
 
 def load_settings(

@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.cluster import Cluster
 from proxy.config import Settings
 from proxy.core.channel import Channel, Outcome
 from proxy.core.conversation import HeadTable
@@ -74,6 +75,8 @@ class Services:
     grace runs out)."""
     memory: MemoryGate | None = None
     """The memory budget every request draws from (issue 12; proxy/memory.py)."""
+    cluster: Cluster | None = None
+    """Conversation affinity: forwards a request to the process owning it (proxy/cluster.py)."""
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""
@@ -140,6 +143,10 @@ async def _post(
         rec.bytes_in = len(body)
         REQUEST_BYTES.inc(len(body))
         identity = svc.identity(request)
+        # Conversation affinity (#10): on a non-owner, the owner's answer (proxy/cluster.py).
+        fwd = await svc.cluster.maybe_forward(request, body, identity, rec) if svc.cluster else None
+        if fwd is not None:
+            return fwd
         # Skips the history prefix this identity's previous turn already sent, byte for byte.
         req = svc.heads.parse(identity.digest, body)
         owner = svc.heads.owner_of(req.previous_response_id) if req.previous_response_id else None

@@ -173,6 +173,8 @@ def effective_settings(settings: Settings, *, baseline: int | None = None) -> tu
     if memory == 0:
         cgroup = cgroup_memory_limit()
         memory = int(cgroup * CGROUP_FRACTION) if cgroup is not None else DEFAULT_MEMORY_BYTES
+    # The budget is the container's: with several worker processes each gets its share.
+    memory //= max(getattr(settings, "workers", 1), 1)
     idle = process_rss() if baseline is None else baseline
     derived = derive(memory, idle)
     new_limits = dataclasses.replace(

@@ -12,20 +12,26 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = [
     "ADDED_LATENCY",
+    "CLUSTER_PEERS",
     "CONTINUATION_MISSES",
     "DROPPED_REASONING",
     "ERRORS",
+    "FORWARDS",
+    "FORWARDS_RECEIVED",
     "HYDRATED",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
     "LANES",
     "LANES_FALLBACKS",
+    "LISTENER_CLOSED",
+    "LISTENER_CONNECTIONS",
     "MEMORY_BUDGET",
     "MEMORY_BYTES",
     "MEMORY_REFUSALS",
     "MEMORY_RSS",
     "MEMORY_WAITING",
     "MEMORY_WAITS",
+    "OWNER_MISSES",
     "PASSTHROUGH",
     "POOL_WAIT",
     "REGISTRY",
@@ -36,6 +42,8 @@ __all__ = [
     "SOCKET_AGE_AT_ROTATION",
     "UPSTREAM_BYTES_SENT",
     "UPSTREAM_DURATION",
+    "WORKERS_READY",
+    "WORKER_RESTARTS",
 ]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -46,7 +54,8 @@ REQUESTS = Counter(
     ["route", "mode", "outcome"],
     registry=REGISTRY,
 )
-"""route: responses | responses_ws | other; mode: continuation | full | passthrough | relay;
+"""route: responses | responses_ws | other; mode: continuation | full | passthrough | relay |
+forwarded (sent on to the conversation's owner, which counts it again with its own mode);
 outcome: ok | client_error | upstream_error | proxy_error | cancelled."""
 
 CONTINUATION_MISSES = Counter(
@@ -226,3 +235,66 @@ MEMORY_RSS = Gauge(
     registry=REGISTRY,
 )
 MEMORY_RSS.set_function(_rss)
+
+
+# -- cluster: affinity, forwarding, workers, the hardened listener ---------------------------
+
+FORWARDS = Counter(
+    "upshift_forwards",
+    "Requests forwarded (or meant to be) to the process owning their conversation, by level and outcome.",
+    ["level", "outcome"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; outcome: ok | cut | owner_down | connect_timeout | busy | refused |
+failed_before_answer (see proxy.cluster.Outcome)."""
+
+FORWARDS_RECEIVED = Counter(
+    "upshift_forwards_received",
+    "Requests received from another process that forwarded them here, by level and marker check.",
+    ["level", "verified"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; verified: true | false (bad signature) | unsigned (no secret)."""
+
+OWNER_MISSES = Counter(
+    "upshift_owner_misses",
+    "Requests served by a process that does not own their conversation (a full send), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: the forward outcome that made it local (owner_down, connect_timeout, busy, refused,
+failed_before_answer)."""
+
+CLUSTER_PEERS = Gauge(
+    "upshift_cluster_peers",
+    "Peers known to this process (itself included), by level and state.",
+    ["level", "state"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; state: up | down (skipped after a failure)."""
+
+LISTENER_CONNECTIONS = Gauge(
+    "upshift_listener_connections",
+    "Open connections on the API listener.",
+    registry=REGISTRY,
+)
+
+LISTENER_CLOSED = Counter(
+    "upshift_listener_closed_connections",
+    "Connections the API listener closed on its own, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: header_timeout | max_connections."""
+
+WORKER_RESTARTS = Counter(
+    "upshift_worker_restarts",
+    "Worker processes restarted by the supervisor after they exited.",
+    registry=REGISTRY,
+)
+
+WORKERS_READY = Gauge(
+    "upshift_workers_ready",
+    "Worker processes answering their readiness probe (supervisor only).",
+    registry=REGISTRY,
+)

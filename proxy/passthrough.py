@@ -49,7 +49,7 @@ HOP_BY_HOP = frozenset(
 )
 """RFC 9110 §7.6.1 connection-specific headers, never forwarded."""
 
-_REQUEST_DROP = HOP_BY_HOP | {"host", "authorization", "cookie", "expect", "content-length"}
+_REQUEST_DROP = HOP_BY_HOP | {"host", "authorization", "cookie", "expect", "content-length", "x-upshift-forwarded"}
 _RESPONSE_DROP = HOP_BY_HOP | {"set-cookie", "x-request-id", "content-length", "date", "server"}
 _SKIP_AUTO = frozenset({"Accept-Encoding", "User-Agent", "Content-Type", "Accept"})
 

@@ -19,11 +19,13 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from proxy.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.handlers import SERVICES, Services, cut_stream, post_responses
 from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
+from proxy.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.log import setup_logging
 from proxy.memory import MemoryGate, effective_settings, tune_allocator
 from proxy.metrics import ERRORS
@@ -163,12 +165,27 @@ class Server:
     Args:
         settings: All settings; ``listen``/``admin_listen`` may use port 0 (tests).
         lifecycle: Shared with the admin app (a new one if omitted).
+        worker: This process's place among ``--workers`` (proxy/workers.py): the API listener
+            then shares its address (``SO_REUSEPORT``) and a private unix socket takes the
+            other workers' forwards; the admin app goes to ``admin_path`` instead.
+        admin_path: Unix socket for the admin app (a worker's, scraped by the supervisor).
+        resolver: How ``cluster.peers_dns`` is resolved (tests inject one).
     """
 
-    def __init__(self, settings: Settings, lifecycle: Lifecycle | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        lifecycle: Lifecycle | None = None,
+        *,
+        worker: WorkerPlacement | None = None,
+        admin_path: str | None = None,
+        resolver: Resolver | None = None,
+    ) -> None:
         tune_allocator()  # issue 12: large buffers get their own mappings, returned on free
         settings, derived = effective_settings(settings)  # issue 12: limits derived from the budget
         self.settings = settings
+        self.worker = worker
+        self.admin_path = admin_path
         self.lifecycle = lifecycle or Lifecycle()
         server_log = logging.getLogger("aiohttp.server")
         if _FILTER not in server_log.filters:
@@ -182,13 +199,20 @@ class Server:
             hot_seconds=m.hot_prefix_seconds,
         )
         keys = KeySource(settings.api_key)
-        self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
+        self.cluster = Cluster(settings, worker=worker, resolver=resolver)
+        self.services = Services(
+            settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys), cluster=self.cluster
+        )
         limits = settings.limits
         self.services.memory = MemoryGate(
             derived, heads, wait_seconds=limits.memory_wait_seconds, max_body_bytes=limits.max_body_bytes
         )
+        api_app = build_app(self.services)
+        api_app.on_response_prepare.append(self._mark_owner)
+        self.guard = Guard(settings.listener)
         self._api = web.AppRunner(
-            build_app(self.services),
+            api_app,
+            keepalive_timeout=settings.listener.keepalive_seconds,
             access_log=None,
             # aiohttp waits shutdown_timeout for handlers, then as long again after cancelling
             # only their payload: half of it each keeps the whole drain within the grace.
@@ -202,19 +226,31 @@ class Server:
         self.admin_address: tuple[str, int] = ("", 0)
         """Bound (host, port) of the admin listener."""
 
+    async def _mark_owner(self, request: web.Request, response: web.StreamResponse) -> None:
+        self.cluster.on_prepare(request, response)
+
     async def start(self) -> None:
         """Bind both listeners, then mark the sidecar ready."""
+        await self.cluster.start()
         await self._admin.setup()
-        host, port = split_hostport(self.settings.admin_listen)
-        admin = web.TCPSite(self._admin, host, port)
-        await admin.start()
-        self.admin_address = _bound(self._admin)
+        if self.admin_path is not None:
+            await web.UnixSite(self._admin, self.admin_path).start()
+        else:
+            host, port = split_hostport(self.settings.admin_listen)
+            admin = web.TCPSite(self._admin, host, port)
+            await admin.start()
+            self.admin_address = _bound(self._admin)
         await self._api.setup()
         host, port = split_hostport(self.settings.listen)
-        await web.TCPSite(self._api, host, port).start()
+        await HardenedTCPSite(self._api, host, port, self.guard, reuse_port=self.worker is not None).start()
         self.api_address = _bound(self._api)
+        if self.worker is not None:
+            await HardenedUnixSite(self._api, self.worker.sockets[self.worker.index], self.guard).start()
         self.lifecycle.mark_ready()
-        log.info("upshift listening on %s:%d (admin %s:%d)", *self.api_address, *self.admin_address)
+        if self.worker is not None:
+            log.info("upshift worker %d listening on %s:%d", self.worker.index, *self.api_address)
+        else:
+            log.info("upshift listening on %s:%d (admin %s:%d)", *self.api_address, *self.admin_address)
 
     async def stop(self) -> None:
         """Drain and stop: ``/readyz`` fails, no new connections, in-flight requests get the
@@ -226,6 +262,7 @@ class Server:
             await self._api.cleanup()
         finally:
             cutter.cancel()
+            await self.cluster.close()
         await self._admin.cleanup()
 
     async def _cut_streams_at_grace(self) -> None:
@@ -238,7 +275,7 @@ class Server:
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:
-    address = runner.addresses[0]
+    address = next(a for a in runner.addresses if isinstance(a, tuple))
     return str(address[0]), int(address[1])
 
 
@@ -262,8 +299,15 @@ async def _serve(settings: Settings) -> int:
 
 
 def run(settings: Settings) -> int:
-    """Serve until SIGTERM or SIGINT, drain, and return the exit code (0)."""
+    """Serve until SIGTERM or SIGINT, drain, and return the exit code (0).
+
+    With ``workers`` above 1 this process becomes the supervisor of that many workers
+    (:mod:`proxy.workers`)."""
     setup_logging(settings.logging)
+    if settings.workers > 1:
+        from proxy.workers import supervise
+
+        return supervise(settings)
     try:
         import uvloop
     except ImportError:  # optional speedup

@@ -227,16 +227,43 @@ def test_uses_labels_not_common_labels() -> None:
 
 def test_gateway(gateway_docs: list[dict[str, Any]]) -> None:
     deployment = _one(gateway_docs, "Deployment")
-    service = _one(gateway_docs, "Service")
+    services = {d["metadata"]["name"]: d for d in gateway_docs if d["kind"] == "Service"}
+    service, peers = services["upshift-gateway"], services["upshift-gateway-peers"]
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert _env(container)["UPSHIFT_LISTEN"] == "0.0.0.0:8080"
+    env = _env(container)
+    assert env["UPSHIFT_LISTEN"] == "0.0.0.0:8080"
     _assert_restricted(container, pod)
     assert "cpu" not in container["resources"].get("limits", {})
-    assert service["spec"]["sessionAffinity"] == "ClientIP"
-    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
-    # The Service exposes the API only, never the admin port.
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    # Conversation affinity replaces sticky load balancing: no ClientIP affinity anywhere.
+    assert service["spec"].get("sessionAffinity", "None") == "None"
+    assert service["spec"]["selector"].items() <= labels.items()
+    # The Services expose the API only, never the admin port.
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    # The peer set: a headless Service of the ready replicas, wired into cluster.peers_dns,
+    # with each replica named by its pod IP (never by its listen address).
+    assert peers["spec"]["clusterIP"] == "None" and not peers["spec"].get("publishNotReadyAddresses", False)
+    assert peers["spec"]["selector"].items() <= labels.items()
+    assert [p["targetPort"] for p in peers["spec"]["ports"]] == ["http"]
+    port = peers["spec"]["ports"][0]["port"]
+    assert env["UPSHIFT_CLUSTER_PEERS_DNS"] == f"upshift-gateway-peers:{port}"
+    assert env["UPSHIFT_CLUSTER_SELF_URL"] == f"http://$(POD_IP):{port}"
+    pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("UPSHIFT_CLUSTER_SELF_URL")  # $(POD_IP) expands
+    assert int(env["UPSHIFT_WORKERS"]) >= 1
+    # The API port: only the apps' namespace and the peers; the admin port for scrapes.
+    policy = _one(gateway_docs, "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    api_rule, admin_rule = policy["ingress"]
+    assert [p["port"] for p in api_rule["ports"]] == ["http"]
+    sources = api_rule["from"]
+    assert {"namespaceSelector": {"matchLabels": {"upshift.io/gateway-client": "true"}}} in sources
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "upshift-gateway"}}} in sources
+    assert len(sources) == 2
+    assert [p["port"] for p in admin_rule["ports"]] == ["admin"]
     assert _one(gateway_docs, "ConfigMap")["data"]["config.yaml"] == (ROOT / "config.yaml").read_text()
 
 

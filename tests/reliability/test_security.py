@@ -251,7 +251,15 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "kind": {k.value for k in Kind},
     "transport": {"websocket", "http"},
     "accepted": {"true", "false"},
+    # cluster (proxy/cluster.py, proxy/listener.py, proxy/workers.py)
+    "level": {"replica", "worker"},
+    "verified": {"true", "false", "unsigned"},
+    "worker": {str(i) for i in range(32)},
 }
+_LABEL_VALUES["mode"] |= {"forwarded"}
+_LABEL_VALUES["outcome"] |= {"cut", "owner_down", "connect_timeout", "busy", "refused", "failed_before_answer"}
+_LABEL_VALUES["reason"] |= {"header_timeout", "max_connections"} | _LABEL_VALUES["outcome"]
+_LABEL_VALUES["state"] |= {"up", "down"}
 
 
 def label_values(text: str) -> dict[str, set[str]]:

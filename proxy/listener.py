@@ -1,0 +1,150 @@
+"""An API listener fit for a network: a header deadline and a bound on open connections.
+
+aiohttp has no header-read timeout: a client that opens a connection and sends half a request
+line holds it until the keep-alive timeout (an hour by default). Once the API port is
+reachable by other Pods (a gateway, replicas, peers), that is a cheap way to exhaust it. So:
+
+* a connection must deliver a request's complete headers within
+  ``listener.header_timeout_seconds`` of opening, and so must every later request on it
+  (counted from its first byte); otherwise it is closed;
+* an idle keep-alive connection is closed after ``listener.keepalive_seconds``;
+* at most ``listener.max_connections`` are open; one more gets a ``503`` OpenAI-shaped answer
+  (with ``x-upshift-refused``) and is closed at once, before anything of it is read.
+
+The protocol is aiohttp's own ``RequestHandler``; only the timer and the count are added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server as LowServer
+
+from proxy.config import ListenerSettings
+from proxy.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
+
+__all__ = ["Guard", "HardenedTCPSite", "HardenedUnixSite"]
+
+_REFUSAL_BODY = (
+    b'{"error":{"message":"The sidecar has too many open connections; retry shortly.",'
+    b'"type":"server_error","param":null,"code":"too_many_connections"}}'
+)
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Retry-After: 1\r\nx-should-retry: true\r\nx-upshift-refused: max_connections\r\n"
+    b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
+)
+
+
+class Guard:
+    """Open-connection count and limits shared by the sites of one listener."""
+
+    def __init__(self, settings: ListenerSettings) -> None:
+        self.max_connections = settings.max_connections
+        self.header_timeout = settings.header_timeout_seconds
+        self.open = 0
+
+
+class _Handler(RequestHandler):
+    __slots__ = ("_guard", "_header_timer", "_refused")
+
+    def __init__(self, guard: Guard, manager: LowServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        guard = self._guard
+        if guard.open >= guard.max_connections:
+            self._refused = True
+            LISTENER_CLOSED.labels("max_connections").inc()
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(_REFUSAL)
+            transport.close()
+            return
+        guard.open += 1
+        LISTENER_CONNECTIONS.inc()
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._refused:
+            return
+        self._guard.open -= 1
+        LISTENER_CONNECTIONS.dec()
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._header_timer is None and data and not self._request_in_progress and not self._messages:
+            self._arm()  # the first byte of a later request on a kept-alive connection
+        before = self._request_count
+        super().data_received(data)
+        if self._request_count != before or self._upgraded:
+            self._disarm()
+
+    def _arm(self) -> None:
+        if self._header_timer is None and self._guard.header_timeout > 0:
+            self._header_timer = self._loop.call_later(self._guard.header_timeout, self._header_timeout)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if not self._request_in_progress and not self._messages:
+            LISTENER_CLOSED.labels("header_timeout").inc()
+            self.force_close()
+
+
+def _factory(runner: web.BaseRunner, guard: Guard) -> Any:
+    server = runner.server
+    assert server is not None, "runner.setup() not called"
+
+    def make() -> _Handler:
+        return _Handler(guard, server, loop=server._loop, **server._kwargs)
+
+    return make
+
+
+class HardenedTCPSite(web.TCPSite):
+    """``web.TCPSite`` whose connections go through :class:`Guard` (optionally ``SO_REUSEPORT``)."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, *, reuse_port: bool = False) -> None:
+        super().__init__(runner, host, port, reuse_port=reuse_port or None, backlog=1024)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            _factory(self._runner, self.guard),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_port=self._reuse_port,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+
+
+class HardenedUnixSite(web.UnixSite):
+    """``web.UnixSite`` (a path, or an abstract name starting with NUL) through :class:`Guard`."""
+
+    def __init__(self, runner: web.BaseRunner, path: str, guard: Guard) -> None:
+        super().__init__(runner, path, backlog=1024)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(
+            _factory(self._runner, self.guard), self._path, backlog=self._backlog
+        )

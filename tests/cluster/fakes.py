@@ -1,0 +1,119 @@
+"""Misbehaving peers on real loopback sockets: what a broken or overloaded replica looks like."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import TracebackType
+
+import orjson
+
+from proxy.core.sse import encode_event
+
+
+class FakePeer:
+    """A TCP server on 127.0.0.1 that plays a peer replica.
+
+    Behaviours: ``silent`` (accepts, reads, never answers), ``error_500`` (a plain 500 that no
+    upshift wrote), ``hang_up`` (reads the whole request, then closes without an answer),
+    ``cut_sse`` (two SSE events, then the connection breaks), ``cut_json`` (a JSON answer
+    shorter than its Content-Length), ``slow_ok`` (a complete JSON answer after ``delay``).
+    """
+
+    def __init__(self, behaviour: str, delay: float = 0.3) -> None:
+        self.behaviour = behaviour
+        self.delay = delay
+        self.requests = 0
+        self.concurrent = 0
+        self.max_concurrent = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> FakePeer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.requests += 1
+                self.concurrent += 1
+                self.max_concurrent = max(self.max_concurrent, self.concurrent)
+                try:
+                    if not await self._one(head, reader, writer):
+                        return
+                finally:
+                    self.concurrent -= 1
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+            self._tasks.discard(task)
+
+    async def _one(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        if self.behaviour == "silent":
+            await reader.read(-1)
+            return False
+        if self.behaviour == "error_500":
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 5\r\n\r\noops!")
+            await writer.drain()
+            return False
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await reader.readexactly(length)
+        if self.behaviour == "hang_up":
+            return False
+        owner = b"x-upshift-owner: fake\r\nx-upshift-mode: continuation\r\n"
+        if self.behaviour == "cut_sse":
+            events = b"".join(
+                encode_event(t, orjson.dumps({"type": t, "sequence_number": n, "response": {"id": "resp_f"}}))
+                for n, t in enumerate(("response.created", "response.in_progress"))
+            )
+            chunk = f"{len(events):x}\r\n".encode() + events + b"\r\n"
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                + owner
+                + b"Transfer-Encoding: chunked\r\n\r\n"
+                + chunk
+                + b"5\r\nevent"  # half of a third event, then the connection breaks
+            )
+            await writer.drain()
+            return False
+        if self.behaviour == "cut_json":
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + owner
+            writer.write(head + b'Content-Length: 1000\r\n\r\n{"id":')
+            await writer.drain()
+            return False
+        await asyncio.sleep(self.delay)
+        body = orjson.dumps({"id": "resp_fake", "object": "response", "output": []})
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            + owner
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        return True
