@@ -529,6 +529,9 @@ class Cluster:
                     if not reused:  # a fresh connection that fails is the owner's failure
                         raise _PeerError(str(exc) or type(exc).__name__) from None
                     # a kept-alive connection the owner had closed meanwhile: once more, fresh
+                except BaseException:
+                    conn.close()  # the connect timeout (a cancellation) or a cancelled request
+                    raise
             else:  # pragma: no cover - the loop always breaks or raises
                 raise _PeerError("no connection")
         if answer.status != 100:
@@ -542,6 +545,9 @@ class Cluster:
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             conn.close()
             raise _PeerError(str(exc) or type(exc).__name__) from None
+        except BaseException:
+            conn.close()  # the app went away while the owner worked
+            raise
 
     async def _send_at_once(self, peer: _Peer, data: bytes) -> _Answer:
         for _ in range(2):
@@ -560,6 +566,9 @@ class Cluster:
             except (_PeerError, OSError, TimeoutError) as exc:
                 conn.close()
                 raise _PeerError(str(exc) or type(exc).__name__) from None
+            except BaseException:
+                conn.close()
+                raise
         raise _PeerError("no connection")  # pragma: no cover - the second attempt is fresh
 
     async def _relay(self, peer: _Peer, request: web.Request, answer: _Answer) -> tuple[web.StreamResponse, Outcome]:
