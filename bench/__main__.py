@@ -26,7 +26,7 @@ import psutil
 
 from . import report as rpt
 from .memory import run_memory
-from .overhead import parse_size, run_overhead
+from .overhead import parse_size, run_overhead, slopes
 from .phases import LoadMonitor, meta, profile_pass, quiet_stderr, rollouts_phase, wait_quiet
 from .procs import EmulatorProc, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
 from .stall import run_stall
@@ -179,6 +179,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             sizes = [s for s in args.sizes.split(",") if s]
             found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log)
             report["overhead"] = [r.report() for r in found]
+            report["overhead_slopes"] = slopes(found)
             load["overhead"] = monitor.phase()
             if not args.no_profile:
                 log("profile: py-spy on the sidecar during continuation turns")

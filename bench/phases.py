@@ -191,14 +191,17 @@ class LoadMonitor:
         self.samples: list[tuple[float, dict[str, float]]] = []
         self._task: asyncio.Task[None] | None = None
         self._procs: dict[int, Any] = {}
+        self.steal: list[float] = []
 
     async def _run(self) -> None:
         import psutil
 
         psutil.cpu_percent(None)
+        psutil.cpu_times_percent(None)
         ncpu = psutil.cpu_count() or 1
         while True:
             await asyncio.sleep(1.0)
+            self.steal.append(float(getattr(psutil.cpu_times_percent(None), "steal", 0.0)))
             shares: dict[str, float] = {}
             for role, pid in self.roles().items():
                 proc = self._procs.get(pid)
@@ -219,12 +222,14 @@ class LoadMonitor:
     def phase(self) -> JSON:
         """Mean figures since the last call (then reset), with the load averages."""
         samples, self.samples = self.samples, []
+        steal, self.steal = self.steal, []
         busy = [b for b, _ in samples]
         roles = sorted({r for _, shares in samples for r in shares})
         out: JSON = {"machine_busy_pct": _mean(busy)}
         for role in roles:
             out[f"{role}_pct"] = _mean([shares.get(role, 0.0) for _, shares in samples])
         out["foreign_pct"] = _mean([b - sum(shares.values()) for b, shares in samples])
+        out["steal_pct"] = _mean(steal)
         out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
         return out
 

@@ -36,6 +36,7 @@ __all__ = [
     "PoolSettings",
     "Settings",
     "ShutdownSettings",
+    "StreamingSettings",
     "TimeoutSettings",
     "env_name",
     "load_settings",
@@ -102,6 +103,16 @@ class TimeoutSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamingSettings:
+    """Streaming answers to the app."""
+
+    hold_back_seconds: float = 0.25
+    """Longest time ``response.created`` / ``in_progress`` are held back waiting for the first
+    output (so that a socket lost before output can be replayed invisibly); after that they go
+    to the app, and a later failure is surfaced as an error event. 0 never holds them."""
+
+
+@dataclass(frozen=True, slots=True)
 class MatchingSettings:
     """Conversation matching."""
 
@@ -152,6 +163,7 @@ class Settings:
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     pool: PoolSettings = field(default_factory=PoolSettings)
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    streaming: StreamingSettings = field(default_factory=StreamingSettings)
     matching: MatchingSettings = field(default_factory=MatchingSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)

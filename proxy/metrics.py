@@ -10,9 +10,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = [
     "ADDED_LATENCY",
+    "BUILD_INFO",
     "CONTINUATION_MISSES",
     "DROPPED_REASONING",
     "ERRORS",
+    "HELD_LIFECYCLE",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
     "REGISTRY",
@@ -120,3 +122,21 @@ INFLIGHT = Gauge(
     "Requests in flight.",
     registry=REGISTRY,
 )
+
+HELD_LIFECYCLE = Counter(
+    "upshift_held_lifecycle",
+    "Streamed responses whose response.created/in_progress were held back, by how the hold ended.",
+    ["path"],
+    registry=REGISTRY,
+)
+"""path: output (first output came within streaming.hold_back_seconds) | deadline (released on
+their own) | terminal (the response ended while they were held) | discarded (replayed, or answered
+as an HTTP error); see proxy.core.channel.HoldPath."""
+
+BUILD_INFO = Gauge(
+    "upshift_build_info",
+    "Always 1; the labels say which version runs on which event loop.",
+    ["version", "loop", "python"],
+    registry=REGISTRY,
+)
+"""loop: uvloop | asyncio."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
+import platform
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +27,9 @@ from proxy.handlers import SERVICES, Services, cut_stream, post_responses
 from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
 from proxy.log import setup_logging
-from proxy.metrics import ERRORS
+from proxy.loop import loop_name
+from proxy.loop import run as run_loop
+from proxy.metrics import BUILD_INFO, ERRORS
 from proxy.passthrough import Passthrough
 from proxy.pool import Pool
 from proxy.relay import relay_websocket
@@ -249,10 +253,18 @@ async def _serve(settings: Settings) -> int:
 
 
 def run(settings: Settings) -> int:
-    """Serve until SIGTERM or SIGINT, drain, and return the exit code (0)."""
+    """Serve until SIGTERM or SIGINT, drain, and return the exit code (0).
+
+    On uvloop when it is installed (a default dependency on CPython outside Windows), else on
+    asyncio's own loop; the choice is logged and exported as ``upshift_build_info``.
+    """
     setup_logging(settings.logging)
+    BUILD_INFO.labels(_version(), loop_name(), platform.python_version()).set(1)
+    return run_loop(_serve(settings))
+
+
+def _version() -> str:
     try:
-        import uvloop
-    except ImportError:  # optional speedup
-        return asyncio.run(_serve(settings))
-    return uvloop.run(_serve(settings))
+        return importlib.metadata.version("upshift")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
