@@ -27,7 +27,7 @@ import psutil
 from . import report as rpt
 from .memory import run_memory
 from .overhead import parse_size, run_overhead, slopes
-from .phases import LoadMonitor, meta, profile_pass, quiet_stderr, rollouts_phase, wait_quiet
+from .phases import LoadMonitor, meta, profile_pass, pyinstrument_pass, quiet_stderr, rollouts_phase, wait_quiet
 from .procs import EmulatorProc, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
 from .stall import run_stall
 from .summary import targets
@@ -85,7 +85,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-size", default="3m")
     p.add_argument("--stall-repeats", type=int, default=3, help="rounds of each stall scenario (medians reported)")
     p.add_argument("--no-sidecar", action="store_true", help="setups A and C only")
-    p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile of the sidecar")
+    p.add_argument("--no-profile", action="store_true", help="skip the profile of the sidecar")
+    p.add_argument("--profiler", choices=["pyinstrument", "py-spy"], default="pyinstrument",
+                   help="pyinstrument: a second sidecar run under it; py-spy: samples the timed one")  # fmt: skip
     p.add_argument("--pin", action="store_true", help="pin the sidecar to CPU 0, emulator and bench to CPU 1")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
@@ -181,7 +183,12 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             report["overhead"] = [r.report() for r in found]
             report["overhead_slopes"] = slopes(found)
             load["overhead"] = monitor.phase()
-            if not args.no_profile:
+            if not args.no_profile and args.profiler == "pyinstrument":
+                log("profile: a sidecar under pyinstrument during continuation turns")
+                report["profile"] = await pyinstrument_pass(emu, logs, reps=max(40, args.reps // 2), seed=args.seed,
+                                                            log=log)  # fmt: skip
+                monitor.phase()
+            elif not args.no_profile:
                 log("profile: py-spy on the sidecar during continuation turns")
                 raw = logs / "sidecar.pyspy.txt"
                 reps = max(20, args.reps)

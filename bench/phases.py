@@ -21,7 +21,7 @@ from .rollout import SETUPS, Urls, run_setup
 from .summary import compare, summarize_setup
 from .workload import RolloutSpec
 
-__all__ = ["LoadMonitor", "meta", "profile_pass", "quiet_stderr", "rollouts_phase", "wait_quiet"]
+__all__ = ["LoadMonitor", "meta", "profile_pass", "pyinstrument_pass", "quiet_stderr", "rollouts_phase", "wait_quiet"]
 
 JSON = Any
 Log = Callable[[str], None]
@@ -172,6 +172,74 @@ async def profile_pass(emu: EmulatorProc, side: SidecarProc, out: Path, *, reps:
         ranked["note"] = f"py-spy recorded nothing: {err.strip()[-300:]}"
     ranked["raw_file"] = str(out)
     return ranked
+
+
+async def pyinstrument_pass(emu: EmulatorProc, logs: Path, *, reps: int, seed: int, log: Log) -> JSON:
+    """A second sidecar under pyinstrument (``bench`` extra), driven by continuation turns at 1 KB and
+    200 KB of the reasoning-agent workload; returns the top self-time frames and the text report's path.
+
+    Kept apart from the timed runs (the profiler slows the sidecar several times over).
+    """
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("pyinstrument") is None:
+        return {"note": "pyinstrument not installed (pip install -e '.[bench]')"}
+    out = logs / "sidecar.pyinstrument.json"
+    wrap = ["-m", "pyinstrument", "-i", "0.0002", "-r", "json", "-p", "show_all", "-p",
+            "processor_options.filter_threshold=0", "-o", str(out)]  # fmt: skip
+    side = SidecarProc(logs, emu.base_url, wrap=wrap)
+    side.start()
+    await side.ready()
+    try:
+        await run_overhead(emu, side, ["1k", "200k"], reps=reps, seed=seed + 11, warmup=2, log=lambda _: None)
+    finally:
+        side.stop(grace=30.0)
+    if not out.exists():
+        return {"note": f"pyinstrument wrote nothing; see {side.log_path}"}
+    return _rank_pyinstrument(json.loads(out.read_text()), out, log)
+
+
+def _rank_pyinstrument(data: JSON, out: Path, log: Log) -> JSON:
+    """Self time per frame and inclusive time per ``proxy/`` function, without the idle loop and
+    start-up (the event loop's own ``[self]`` time is mostly its wait for I/O)."""
+    own: dict[str, float] = {}
+    inclusive: dict[str, float] = {}
+
+    def name(node: JSON) -> str:
+        path = str(node.get("file_path_short") or node.get("file_path") or "")
+        return f"{node.get('function')} ({path}:{node.get('line_no')})"
+
+    def walk(node: JSON, stack: frozenset[str], startup: bool, parent: str = "") -> None:
+        function = str(node.get("function"))
+        startup = startup or function in ("_find_and_load", "import_module")  # imports at start-up
+        children = node.get("children", [])
+        where = f"{parent} [self]" if function.startswith("[self]") and parent else name(node)
+        spent = float(node.get("time", 0.0))
+        if not startup and "proxy/" in where and where not in stack:
+            inclusive[where] = inclusive.get(where, 0.0) + spent
+        self_time = spent - sum(float(c.get("time", 0.0)) for c in children)
+        idle = "runners.py" in where and "[self]" in where or function in ("select", "poll")
+        if not startup and not idle and self_time > 0:
+            own[where] = own.get(where, 0.0) + self_time
+        for child in children:
+            walk(child, stack | {where}, startup, where)
+
+    walk(data.get("root_frame") or {}, frozenset(), False)
+    busy = sum(own.values())
+    log(f"  pyinstrument: {busy:.2f} s busy (idle loop and start-up excluded)")
+    return {
+        "seconds": round(busy, 3),
+        "self": [{"frame": f, "share": round(t / busy, 4)} for f, t in sorted(own.items(), key=lambda kv: -kv[1])[:25]]
+        if busy
+        else [],
+        "inclusive_proxy": [
+            {"frame": f, "share": round(t / busy, 4)} for f, t in sorted(inclusive.items(), key=lambda kv: -kv[1])[:25]
+        ]
+        if busy
+        else [],
+        "raw_file": str(out),
+    }
 
 
 def _mean(values: list[float]) -> float | None:

@@ -240,11 +240,14 @@ class EmulatorProc(Managed):
 class SidecarProc(Managed):
     """``python -m proxy`` pointed at the emulator, admin on its own port."""
 
-    def __init__(self, log_dir: Path, upstream: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, log_dir: Path, upstream: str, env: dict[str, str] | None = None, wrap: list[str] | None = None
+    ) -> None:
+        """``wrap``: interpreter options before ``-m proxy`` (e.g. ``["-m", "pyinstrument", ...]``)."""
         self.port = free_port()
         self.admin_port = free_port()
         argv = [
-            sys.executable, "-m", "proxy", "--listen", f"127.0.0.1:{self.port}",
+            sys.executable, *(wrap or []), "-m", "proxy", "--listen", f"127.0.0.1:{self.port}",
             "--admin-listen", f"127.0.0.1:{self.admin_port}", "--upstream", upstream,
         ]  # fmt: skip
         defaults = {

@@ -158,7 +158,8 @@ def markdown(report: JSON) -> str:
             )
     prof = report.get("profile")
     if prof and prof.get("self"):
-        lines += ["", f"### Sidecar hot path (py-spy, {prof['samples']} samples during continuation turns)", ""]
+        what = f"py-spy, {prof['samples']} samples" if "samples" in prof else f"pyinstrument, {prof['seconds']} s"
+        lines += ["", f"### Sidecar hot path ({what} during continuation turns)", ""]
         lines += ["| Function (self time) | Share |", "|---|---|"]
         lines += [f"| `{row['frame']}` | {row['share'] * 100:.1f} % |" for row in prof["self"][:12]]
     return "\n".join(lines) + "\n"

@@ -23,8 +23,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.core.channel import Channel, Out
-from proxy.core.sse import CONTENT_TYPE, encode_event
+from proxy.core.channel import TERMINAL, Channel, Out
+from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamProtocolError
 from proxy.log import access_log
 from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, REQUESTS
@@ -41,8 +41,12 @@ def json_body(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
-def _frame(out: Out) -> bytes:
-    return encode_event(out.type, out.raw if out.raw is not None else orjson.dumps(out.obj))
+_LAST = frozenset(TERMINAL) | {"response.done"}
+"""Event types after which nothing more is written: their write also ends the body."""
+
+
+def _frames(outs: list[Out]) -> bytes:
+    return encode_events((o.type, o.raw if o.raw is not None else orjson.dumps(o.obj)) for o in outs)
 
 
 class Downstream:
@@ -83,19 +87,29 @@ class Downstream:
         return {"x-upshift-overhead-ms": f"{self.added() * 1000:.3f}"}
 
     async def write(self, outs: list[Out]) -> None:
-        """Write released events as SSE (prepares the response on the first call)."""
-        if self.gone:
+        """Write released events as SSE (prepares the response on the first call).
+
+        One buffer and one socket write per call: the headers go out with the first events,
+        and a batch that ends with the terminal event also ends the body (the chunked
+        encoding's last chunk), so a turn whose events arrive together costs one write.
+        """
+        if self.gone or not outs:
             return
-        data = _frame(outs[0]) if len(outs) == 1 else b"".join(_frame(o) for o in outs)
+        data = _frames(outs)
         try:
             if self.response is None:
                 response = web.StreamResponse(
                     status=200,
                     headers={"Content-Type": CONTENT_TYPE, **self.headers, **self._overhead_header()},
                 )
+                # aiohttp then sends the headers with the first body bytes, in one write.
+                response._send_headers_immediately = False
                 self.response = response
                 await response.prepare(self.request)
-            await self.response.write(data)
+            if outs[-1].type in _LAST:
+                await self.response.write_eof(data)
+            else:
+                await self.response.write(data)
             self.bytes_out += len(data)
         except ConnectionResetError:
             # The app closed its connection; keep reading upstream to the terminal event so
