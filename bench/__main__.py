@@ -25,7 +25,9 @@ from typing import Any
 import psutil
 
 from . import report as rpt
+from .capacity import run_capacity
 from .memory import run_memory
+from .network import DEFAULT_FLAGS, run_network
 from .overhead import parse_size, run_overhead, slopes
 from .phases import LoadMonitor, meta, profile_pass, pyinstrument_pass, quiet_stderr, rollouts_phase, wait_quiet
 from .procs import EmulatorProc, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
@@ -46,7 +48,7 @@ LATENCY: dict[str, dict[str, float]] = {
     # --quick: small but non-zero, so pacing code paths run.
     "quick": {"overhead_ms": 5.0, "rebuild_ms_per_kb": 0.1, "ttft_ms": 10.0, "tokens_per_second": 4000.0},
 }
-PHASES = ("overhead", "rollouts", "memory", "stall")
+PHASES = ("overhead", "capacity", "network", "rollouts", "memory", "stall")
 
 
 def _ints(text: str) -> list[int]:
@@ -80,6 +82,22 @@ def parser() -> argparse.ArgumentParser:
         help="clients at the lowest concurrency (sdk = openai SDK, raw = aiohttp/websockets); raw above",
     )
     p.add_argument("--phases", default=",".join(PHASES), help="phases to run")
+    p.add_argument("--capacity-saturation", default="32,128", help="concurrency levels of the 1 KB saturation run")
+    p.add_argument("--capacity-seconds", type=float, default=10.0, help="length of each saturation run")
+    p.add_argument("--capacity-conversations", default="500,1000", help="conversations of the under-load runs")
+    p.add_argument("--capacity-turns", type=int, default=8, help="agent turns per conversation under load")
+    p.add_argument("--capacity-tool-ms", type=_range, default=(200.0, 2000.0), help="tool time per call, ms")
+    p.add_argument("--capacity-twin-every", type=int, default=4, help="one native twin per this many conversations")
+    p.add_argument("--capacity-latency", choices=[k for k in LATENCY if k != "zero"], default="fast",
+                   help="latency model of the under-load runs")  # fmt: skip
+    p.add_argument("--network-rtt-ms", type=float, default=30.0, help="round-trip time of the network phase")
+    p.add_argument("--network-connect-ms", type=float, default=90.0,
+                   help="connection setup (TCP + TLS + upgrade) of the network phase")  # fmt: skip
+    p.add_argument("--network-flags", default=DEFAULT_FLAGS,
+                   help="emulator flags for the network model ({rtt} and {connect} are filled in)")  # fmt: skip
+    p.add_argument("--network-conversations", type=int, default=50, help="new conversations (median of these)")
+    p.add_argument("--network-later-turns", type=int, default=5, help="turns after the first one, per conversation")
+    p.add_argument("--network-first-kb", type=float, default=10.0, help="history of a first turn, KB")
     p.add_argument("--memory-conversations", type=int, default=2000)
     p.add_argument("--stall-streams", type=int, default=8)
     p.add_argument("--stall-size", default="3m")
@@ -116,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
 def _apply_quick(args: argparse.Namespace) -> None:
     args.turns, args.conversations, args.sizes, args.reps = 3, "1,4", "1k,200k", 12
     args.memory_conversations, args.stall_streams, args.stall_size, args.stall_repeats = 100, 2, "500k", 1
+    args.capacity_saturation, args.capacity_seconds, args.capacity_conversations = "4", 2.0, "8"
+    args.capacity_turns, args.capacity_tool_ms, args.capacity_latency = 2, (20.0, 50.0), "quick"
+    args.network_conversations, args.network_later_turns = 3, 1
     args.clients_at_first, args.no_profile = "sdk", True
     args.deadline = args.deadline or 150.0
     if args.latency == "realistic":
@@ -194,6 +215,27 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
                 reps = max(20, args.reps)
                 report["profile"] = await profile_pass(emu, side, raw, reps=reps, seed=args.seed, log=log)
                 monitor.phase()
+        if "capacity" in phases and side is not None:
+            await wait_quiet(args.wait_quiet, log)
+            monitor.phase()
+            log("phase capacity: one core of sidecar (pinned), 1 KB saturation, then many conversations")
+            report["capacity"] = await run_capacity(
+                emu, side, latency=LATENCY[args.capacity_latency], saturation=_ints(args.capacity_saturation),
+                seconds=args.capacity_seconds, conversations=_ints(args.capacity_conversations),
+                turns=args.capacity_turns, tool_ms=args.capacity_tool_ms, twin_every=args.capacity_twin_every,
+                seed=args.seed, log=log,
+            )  # fmt: skip
+            load["capacity"] = monitor.phase()
+        if "network" in phases and have_sidecar:
+            await wait_quiet(args.wait_quiet, log)
+            monitor.phase()
+            log(f"phase network: {args.network_rtt_ms:g} ms RTT, first turn vs kept-alive direct HTTP")
+            report["network"] = await run_network(
+                logs, rtt_ms=args.network_rtt_ms, connect_ms=args.network_connect_ms, template=args.network_flags,
+                conversations=args.network_conversations, later_turns=args.network_later_turns,
+                first_bytes=int(args.network_first_kb * 1000), seed=args.seed, log=log,
+            )  # fmt: skip
+            load["network"] = monitor.phase()
         if "rollouts" in phases:
             log(f"phase rollouts: A/B/C at {args.conversations} conversations")
             report["comparisons"] = await rollouts_phase(
