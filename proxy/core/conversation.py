@@ -199,7 +199,8 @@ class HeadTable:
             digests = req.prefix_digests(lengths)
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
-                    found, why, dropped = self._try(self._heads[anchor], req.items, n, 0, now, is_idle)
+                    items, at, skipped = req.items_from(n)  # the fast parse's tail when it suffices
+                    found, why, dropped = self._try(self._heads[anchor], items, at, skipped, now, is_idle)
                     if found is not None:
                         return found
                     if why == MissReason.DROPPED_REASONING:
@@ -261,7 +262,7 @@ class HeadTable:
         for (ident, settings), bucket in self._buckets.items():
             if ident != identity or settings == req.settings_digest:
                 continue
-            lengths = {n for n in bucket.lengths if n < len(req.items)}
+            lengths = {n for n in bucket.lengths if n < req.n_items}
             for n, value in req.prefix_digests(lengths).items():
                 if (identity, settings, n, value) in self._index:
                     return True
