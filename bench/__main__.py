@@ -91,10 +91,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-latency", choices=[k for k in LATENCY if k != "zero"], default="fast",
                    help="latency model of the under-load runs")  # fmt: skip
     p.add_argument("--network-rtt-ms", type=float, default=30.0, help="round-trip time of the network phase")
-    p.add_argument("--network-connect-ms", type=float, default=90.0,
-                   help="connection setup (TCP + TLS + upgrade) of the network phase")  # fmt: skip
+    p.add_argument("--network-connect-ms", type=float, default=60.0,
+                   help="connection setup (TCP + TLS; the upgrade pays its RTT) of the network phase")  # fmt: skip
     p.add_argument("--network-flags", default=DEFAULT_FLAGS,
                    help="emulator flags for the network model ({rtt} and {connect} are filled in)")  # fmt: skip
+    p.add_argument("--network-latency", choices=list(LATENCY), default="fast",
+                   help="model latency of the network phase's emulator (besides the network)")  # fmt: skip
     p.add_argument("--network-conversations", type=int, default=50, help="new conversations (median of these)")
     p.add_argument("--network-later-turns", type=int, default=5, help="turns after the first one, per conversation")
     p.add_argument("--network-first-kb", type=float, default=10.0, help="history of a first turn, KB")
@@ -136,7 +138,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.memory_conversations, args.stall_streams, args.stall_size, args.stall_repeats = 100, 2, "500k", 1
     args.capacity_saturation, args.capacity_seconds, args.capacity_conversations = "4", 2.0, "8"
     args.capacity_turns, args.capacity_tool_ms, args.capacity_latency = 2, (20.0, 50.0), "quick"
-    args.network_conversations, args.network_later_turns = 3, 1
+    args.network_conversations, args.network_later_turns, args.network_latency = 3, 1, "quick"
     args.clients_at_first, args.no_profile = "sdk", True
     args.deadline = args.deadline or 150.0
     if args.latency == "realistic":
@@ -234,6 +236,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
                 logs, rtt_ms=args.network_rtt_ms, connect_ms=args.network_connect_ms, template=args.network_flags,
                 conversations=args.network_conversations, later_turns=args.network_later_turns,
                 first_bytes=int(args.network_first_kb * 1000), seed=args.seed, log=log,
+                latency=LATENCY[args.network_latency],
             )  # fmt: skip
             load["network"] = monitor.phase()
         if "rollouts" in phases:

@@ -2,8 +2,10 @@
 
 A second emulator runs with a round-trip time per message and a connection-setup delay (TCP +
 TLS + upgrade), given as its own command-line flags (``--network-flags``, a template with
-``{rtt}`` and ``{connect}``, so the phase follows whatever the emulator names them). Zero model
-latency otherwise: what remains is network. ``conversations`` times, alternating which goes first:
+``{rtt}`` and ``{connect}``, so the phase follows whatever the emulator names them). The model's
+own latency (``--network-latency``, ``fast`` by default) is the same for both, so a first turn
+differs only by what the path adds, and a later turn also by the history the upstream re-reads
+over HTTP. ``conversations`` times, alternating which goes first:
 
 * **first turn** of a new conversation through upshift (no head: a full send on whatever socket
   the sidecar has or opens) vs the same body sent directly over a kept-alive HTTP connection
@@ -66,14 +68,15 @@ async def run_network(
     first_bytes: int,
     seed: int,
     log: Log,
+    latency: dict[str, float] | None = None,
 ) -> JSON:
-    """The whole phase, with its own emulator and sidecar (stopped at the end)."""
+    """The whole phase, with its own emulator (model ``latency`` plus the network) and sidecar."""
     flags = emulator_flags(template, rtt_ms, connect_ms)
     if not flags:
         note = f"emulator has no network flags ({template!r}); phase skipped"
         log(f"  network: {note}")
         return {"note": note}
-    emu = EmulatorProc(logs, {}, extra=flags)
+    emu = EmulatorProc(logs, dict(latency or {}), extra=flags)
     emu.name = "emulator-network"
     emu.log_path = logs / "emulator-network.log"
     emu.start()
@@ -84,7 +87,9 @@ async def run_network(
         side.name, side.log_path = "sidecar-network", logs / "sidecar-network.log"
         side.start()
         await side.ready()
-        return await _measure(emu, side, rtt_ms, connect_ms, flags, conversations, later_turns, first_bytes, seed, log)
+        found = await _measure(emu, side, rtt_ms, connect_ms, flags, conversations, later_turns, first_bytes, seed, log)
+        found["latency_model"] = latency or {}
+        return found
     finally:
         if side is not None:
             side.stop()
