@@ -106,7 +106,7 @@ class TimeoutSettings:
 class StreamingSettings:
     """Streaming answers to the app."""
 
-    hold_back_seconds: float = 0.25
+    hold_back_seconds: float = 0.1
     """Longest time ``response.created`` / ``in_progress`` are held back waiting for the first
     output (so that a socket lost before output can be replayed invisibly); after that they go
     to the app, and a later failure is surfaced as an error event. 0 never holds them."""

@@ -27,10 +27,10 @@ from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamProtocolError
 from proxy.log import access_log
-from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, REQUESTS
+from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, HELD_LIFECYCLE, INPUT_ITEMS_AVOIDED, REQUESTS
 from proxy.upstream import UpstreamSocket
 
-__all__ = ["Downstream", "Record", "json_body", "new_request_id", "pump", "read_body"]
+__all__ = ["Downstream", "Record", "count_hold_back", "json_body", "new_request_id", "pump", "read_body"]
 
 _MAX_BATCH = 64
 """Most events written to the app in one write."""
@@ -165,6 +165,17 @@ async def pump(sock: UpstreamSocket, frame: bytes, channel: Channel, down: Downs
                 batch = []
     if batch:
         await down.write(batch)
+
+
+def count_hold_back(channel: Channel) -> None:
+    """Count how ``channel``'s held lifecycle events left the hold (``upshift_held_lifecycle_total``).
+
+    Call once per attempt, when the shell is done with its channel (after the answer was
+    written, or before a replay): events still held then never reached the app.
+    """
+    path = channel.hold_path
+    if path is not None:
+        HELD_LIFECYCLE.labels(path.value).inc()
 
 
 def new_request_id() -> str:
