@@ -17,7 +17,8 @@ Two rules shape it:
   :attr:`Channel.hold_path` (a metric label).
 - **The app's own ``previous_response_id``.** Every lifecycle event's ``response`` shows the
   id the app sent (``null`` when it sent none), never the sidecar's anchor. Only those events are
-  patched and re-serialised; every other event passes through as the upstream's bytes.
+  patched (in their bytes where that is exact, else re-serialised); every other event passes
+  through as the upstream's bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from proxy.core.retry import error_fields
 from proxy.core.sse import nested_error
@@ -304,9 +307,21 @@ class Channel:
         return self.last_sequence
 
     def _lifecycle(self, kind: str, raw: bytes, event: dict[str, Any]) -> Out:
-        """Show the app's own ``previous_response_id``; re-serialise only if it differs."""
+        """Show the app's own ``previous_response_id``; rewrite only if it differs.
+
+        The rewrite patches the upstream's bytes when the member occurs in them exactly once
+        (outside strings a ``"`` is never escaped, so that one occurrence is the member the
+        parse found); otherwise the event is serialised anew.
+        """
         response = event.get("response")
-        if not isinstance(response, dict) or response.get("previous_response_id") == self._app_prev:
+        if not isinstance(response, dict):
+            return Out(kind, raw)
+        previous = response.get("previous_response_id")
+        if previous == self._app_prev:
             return Out(kind, raw)
         response["previous_response_id"] = self._app_prev
+        if isinstance(previous, str):
+            old = b'"previous_response_id":' + orjson.dumps(previous)
+            if raw.count(old) == 1:
+                return Out(kind, raw.replace(old, b'"previous_response_id":' + orjson.dumps(self._app_prev)))
         return Out(kind, None, event)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -47,9 +48,9 @@ def test_text_turn_prefix_held_until_output_then_passthrough() -> None:
     assert channel.started and not channel.released
     outs = feed(channel, events[2:3])
     assert [o.type for o in outs] == ["response.created", "response.in_progress", "response.output_item.added"]
-    # lifecycle events are patched to the app's own previous_response_id (null) and re-serialised
-    assert outs[0].raw is None and outs[0].obj is not None
-    assert outs[0].obj["response"]["previous_response_id"] is None
+    # lifecycle events are patched to the app's own previous_response_id (null), in their bytes
+    assert outs[0].raw is not None and outs[0].obj is None
+    assert orjson.loads(outs[0].raw) == {**events[0], "response": resp(prev=None)}
     # every other event is the upstream's bytes, unchanged
     assert outs[2].raw == orjson.dumps(events[2]) and outs[2].obj is None
     outs = feed(channel, events[3:])
@@ -221,7 +222,7 @@ def test_deadline_releases_the_held_events_and_ends_the_replay_window() -> None:
     assert channel.deadline() == 10.25
     outs = channel.on_timer(10.25)
     assert [o.type for o in outs] == ["response.created", "response.in_progress"]
-    assert outs[0].obj is not None and outs[0].obj["response"]["previous_response_id"] is None  # still patched
+    assert outs[0].raw is not None and orjson.loads(outs[0].raw)["response"]["previous_response_id"] is None
     assert channel.released and channel.hold_path is HoldPath.DEADLINE and channel.deadline() is None
     assert channel.on_timer(11.0) == []  # a late second timer releases nothing twice
     # from now on every event passes at once, and a failure is surfaced, never replayed
@@ -277,3 +278,18 @@ def test_terminal_while_held_and_discarded_paths() -> None:
     channel.release()  # ... or surfaced by the shell
     assert channel.hold_path is HoldPath.TERMINAL
     assert Channel(None).hold_path is None  # nothing held at all
+
+
+def test_lifecycle_patch_falls_back_to_serialising_when_the_bytes_are_ambiguous() -> None:
+    channel = Channel("resp_app")
+    tricky = resp(metadata={"previous_response_id": ANCHOR})  # the same member twice in the bytes
+    spaced = ev("response.in_progress", 1, response=resp())
+    outs = channel.feed(orjson.dumps(ev("response.created", 0, response=tricky)), ev("response.created", 0,
+                        response=tricky))  # fmt: skip
+    outs += channel.feed(json.dumps(spaced).encode(), spaced)  # "key": "value": no byte match
+    outs += channel.feed(orjson.dumps(text_turn()[2]), text_turn()[2])
+    assert outs[0].raw is None and outs[0].obj is not None
+    assert outs[0].obj["response"]["previous_response_id"] == "resp_app"
+    assert outs[0].obj["response"]["metadata"] == {"previous_response_id": ANCHOR}
+    assert outs[1].raw is None and outs[1].obj is not None
+    assert outs[1].obj["response"]["previous_response_id"] == "resp_app"
