@@ -69,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", default="1,10,100,500", help="concurrency levels")
     p.add_argument("--sizes", default="1k,200k,1m,3m", help="history sizes for the added-latency phase")
     p.add_argument("--reps", type=int, default=200, help="continuation turns per history size")
+    p.add_argument("--light-settings", action="store_true",
+                   help="added-latency phase: one tool, a one-line instruction (as before 2026-12-01)")  # fmt: skip
     p.add_argument("--latency", choices=[*LATENCY, "custom"], default="realistic",
                    help="emulator latency model for the rollouts (custom: zero + the flags below)")  # fmt: skip
     for name in LATENCY["zero"]:
@@ -202,14 +204,17 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             monitor.phase()
             log("phase overhead: added latency per history size (zero latency)")
             sizes = [s for s in args.sizes.split(",") if s]
-            found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log)
+            found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log,
+                                       light=args.light_settings)  # fmt: skip
             report["overhead"] = [r.report() for r in found]
             report["overhead_slopes"] = slopes(found)
             load["overhead"] = monitor.phase()
             if not args.no_profile and args.profiler == "pyinstrument":
                 log("profile: a sidecar under pyinstrument during continuation turns")
-                report["profile"] = await pyinstrument_pass(emu, logs, reps=max(40, args.reps // 2), seed=args.seed,
-                                                            log=log)  # fmt: skip
+                report["profile"] = await pyinstrument_pass(
+                    emu, logs, reps=max(40, args.reps // 2), seed=args.seed, log=log,
+                    sizes=[x for x in sizes if parse_size(x) <= 1_000_000][:3] or None, light=args.light_settings,
+                )  # fmt: skip
                 monitor.phase()
             elif not args.no_profile:
                 log("profile: py-spy on the sidecar during continuation turns")

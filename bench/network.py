@@ -109,7 +109,7 @@ async def _measure(
     log: Log,
 ) -> JSON:
     headers = sdk_headers()
-    fields = body_fields(stream=True, light=True)
+    fields = body_fields(stream=True, light=False)
     urls = {"upshift": side.base_url + "/responses", "direct": emu.base_url + "/responses"}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=READ_TIMEOUT)
     per_turn: dict[str, list[list[float]]] = {k: [[] for _ in range(later_turns + 1)] for k in urls}

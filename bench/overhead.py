@@ -108,8 +108,8 @@ class SizeResult:
 class _Chain:
     """One conversation of a given size, run both through the sidecar and natively over WS."""
 
-    def __init__(self, size: int, tag: str, steps: int, seed: int) -> None:
-        self.fields = body_fields(stream=True, light=True)
+    def __init__(self, size: int, tag: str, steps: int, seed: int, light: bool) -> None:
+        self.fields = body_fields(stream=True, light=light)
         self.ws_fields = {k: v for k, v in self.fields.items() if k != "stream"}
         self.history = AgentHistory(size, seed, tag, steps)
         self.input: list[JSON] = list(self.history.items)
@@ -155,7 +155,14 @@ class _Cpu:
 
 
 async def _measure_size(
-    label: str, size: int, reps: int, per_chain: int, emu: EmulatorProc, side: SidecarProc, seed: int
+    label: str,
+    size: int,
+    reps: int,
+    per_chain: int,
+    emu: EmulatorProc,
+    side: SidecarProc,
+    seed: int,
+    light: bool = False,
 ) -> SizeResult:
     result = SizeResult(label, size)
     headers = sdk_headers()
@@ -167,7 +174,7 @@ async def _measure_size(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         chain_no = 0
         while len(result.added_total) < reps:
-            chain = _Chain(size, f"{label}-{seed}-{chain_no}-{time.monotonic_ns()}", per_chain + 1, seed)
+            chain = _Chain(size, f"{label}-{seed}-{chain_no}-{time.monotonic_ns()}", per_chain + 1, seed, light)
             chain_no += 1
             ws = await websockets.connect(
                 emu.base_url.replace("http://", "ws://") + "/responses",
@@ -265,17 +272,22 @@ async def run_overhead(
     warmup: int = 6,
     log: Any = print,
     per_chain: int | None = None,
+    light: bool = False,
 ) -> list[SizeResult]:
-    """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency."""
+    """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency.
+
+    ``light``: one tool and a one-line instruction instead of the agent's 3.3 KB of instructions
+    and five tools (the history sizes count the input only, the settings come on top).
+    """
     await emu.set_latency({})
-    await _measure_size("warmup", 20_000, warmup, 3, emu, side, seed)
+    await _measure_size("warmup", 20_000, warmup, 3, emu, side, seed, light)
     results = []
     for label in sizes:
         size = parse_size(label)
         turns = per_chain or (2 if size < 20_000 else 10)
         n = reps if size < 2_000_000 else max(10, reps // 2)
         started = time.perf_counter()
-        res = await _measure_size(label, size, n, turns, emu, side, seed)
+        res = await _measure_size(label, size, n, turns, emu, side, seed, light)
         rep = res.report()
         log(
             f"  overhead {label}: added p50 {rep['added_ms']['p50']:.2f} ms p99 {rep['added_ms']['p99']:.2f} ms "

@@ -174,9 +174,18 @@ async def profile_pass(emu: EmulatorProc, side: SidecarProc, out: Path, *, reps:
     return ranked
 
 
-async def pyinstrument_pass(emu: EmulatorProc, logs: Path, *, reps: int, seed: int, log: Log) -> JSON:
-    """A second sidecar under pyinstrument (``bench`` extra), driven by continuation turns at 1 KB and
-    200 KB of the reasoning-agent workload; returns the top self-time frames and the text report's path.
+async def pyinstrument_pass(
+    emu: EmulatorProc,
+    logs: Path,
+    *,
+    reps: int,
+    seed: int,
+    log: Log,
+    sizes: list[str] | None = None,
+    light: bool = False,
+) -> JSON:
+    """A second sidecar under pyinstrument (``bench`` extra), driven by continuation turns of the
+    reasoning-agent workload at ``sizes`` (1 KB and 200 KB); returns the top self-time frames.
 
     Kept apart from the timed runs (the profiler slows the sidecar several times over).
     """
@@ -192,7 +201,8 @@ async def pyinstrument_pass(emu: EmulatorProc, logs: Path, *, reps: int, seed: i
     side.start()
     await side.ready()
     try:
-        await run_overhead(emu, side, ["1k", "200k"], reps=reps, seed=seed + 11, warmup=2, log=lambda _: None)
+        await run_overhead(emu, side, sizes or ["1k", "200k"], reps=reps, seed=seed + 11, warmup=2,
+                           log=lambda _: None, light=light)  # fmt: skip
     finally:
         side.stop(grace=30.0)
     if not out.exists():
