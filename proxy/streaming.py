@@ -73,6 +73,8 @@ class Downstream:
         """Seconds spent waiting on the upstream."""
         self.bytes_out = 0
         """SSE bytes written to the app."""
+        self._last = b""
+        """The batch that ends with the terminal event, sent by :meth:`end` with the body's end."""
 
     @property
     def written(self) -> bool:
@@ -89,13 +91,18 @@ class Downstream:
     async def write(self, outs: list[Out]) -> None:
         """Write released events as SSE (prepares the response on the first call).
 
-        One buffer and one socket write per call: the headers go out with the first events,
-        and a batch that ends with the terminal event also ends the body (the chunked
-        encoding's last chunk), so a turn whose events arrive together costs one write.
+        One buffer and one socket write per call: the headers go out with the first events.
+        A batch that ends with the terminal event is kept for :meth:`end`, which sends it with
+        the end of the body (the chunked encoding's last chunk) in the same write: so a turn
+        whose events arrive together costs one write, and the app sees its response end only
+        after the shell recorded the conversation's head (its next turn cannot race that).
         """
         if self.gone or not outs:
             return
         data = _frames(outs)
+        if self._last:
+            data = self._last + data  # never happens in a well-formed stream
+            self._last = b""
         try:
             if self.response is None:
                 response = web.StreamResponse(
@@ -106,22 +113,23 @@ class Downstream:
                 response._send_headers_immediately = False
                 self.response = response
                 await response.prepare(self.request)
+            self.bytes_out += len(data)
             if outs[-1].type in _LAST:
-                await self.response.write_eof(data)
+                self._last = data
             else:
                 await self.response.write(data)
-            self.bytes_out += len(data)
         except ConnectionResetError:
             # The app closed its connection; keep reading upstream to the terminal event so
             # the socket stays usable (pitfall 20), but write nothing more.
             self.gone = True
 
     async def end(self) -> web.StreamResponse:
-        """Finish the SSE stream cleanly (no ``[DONE]``)."""
+        """Finish the SSE stream cleanly (no ``[DONE]``), with the terminal batch if one is kept."""
         assert self.response is not None
         if not self.gone:
+            last, self._last = self._last, b""
             try:
-                await self.response.write_eof()
+                await self.response.write_eof(last)
             except ConnectionResetError:
                 self.gone = True
         return self.response
