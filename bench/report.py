@@ -147,7 +147,8 @@ def markdown(report: JSON) -> str:
             )
         lines += ["", "| Conversations (twins) | Added p50 / p99 ms | First event added p50 / p99 ms | "
                   "Sidecar first event / first token / total p50 ms | Native first event / first token / total p50 ms "
-                  "| Turns/s | Sidecar CPU % | Errors |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| Turns/s | Sidecar CPU % (ms per paced turn) | Errors |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in cap.get("many", []):
             a, fe, sd, nt = r["added_ms"], r["added_first_event_ms"], r["sidecar"], r["native"]
             lines.append(
@@ -156,7 +157,8 @@ def markdown(report: JSON) -> str:
                 f"{_f(sd['first_event_ms'].get('p50'), 1)} / {_f(sd['first_output_ms'].get('p50'), 1)} / "
                 f"{_f(sd['total_ms'].get('p50'), 1)} | {_f(nt['first_event_ms'].get('p50'), 1)} / "
                 f"{_f(nt['first_output_ms'].get('p50'), 1)} / {_f(nt['total_ms'].get('p50'), 1)} | "
-                f"{_f(r['sidecar_turns_per_s'], 0)} | {_f(r['sidecar_cpu_pct_of_one_core'], 0)} | {r['errors']} |"
+                f"{_f(r['sidecar_turns_per_s'], 0)} | {_f(r['sidecar_cpu_pct_of_one_core'], 0)} "
+                f"({_f(r.get('sidecar_cpu_ms_per_turn'), 2)}) | {r['errors']} |"
             )
     net = report.get("network")
     if net and "note" not in net:
