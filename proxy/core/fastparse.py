@@ -44,7 +44,9 @@ class RawPrefix:
     """The previous body's input span (its key and start offsets carry over)."""
     _body: bytes | None = None
     settings: SettingsBlock | None = None
-    """The previous body's settings, processed, while the head is hot (see :func:`fast_parse`)."""
+    """The previous body's settings, processed (shared), while the head is hot (see :func:`fast_parse`)."""
+    suffix: int = 0
+    """Bytes of the previous body after its input array's ``]``."""
 
     @property
     def body(self) -> bytes | None:
@@ -101,7 +103,8 @@ def raw_prefix(req: ParsedRequest, state: Any = None) -> RawPrefix | None:
     elif state is None:
         state = hash_prefix(body, length)
     block = SettingsBlock.of(req)
-    return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body, block)
+    suffix = len(body) - req.span.end - 1
+    return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body, block, suffix)
 
 
 def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any, body: bytes) -> ParsedRequest | None:
@@ -114,8 +117,8 @@ def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any,
     i = blank_forward(body, length)
     if i >= len(body):
         return None
-    if raw.settings is not None:
-        found = _same_settings(raw, raw.settings, anchor, n_input, input_state, body, i)
+    if raw.settings is not None and raw.body is not None:
+        found = _same_settings(raw, raw.settings, raw.body, anchor, n_input, input_state, body, i)
         if found is not None:
             return found
     prefix = b'{"input":['
@@ -171,7 +174,14 @@ def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any,
 
 
 def _same_settings(
-    raw: RawPrefix, block: SettingsBlock, anchor: Hashable, n_input: int, input_state: Any, body: bytes, i: int
+    raw: RawPrefix,
+    block: SettingsBlock,
+    previous: bytes,
+    anchor: Hashable,
+    n_input: int,
+    input_state: Any,
+    body: bytes,
+    i: int,
 ) -> ParsedRequest | None:
     """The hot path: ``body`` ends with the previous body's bytes after its input array, so only
     the new items between the prefix and those bytes are parsed (once); the settings are the
@@ -181,8 +191,8 @@ def _same_settings(
     new bytes + ``]`` parses as one array only if they are a list of values, so the new body
     parses as the previous one with these items appended. ``None`` when the bytes differ.
     """
-    suffix = block.suffix
-    close = len(body) - len(suffix) - 1  # where this body's "]" must be
+    suffix = memoryview(previous)[len(previous) - raw.suffix :]
+    close = len(body) - raw.suffix - 1  # where this body's "]" must be
     if close < i or body[close] != ord("]") or not body.endswith(suffix):
         return None
     if body[i] == ord("]"):

@@ -89,50 +89,58 @@ class Base:
 
 @dataclass(slots=True, eq=False)
 class SettingsBlock:
-    """The non-input members of a body, processed once and reused while the next turn's body
-    carries the very same bytes around its input (the steady state of an agent loop).
+    """The non-input members of a body, processed once and reused while later bodies carry the
+    very same bytes around their input (the steady state of an agent loop).
+
+    Blocks are shared: every conversation whose bodies hold the same settings bytes uses one
+    block (:meth:`of` keeps a bounded table of them), so a head costs a reference, not a copy
+    of the instructions and tools.
 
     Attributes:
         before: Fields before ``input`` (body order).
         after: Fields after the ``input`` array.
         digest: :func:`settings_digest` of both.
-        suffix: The body's bytes after the input array's ``]`` (a view of the body, kept while
-            the head keeps the body).
         huge: Whether a value may be an integer beyond 64 bits (see :func:`build_frame`).
     """
 
     before: dict[str, Any]
     after: dict[str, Any]
     digest: bytes
-    suffix: memoryview
     huge: bool
     _members: tuple[bytes, bytes] | None = None
 
     @classmethod
     def of(cls, req: ParsedRequest) -> SettingsBlock | None:
-        """The block of ``req`` (reused from its fast parse when it has one); ``None`` without a span."""
+        """The block of ``req`` (its fast parse's, or the shared one for the same settings bytes);
+        ``None`` without a located input array."""
         if req.settings is not None:
-            return req.settings if req.span is None else req.settings.moved(req)
-        if req.span is None or "input" not in req.fields:
+            return req.settings
+        span = req.span
+        if span is None or "input" not in req.fields:
             return None
+        body = memoryview(req.body)
+        key = (
+            req.settings_digest,
+            hashlib.blake2b(body[: span.key]).digest(),
+            hashlib.blake2b(body[span.end :]).digest(),
+        )
+        block = _BLOCKS.get(key)
+        if block is not None:
+            return block
         before: dict[str, Any] = {}
         after: dict[str, Any] = {}
         side = before
-        for key, value in req.fields.items():
-            if key == "input":
+        for name, value in req.fields.items():
+            if name == "input":
                 side = after
             else:
-                side[key] = value
+                side[name] = value
         huge = _has_huge_float(list(before.values())) or _has_huge_float(list(after.values()))
-        suffix = memoryview(req.body)[req.span.end + 1 :]
-        return cls(before, after, req.settings_digest, suffix, huge)
-
-    def moved(self, req: ParsedRequest) -> SettingsBlock:
-        """The same settings, with the suffix taken from ``req``'s body (the one kept next)."""
-        assert req.span is not None
-        return SettingsBlock(
-            self.before, self.after, self.digest, memoryview(req.body)[req.span.end + 1 :], self.huge, self._members
-        )
+        block = cls(before, after, req.settings_digest, huge)
+        if len(_BLOCKS) >= _MAX_BLOCKS:
+            del _BLOCKS[next(iter(_BLOCKS))]
+        _BLOCKS[key] = block
+        return block
 
     def fields(self, items: list[Any]) -> dict[str, Any]:
         """Every field in body order, ``input`` set to ``items``."""
@@ -150,6 +158,12 @@ class SettingsBlock:
             tail = _dumps({k: v for k, v in self.after.items() if k not in skip})[1:-1]
             self._members = (head, tail)
         return self._members
+
+
+_BLOCKS: dict[tuple[bytes, bytes, bytes], SettingsBlock] = {}
+"""Shared blocks by (settings digest, hashes of the bytes before and after the input array)."""
+_MAX_BLOCKS = 256
+"""Distinct settings blocks kept (oldest first out): apps have a handful of agent configurations."""
 
 
 @dataclass(slots=True, eq=False)

@@ -213,3 +213,20 @@ def test_cooled_head_drops_its_settings() -> None:
     heads.expire(1e6)  # past hot_prefix_seconds: the body (and with it the parsed settings) goes
     req = heads.parse("id", body(items + [call(0), output(0, "x")]))
     assert req.base is not None and req.settings is None
+
+
+def test_conversations_with_the_same_settings_share_one_block() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=1e9)
+    blocks = []
+    for n in range(3):
+        req = heads.parse("id", body([{"role": "user", "content": f"conversation {n}"}]))
+        heads.begin(f"s{n}")
+        heads.record("id", f"s{n}", req, {"id": f"resp_{n}", "output": [call(n)]}, 0)
+        raw = heads._heads[f"s{n}"].raw
+        assert raw is not None and raw.settings is not None
+        blocks.append(raw.settings)
+    assert blocks[0] is blocks[1] is blocks[2]  # a head holds a reference, not a copy of the settings
+    other = heads.parse("id", body([{"role": "user", "content": "x"}], store=True))
+    heads.begin("s9")
+    heads.record("id", "s9", other, {"id": "resp_9", "output": [call(9)]}, 0)
+    assert heads._heads["s9"].raw is not None and heads._heads["s9"].raw.settings is not blocks[0]
