@@ -1,11 +1,13 @@
 """``python -m bench``: A (HTTP, full history) vs B (through upshift) vs C (native WebSocket mode).
 
 Runs the emulator and the sidecar as separate processes on 127.0.0.1, then the phases
-(``--phases``): ``overhead`` (added latency per history size, zero-latency emulator, plus a py-spy
-profile of the sidecar), ``rollouts`` (A, B, C coding-agent rollouts at each concurrency, one latency
-model for all), ``memory`` (RSS per idle conversation head) and ``stall`` (event-loop stall from one
-large request). Writes ``<out>/<date>.json``, the results section of ``docs/benchmarks.md`` and
-``docs/benchmarks-turns.png``. ``--quick`` is a < 60 s smoke run that writes only the JSON.
+(``--phases``): ``overhead`` (added latency and CPU per turn by history size on a reasoning agent's
+event stream, zero-latency emulator, plus a profile of the sidecar), ``capacity`` (one pinned core:
+1 KB saturation, then 500 and 1,000 conversations), ``network`` (a remote API's RTT: first turn
+through upshift vs kept-alive direct HTTP), ``rollouts`` (A, B, C coding-agent rollouts at each
+concurrency, one latency model for all), ``memory`` (RSS per idle conversation head) and ``stall``
+(event-loop stall from one large request). Writes ``<out>/<date>.json``, the results section of
+``docs/benchmarks.md`` and ``docs/benchmarks-turns.png``. ``--quick`` is a < 60 s smoke run that writes only the JSON.
 See docs/benchmarks.md for the method.
 """
 
