@@ -1,11 +1,13 @@
 """``python -m bench``: A (HTTP, full history) vs B (through upshift) vs C (native WebSocket mode).
 
 Runs the emulator and the sidecar as separate processes on 127.0.0.1, then the phases
-(``--phases``): ``overhead`` (added latency per history size, zero-latency emulator, plus a py-spy
-profile of the sidecar), ``rollouts`` (A, B, C coding-agent rollouts at each concurrency, one latency
-model for all), ``memory`` (RSS per idle conversation head) and ``stall`` (event-loop stall from one
-large request). Writes ``<out>/<date>.json``, the results section of ``docs/benchmarks.md`` and
-``docs/benchmarks-turns.png``. ``--quick`` is a < 60 s smoke run that writes only the JSON.
+(``--phases``): ``overhead`` (added latency and CPU per turn by history size on a reasoning agent's
+event stream, zero-latency emulator, plus a profile of the sidecar), ``capacity`` (one pinned core:
+1 KB saturation, then 500 and 1,000 conversations), ``network`` (a remote API's RTT: first turn
+through upshift vs kept-alive direct HTTP), ``rollouts`` (A, B, C coding-agent rollouts at each
+concurrency, one latency model for all), ``memory`` (RSS per idle conversation head) and ``stall``
+(event-loop stall from one large request). Writes ``<out>/<date>.json``, the results section of
+``docs/benchmarks.md`` and ``docs/benchmarks-turns.png``. ``--quick`` is a < 60 s smoke run that writes only the JSON.
 See docs/benchmarks.md for the method.
 """
 
@@ -25,9 +27,11 @@ from typing import Any
 import psutil
 
 from . import report as rpt
+from .capacity import run_capacity
 from .memory import WORKLOADS, run_budget, run_memory
-from .overhead import parse_size, run_overhead
-from .phases import LoadMonitor, meta, profile_pass, quiet_stderr, rollouts_phase, wait_quiet
+from .network import DEFAULT_FLAGS, run_network
+from .overhead import parse_size, run_overhead, slopes
+from .phases import LoadMonitor, meta, profile_pass, pyinstrument_pass, quiet_stderr, rollouts_phase, wait_quiet
 from .procs import EmulatorProc, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
 from .stall import run_stall
 from .summary import targets
@@ -46,7 +50,7 @@ LATENCY: dict[str, dict[str, float]] = {
     # --quick: small but non-zero, so pacing code paths run.
     "quick": {"overhead_ms": 5.0, "rebuild_ms_per_kb": 0.1, "ttft_ms": 10.0, "tokens_per_second": 4000.0},
 }
-PHASES = ("overhead", "rollouts", "memory", "stall")
+PHASES = ("overhead", "capacity", "network", "rollouts", "memory", "stall")
 
 
 def _ints(text: str) -> list[int]:
@@ -67,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", default="1,10,100,500", help="concurrency levels")
     p.add_argument("--sizes", default="1k,200k,1m,3m", help="history sizes for the added-latency phase")
     p.add_argument("--reps", type=int, default=200, help="continuation turns per history size")
+    p.add_argument("--light-settings", action="store_true",
+                   help="added-latency phase: one tool, a one-line instruction (as before 2026-12-01)")  # fmt: skip
     p.add_argument("--latency", choices=[*LATENCY, "custom"], default="realistic",
                    help="emulator latency model for the rollouts (custom: zero + the flags below)")  # fmt: skip
     for name in LATENCY["zero"]:
@@ -80,6 +86,24 @@ def parser() -> argparse.ArgumentParser:
         help="clients at the lowest concurrency (sdk = openai SDK, raw = aiohttp/websockets); raw above",
     )
     p.add_argument("--phases", default=",".join(PHASES), help="phases to run")
+    p.add_argument("--capacity-saturation", default="32,128", help="concurrency levels of the 1 KB saturation run")
+    p.add_argument("--capacity-seconds", type=float, default=10.0, help="length of each saturation run")
+    p.add_argument("--capacity-conversations", default="500,1000", help="conversations of the under-load runs")
+    p.add_argument("--capacity-turns", type=int, default=8, help="agent turns per conversation under load")
+    p.add_argument("--capacity-tool-ms", type=_range, default=(200.0, 2000.0), help="tool time per call, ms")
+    p.add_argument("--capacity-twin-every", type=int, default=4, help="one native twin per this many conversations")
+    p.add_argument("--capacity-latency", choices=[k for k in LATENCY if k != "zero"], default="fast",
+                   help="latency model of the under-load runs")  # fmt: skip
+    p.add_argument("--network-rtt-ms", type=float, default=30.0, help="round-trip time of the network phase")
+    p.add_argument("--network-connect-ms", type=float, default=60.0,
+                   help="connection setup (TCP + TLS; the upgrade pays its RTT) of the network phase")  # fmt: skip
+    p.add_argument("--network-flags", default=DEFAULT_FLAGS,
+                   help="emulator flags for the network model ({rtt} and {connect} are filled in)")  # fmt: skip
+    p.add_argument("--network-latency", choices=list(LATENCY), default="fast",
+                   help="model latency of the network phase's emulator (besides the network)")  # fmt: skip
+    p.add_argument("--network-conversations", type=int, default=50, help="new conversations (median of these)")
+    p.add_argument("--network-later-turns", type=int, default=5, help="turns after the first one, per conversation")
+    p.add_argument("--network-first-kb", type=float, default=10.0, help="history of a first turn, KB")
     p.add_argument("--memory-conversations", type=int, default=2000)
     p.add_argument("--memory-budget-mb", type=float, default=256.0,
                    help="limits.memory_bytes for the memory phase's load workloads (issue 12)")  # fmt: skip
@@ -87,7 +111,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-size", default="3m")
     p.add_argument("--stall-repeats", type=int, default=3, help="rounds of each stall scenario (medians reported)")
     p.add_argument("--no-sidecar", action="store_true", help="setups A and C only")
-    p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile of the sidecar")
+    p.add_argument("--no-profile", action="store_true", help="skip the profile of the sidecar")
+    p.add_argument("--profiler", choices=["pyinstrument", "py-spy"], default="pyinstrument",
+                   help="pyinstrument: a second sidecar run under it; py-spy: samples the timed one")  # fmt: skip
     p.add_argument("--pin", action="store_true", help="pin the sidecar to CPU 0, emulator and bench to CPU 1")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
@@ -116,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
 def _apply_quick(args: argparse.Namespace) -> None:
     args.turns, args.conversations, args.sizes, args.reps = 3, "1,4", "1k,200k", 12
     args.memory_conversations, args.stall_streams, args.stall_size, args.stall_repeats = 100, 2, "500k", 1
+    args.capacity_saturation, args.capacity_seconds, args.capacity_conversations = "4", 2.0, "8"
+    args.capacity_turns, args.capacity_tool_ms, args.capacity_latency = 2, (20.0, 50.0), "quick"
+    args.network_conversations, args.network_later_turns, args.network_latency = 3, 1, "quick"
     args.clients_at_first, args.no_profile = "sdk", True
     args.deadline = args.deadline or 150.0
     if args.latency == "realistic":
@@ -179,15 +208,46 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             monitor.phase()
             log("phase overhead: added latency per history size (zero latency)")
             sizes = [s for s in args.sizes.split(",") if s]
-            found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log)
+            found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log,
+                                       light=args.light_settings)  # fmt: skip
             report["overhead"] = [r.report() for r in found]
+            report["overhead_slopes"] = slopes(found)
             load["overhead"] = monitor.phase()
-            if not args.no_profile:
+            if not args.no_profile and args.profiler == "pyinstrument":
+                log("profile: a sidecar under pyinstrument during continuation turns")
+                report["profile"] = await pyinstrument_pass(
+                    emu, logs, reps=max(40, args.reps // 2), seed=args.seed, log=log,
+                    sizes=[x for x in sizes if parse_size(x) <= 1_000_000][:3] or None, light=args.light_settings,
+                )  # fmt: skip
+                monitor.phase()
+            elif not args.no_profile:
                 log("profile: py-spy on the sidecar during continuation turns")
                 raw = logs / "sidecar.pyspy.txt"
                 reps = max(20, args.reps)
                 report["profile"] = await profile_pass(emu, side, raw, reps=reps, seed=args.seed, log=log)
                 monitor.phase()
+        if "capacity" in phases and side is not None:
+            await wait_quiet(args.wait_quiet, log)
+            monitor.phase()
+            log("phase capacity: one core of sidecar (pinned), 1 KB saturation, then many conversations")
+            report["capacity"] = await run_capacity(
+                emu, side, latency=LATENCY[args.capacity_latency], saturation=_ints(args.capacity_saturation),
+                seconds=args.capacity_seconds, conversations=_ints(args.capacity_conversations),
+                turns=args.capacity_turns, tool_ms=args.capacity_tool_ms, twin_every=args.capacity_twin_every,
+                seed=args.seed, log=log,
+            )  # fmt: skip
+            load["capacity"] = monitor.phase()
+        if "network" in phases and have_sidecar:
+            await wait_quiet(args.wait_quiet, log)
+            monitor.phase()
+            log(f"phase network: {args.network_rtt_ms:g} ms RTT, first turn vs kept-alive direct HTTP")
+            report["network"] = await run_network(
+                logs, rtt_ms=args.network_rtt_ms, connect_ms=args.network_connect_ms, template=args.network_flags,
+                conversations=args.network_conversations, later_turns=args.network_later_turns,
+                first_bytes=int(args.network_first_kb * 1000), seed=args.seed, log=log,
+                latency=LATENCY[args.network_latency],
+            )  # fmt: skip
+            load["network"] = monitor.phase()
         if "rollouts" in phases:
             log(f"phase rollouts: A/B/C at {args.conversations} conversations")
             report["comparisons"] = await rollouts_phase(

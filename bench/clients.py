@@ -38,12 +38,16 @@ __all__ = [
     "TurnRecord",
     "echo_items",
     "post_sse",
+    "WsTurn",
     "sdk_headers",
     "ws_create",
+    "ws_turn",
 ]
 
 JSON = Any
 TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
+LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})
+"""Events before output: the first event of any other type is the "first token"."""
 API_KEY = "sk-bench-0000"
 READ_TIMEOUT = 120.0
 """Longest wait for the next event of a turn before the bench gives up on it (never hang)."""
@@ -217,6 +221,8 @@ class SseResult:
     events: int
     times: list[float] | None = None
     """``perf_counter()`` at each event, when asked for."""
+    first_output: float = 0.0
+    """Seconds until the first event that is not ``response.created``/``in_progress`` (first token)."""
 
 
 async def post_sse(
@@ -229,7 +235,7 @@ async def post_sse(
 ) -> SseResult:
     """POST ``body`` and read the SSE stream to its terminal event (parsing only that event's JSON)."""
     start = time.perf_counter()
-    ttfb = last = gap = 0.0
+    ttfb = last = gap = first_output = 0.0
     buffer = b""
     terminal, response, count = "none", None, 0
     times: list[float] | None = [] if keep_times else None
@@ -249,30 +255,59 @@ async def post_sse(
                     times.append(start + now)
                 gap, last = max(gap, now - last), now
                 name = block[7 : block.find(b"\n")] if block.startswith(b"event: ") else b""
+                if not first_output and name.decode() not in LIFECYCLE:
+                    first_output = now
                 if name.decode() in TERMINAL:
                     terminal = name.decode()
                     data = block[block.find(b"data: ") + 6 :]
                     response = orjson.loads(data).get("response")
         total = time.perf_counter() - start
-        return SseResult(ttfb, total, terminal, response, dict(resp.headers), gap, count, times)
+        return SseResult(ttfb, total, terminal, response, dict(resp.headers), gap, count, times, first_output)
 
 
-async def ws_create(ws: Any, frame: bytes) -> tuple[float, float, JSON, str, float]:
-    """Send one ``response.create`` frame; read to the terminal event. Returns ttfb, total, final, type, gap."""
+@dataclass(slots=True)
+class WsTurn:
+    """What :func:`ws_turn` saw (seconds since the frame was sent)."""
+
+    ttfb: float
+    first_output: float
+    total: float
+    event: JSON
+    """The terminal event."""
+    kind: str
+    max_gap: float
+    events: int
+
+
+_LIFECYCLE_HEADS = tuple(f'"type":"{name}"' for name in LIFECYCLE)
+
+
+async def ws_turn(ws: Any, frame: bytes) -> WsTurn:
+    """Send one ``response.create`` frame; read to the terminal event."""
     start = time.perf_counter()
     await ws.send(frame.decode())
-    ttfb = last = gap = 0.0
+    ttfb = last = gap = first_output = 0.0
+    count = 0
     while True:
         message = await asyncio.wait_for(ws.recv(), READ_TIMEOUT)
         now = time.perf_counter() - start
+        count += 1
         if ttfb == 0.0:
             ttfb = last = now
         gap, last = max(gap, now - last), now
         head = message[:48]
+        if not first_output and not any(h in head for h in _LIFECYCLE_HEADS):
+            first_output = now
         if '"response.' in head or '"error"' in head:
             event = orjson.loads(message)
             if event.get("type") in TERMINAL:
-                return ttfb, time.perf_counter() - start, event, event["type"], gap
+                return WsTurn(ttfb, first_output, time.perf_counter() - start, event, event["type"], gap, count)
+
+
+async def ws_create(ws: Any, frame: bytes) -> tuple[float, float, JSON, str, float]:
+    """Send one ``response.create`` frame; read to the terminal event. Returns ttfb, total, final, type, gap."""
+    turn = await ws_turn(ws, frame)
+    return turn.ttfb, turn.total, turn.event, turn.kind, turn.max_gap
 
 
 class RawHttpAgent:

@@ -1,8 +1,11 @@
-"""Proxy-added latency per history size, measured against direct requests in the same run.
+"""Proxy-added latency per history size, measured against a native client in the same run.
 
-Zero-latency emulator. For each size, conversations of that size run continuation turns (the
-steady state: each request extends the previous one by the echoed output and one tool output).
-Every turn, in random order:
+Zero-latency emulator; the workload is a reasoning coding agent's (:class:`~bench.workload.
+AgentHistory`): every live turn streams a reasoning item with ``encrypted_content`` and one
+``function_call`` (about 19 events), histories hold reasoning items, commentary messages and
+heavy-tailed tool outputs (0.1–16 KB). For each size, fresh conversations of that size run
+continuation turns (each request extends the previous one by the echoed output and one tool
+output). Every turn, in random order:
 
 * **sidecar**: the full-history body, POSTed to the sidecar (which sends a continuation frame);
 * **direct HTTP**: the *same body bytes*, POSTed straight to the emulator;
@@ -11,10 +14,13 @@ Every turn, in random order:
 
 Reported, per size, p50/p99 over turns of: sidecar − direct WS (**added latency**: same upstream
 work, so what remains is the sidecar's ingest, diff and relay hop, plus the loopback upload of the
-body), sidecar − direct HTTP (the brief's "same body" view: net of the emulator's own full-body
-processing, which the sidecar spares it), the same for time to first byte, the sidecar's own
-``x-upshift-overhead-ms``, and the sidecar's CPU time per request. The first turn of each
-conversation (no head yet: a full send) is reported apart.
+body), sidecar − direct HTTP (net of the emulator's own full-body processing, which the sidecar
+spares it), the same for time to first byte and to the first output event, the sidecar's own
+``x-upshift-overhead-ms``, and **CPU per turn**: the sidecar's process CPU time (psutil, read
+around each of its requests) per turn, next to the emulator's CPU per native WS turn it served in
+the same run. The machine's speed drifts, so the ratio of the two is the stable figure. The first
+turn of each conversation (no head yet: a full send) is reported apart; :func:`slopes` fits the
+per-MB cost across sizes.
 """
 
 from __future__ import annotations
@@ -29,12 +35,12 @@ import aiohttp
 import orjson
 import websockets
 
-from .clients import API_KEY, READ_TIMEOUT, echo_items, post_sse, sdk_headers, ws_create
+from .clients import API_KEY, READ_TIMEOUT, echo_items, post_sse, sdk_headers, ws_turn
 from .procs import EmulatorProc, SidecarProc
-from .stats import summary
-from .workload import body_fields, corpus, history_of_size
+from .stats import percentile, summary
+from .workload import AgentHistory, body_fields
 
-__all__ = ["SizeResult", "parse_size", "run_overhead"]
+__all__ = ["SizeResult", "parse_size", "run_overhead", "slopes"]
 
 JSON = Any
 
@@ -55,6 +61,8 @@ class SizeResult:
     body_bytes: list[int] = field(default_factory=list)
     added_total: list[float] = field(default_factory=list)
     added_ttfb: list[float] = field(default_factory=list)
+    added_first_output: list[float] = field(default_factory=list)
+    events: list[float] = field(default_factory=list)
     vs_http_total: list[float] = field(default_factory=list)
     vs_http_ttfb: list[float] = field(default_factory=list)
     sidecar_total: list[float] = field(default_factory=list)
@@ -64,6 +72,9 @@ class SizeResult:
     first_turn_added: list[float] = field(default_factory=list)
     modes: dict[str, int] = field(default_factory=dict)
     cpu_ms_per_request: float = 0.0
+    emulator_cpu_ms_per_ws_turn: float = 0.0
+    emulator_cpu_ms_per_sidecar_turn: float = 0.0
+    emulator_cpu_ms_per_http_turn: float = 0.0
 
     def report(self) -> dict[str, JSON]:
         """Summaries for the JSON report."""
@@ -74,6 +85,8 @@ class SizeResult:
             "body_bytes": summary([float(b) for b in self.body_bytes]),
             "added_ms": summary(self.added_total),
             "added_ttfb_ms": summary(self.added_ttfb),
+            "added_first_output_ms": summary(self.added_first_output),
+            "events_per_turn": summary(self.events, 1),
             "vs_direct_http_ms": summary(self.vs_http_total),
             "vs_direct_http_ttfb_ms": summary(self.vs_http_ttfb),
             "sidecar_ms": summary(self.sidecar_total),
@@ -83,25 +96,25 @@ class SizeResult:
             "first_turn_added_ms": summary(self.first_turn_added),
             "modes": self.modes,
             "sidecar_cpu_ms_per_request": round(self.cpu_ms_per_request, 3),
+            "emulator_cpu_ms_per_ws_turn": round(self.emulator_cpu_ms_per_ws_turn, 3),
+            "emulator_cpu_ms_per_sidecar_turn": round(self.emulator_cpu_ms_per_sidecar_turn, 3),
+            "emulator_cpu_ms_per_http_turn": round(self.emulator_cpu_ms_per_http_turn, 3),
+            "cpu_ratio_sidecar_over_emulator_ws": round(self.cpu_ms_per_request / self.emulator_cpu_ms_per_ws_turn, 3)
+            if self.emulator_cpu_ms_per_ws_turn
+            else None,
         }
 
 
 class _Chain:
     """One conversation of a given size, run both through the sidecar and natively over WS."""
 
-    def __init__(self, size: int, tag: str, steps: int, seed: int) -> None:
-        self.fields = body_fields(stream=True, light=True)
+    def __init__(self, size: int, tag: str, steps: int, seed: int, light: bool) -> None:
+        self.fields = body_fields(stream=True, light=light)
         self.ws_fields = {k: v for k, v in self.fields.items() if k != "stream"}
-        self.input: list[JSON] = history_of_size(size, seed, tag, steps)
+        self.history = AgentHistory(size, seed, tag, steps)
+        self.input: list[JSON] = list(self.history.items)
         self.ws_new: list[JSON] = list(self.input)
         self.previous: str | None = None
-        self.rng = random.Random(tag)
-        self.text = corpus(seed)
-        self.out_bytes = max(100, min(1000, size // 20))
-
-    def tool_output(self, call_id: str) -> JSON:
-        start = self.rng.randrange(0, len(self.text) - self.out_bytes)
-        return {"type": "function_call_output", "call_id": call_id, "output": self.text[start : start + self.out_bytes]}
 
     def body(self) -> bytes:
         return orjson.dumps({"input": self.input, **self.fields})
@@ -120,21 +133,48 @@ def _calls(response: JSON) -> list[JSON]:
     return [o for o in (response or {}).get("output") or [] if o.get("type") == "function_call"]
 
 
+class _Cpu:
+    """CPU seconds of the sidecar and the emulator, attributed to the request that ran between reads."""
+
+    def __init__(self, emu: EmulatorProc, side: SidecarProc) -> None:
+        self.procs = {"s": side, "e": emu}
+        self.spent: dict[tuple[str, str], float] = {}
+        self.count: dict[str, int] = {}
+
+    def read(self) -> dict[str, float]:
+        return {k: p.cpu_seconds() for k, p in self.procs.items()}
+
+    def add(self, what: str, before: dict[str, float], after: dict[str, float]) -> None:
+        self.count[what] = self.count.get(what, 0) + 1
+        for proc in before:
+            key = (proc, what)
+            self.spent[key] = self.spent.get(key, 0.0) + after[proc] - before[proc]
+
+    def per_request_ms(self, proc: str, what: str) -> float:
+        return self.spent.get((proc, what), 0.0) * 1000.0 / max(1, self.count.get(what, 0))
+
+
 async def _measure_size(
-    label: str, size: int, reps: int, per_chain: int, emu: EmulatorProc, side: SidecarProc, seed: int
+    label: str,
+    size: int,
+    reps: int,
+    per_chain: int,
+    emu: EmulatorProc,
+    side: SidecarProc,
+    seed: int,
+    light: bool = False,
 ) -> SizeResult:
     result = SizeResult(label, size)
     headers = sdk_headers()
     side_url, emu_url = side.base_url + "/responses", emu.base_url + "/responses"
     connector = aiohttp.TCPConnector(limit=4)
     rng = random.Random(size)
-    sidecar_requests = 0
-    cpu_before = side.cpu_seconds()
+    cpu = _Cpu(emu, side)
     timeout = aiohttp.ClientTimeout(total=300, sock_read=READ_TIMEOUT)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         chain_no = 0
         while len(result.added_total) < reps:
-            chain = _Chain(size, f"{label}-{seed}-{chain_no}-{time.monotonic_ns()}", per_chain + 1, seed)
+            chain = _Chain(size, f"{label}-{seed}-{chain_no}-{time.monotonic_ns()}", per_chain + 1, seed, light)
             chain_no += 1
             ws = await websockets.connect(
                 emu.base_url.replace("http://", "ws://") + "/responses",
@@ -148,25 +188,29 @@ async def _measure_size(
                     rng.shuffle(order)
                     got: dict[str, Any] = {}
                     for what in order:
+                        before = cpu.read()
                         if what == "s":
                             got["s"] = await post_sse(session, side_url, body, headers)
-                            sidecar_requests += 1
                         elif what == "h":
                             got["h"] = await post_sse(session, emu_url, body, headers)
                         else:
-                            got["w"] = await ws_create(ws, frame)
-                    s, h, (w_ttfb, w_total, w_event, _, _) = got["s"], got["h"], got["w"]
+                            got["w"] = await ws_turn(ws, frame)
+                        if turn > 0:
+                            cpu.add(what, before, cpu.read())
+                    s, h, w = got["s"], got["h"], got["w"]
                     ms = 1000.0
                     if turn == 0:
-                        result.first_turn_added.append((s.total - w_total) * ms)
+                        result.first_turn_added.append((s.total - w.total) * ms)
                     else:
                         result.body_bytes.append(len(body))
-                        result.added_total.append((s.total - w_total) * ms)
-                        result.added_ttfb.append((s.ttfb - w_ttfb) * ms)
+                        result.events.append(float(s.events))
+                        result.added_total.append((s.total - w.total) * ms)
+                        result.added_ttfb.append((s.ttfb - w.ttfb) * ms)
+                        result.added_first_output.append((s.first_output - w.first_output) * ms)
                         result.vs_http_total.append((s.total - h.total) * ms)
                         result.vs_http_ttfb.append((s.ttfb - h.ttfb) * ms)
                         result.sidecar_total.append(s.total * ms)
-                        result.direct_ws_total.append(w_total * ms)
+                        result.direct_ws_total.append(w.total * ms)
                         result.direct_http_total.append(h.total * ms)
                         header = s.headers.get("x-upshift-overhead-ms")
                         if header is not None:
@@ -174,20 +218,48 @@ async def _measure_size(
                         mode = s.headers.get("x-upshift-mode", "?")
                         result.modes[mode] = result.modes.get(mode, 0) + 1
                     # advance both chains with the same (sized) tool output
-                    side_calls, ws_response = _calls(s.response), w_event.get("response") or {}
+                    side_calls, ws_response = _calls(s.response), w.event.get("response") or {}
                     ws_calls = _calls(ws_response)
                     if not side_calls or not ws_calls or len(result.added_total) >= reps:
                         break
                     chain.input += echo_items(s.response.get("output") or [])
-                    out = chain.tool_output(side_calls[0]["call_id"])
+                    out = chain.history.tool_output(side_calls[0]["call_id"])
                     chain.input.append(out)
                     chain.previous = ws_response.get("id")
                     chain.ws_new = [{**out, "call_id": ws_calls[0]["call_id"]}]
             finally:
                 await ws.close()
-    cpu = side.cpu_seconds() - cpu_before
-    result.cpu_ms_per_request = cpu * 1000.0 / max(1, sidecar_requests)
+    result.cpu_ms_per_request = cpu.per_request_ms("s", "s")
+    result.emulator_cpu_ms_per_ws_turn = cpu.per_request_ms("e", "w")
+    result.emulator_cpu_ms_per_sidecar_turn = cpu.per_request_ms("e", "s")
+    result.emulator_cpu_ms_per_http_turn = cpu.per_request_ms("e", "h")
     return result
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares line ``y = a + b·x``: returns ``(a, b)``, or None with fewer than two x values."""
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
+
+
+def slopes(results: list[SizeResult]) -> JSON:
+    """Per-MB cost across sizes: added p50 and sidecar CPU per turn against the body's MB (median)."""
+    out: JSON = {}
+    for name, value in (
+        ("added_p50_ms", lambda r: percentile(r.added_total, 50)),
+        ("sidecar_cpu_ms", lambda r: r.cpu_ms_per_request),
+    ):
+        points = [(percentile(r.body_bytes, 50) / 1e6, value(r)) for r in results if r.body_bytes]
+        fit = _fit(points)
+        if fit is not None:
+            out[name] = {"at_zero": round(fit[0], 3), "per_mb": round(fit[1], 3)}
+    return out
 
 
 async def run_overhead(
@@ -200,22 +272,30 @@ async def run_overhead(
     warmup: int = 6,
     log: Any = print,
     per_chain: int | None = None,
+    light: bool = False,
 ) -> list[SizeResult]:
-    """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency."""
+    """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency.
+
+    ``light``: one tool and a one-line instruction instead of the agent's 3.3 KB of instructions
+    and five tools (the history sizes count the input only, the settings come on top).
+    """
     await emu.set_latency({})
-    await _measure_size("warmup", 20_000, warmup, 3, emu, side, seed)
+    await _measure_size("warmup", 20_000, warmup, 3, emu, side, seed, light)
     results = []
     for label in sizes:
         size = parse_size(label)
-        turns = per_chain or (3 if size < 20_000 else 10)
+        turns = per_chain or (2 if size < 20_000 else 10)
         n = reps if size < 2_000_000 else max(10, reps // 2)
         started = time.perf_counter()
-        res = await _measure_size(label, size, n, turns, emu, side, seed)
+        res = await _measure_size(label, size, n, turns, emu, side, seed, light)
         rep = res.report()
         log(
             f"  overhead {label}: added p50 {rep['added_ms']['p50']:.2f} ms p99 {rep['added_ms']['p99']:.2f} ms "
             f"(vs same-body HTTP p50 {rep['vs_direct_http_ms']['p50']:.2f} ms; header p50 "
-            f"{rep['header_overhead_ms'].get('p50', float('nan')):.2f} ms) in {time.perf_counter() - started:.0f} s"
+            f"{rep['header_overhead_ms'].get('p50', float('nan')):.2f} ms); CPU/turn sidecar "
+            f"{rep['sidecar_cpu_ms_per_request']:.2f} ms vs emulator (WS turn) "
+            f"{rep['emulator_cpu_ms_per_ws_turn']:.2f} ms; {rep['events_per_turn'].get('p50', 0):.0f} events/turn "
+            f"in {time.perf_counter() - started:.0f} s"
         )
         results.append(res)
         await emu.reset()

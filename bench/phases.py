@@ -21,7 +21,7 @@ from .rollout import SETUPS, Urls, run_setup
 from .summary import compare, summarize_setup
 from .workload import RolloutSpec
 
-__all__ = ["LoadMonitor", "meta", "profile_pass", "quiet_stderr", "rollouts_phase", "wait_quiet"]
+__all__ = ["LoadMonitor", "meta", "profile_pass", "pyinstrument_pass", "quiet_stderr", "rollouts_phase", "wait_quiet"]
 
 JSON = Any
 Log = Callable[[str], None]
@@ -174,6 +174,84 @@ async def profile_pass(emu: EmulatorProc, side: SidecarProc, out: Path, *, reps:
     return ranked
 
 
+async def pyinstrument_pass(
+    emu: EmulatorProc,
+    logs: Path,
+    *,
+    reps: int,
+    seed: int,
+    log: Log,
+    sizes: list[str] | None = None,
+    light: bool = False,
+) -> JSON:
+    """A second sidecar under pyinstrument (``bench`` extra), driven by continuation turns of the
+    reasoning-agent workload at ``sizes`` (1 KB and 200 KB); returns the top self-time frames.
+
+    Kept apart from the timed runs (the profiler slows the sidecar several times over).
+    """
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("pyinstrument") is None:
+        return {"note": "pyinstrument not installed (pip install -e '.[bench]')"}
+    out = logs / "sidecar.pyinstrument.json"
+    wrap = ["-m", "pyinstrument", "-i", "0.0002", "-r", "json", "-p", "show_all", "-p",
+            "processor_options.filter_threshold=0", "-o", str(out)]  # fmt: skip
+    side = SidecarProc(logs, emu.base_url, wrap=wrap)
+    side.start()
+    await side.ready()
+    try:
+        await run_overhead(emu, side, sizes or ["1k", "200k"], reps=reps, seed=seed + 11, warmup=2,
+                           log=lambda _: None, light=light)  # fmt: skip
+    finally:
+        side.stop(grace=30.0)
+    if not out.exists():
+        return {"note": f"pyinstrument wrote nothing; see {side.log_path}"}
+    return _rank_pyinstrument(json.loads(out.read_text()), out, log)
+
+
+def _rank_pyinstrument(data: JSON, out: Path, log: Log) -> JSON:
+    """Self time per frame and inclusive time per ``proxy/`` function, without the idle loop and
+    start-up (the event loop's own ``[self]`` time is mostly its wait for I/O)."""
+    own: dict[str, float] = {}
+    inclusive: dict[str, float] = {}
+
+    def name(node: JSON) -> str:
+        path = str(node.get("file_path_short") or node.get("file_path") or "")
+        return f"{node.get('function')} ({path}:{node.get('line_no')})"
+
+    def walk(node: JSON, stack: frozenset[str], startup: bool, parent: str = "") -> None:
+        function = str(node.get("function"))
+        startup = startup or function in ("_find_and_load", "import_module")  # imports at start-up
+        children = node.get("children", [])
+        where = f"{parent} [self]" if function.startswith("[self]") and parent else name(node)
+        spent = float(node.get("time", 0.0))
+        if not startup and "proxy/" in where and where not in stack:
+            inclusive[where] = inclusive.get(where, 0.0) + spent
+        self_time = spent - sum(float(c.get("time", 0.0)) for c in children)
+        idle = "runners.py" in where and "[self]" in where or function in ("select", "poll")
+        if not startup and not idle and self_time > 0:
+            own[where] = own.get(where, 0.0) + self_time
+        for child in children:
+            walk(child, stack | {where}, startup, where)
+
+    walk(data.get("root_frame") or {}, frozenset(), False)
+    busy = sum(own.values())
+    log(f"  pyinstrument: {busy:.2f} s busy (idle loop and start-up excluded)")
+    return {
+        "seconds": round(busy, 3),
+        "self": [{"frame": f, "share": round(t / busy, 4)} for f, t in sorted(own.items(), key=lambda kv: -kv[1])[:25]]
+        if busy
+        else [],
+        "inclusive_proxy": [
+            {"frame": f, "share": round(t / busy, 4)} for f, t in sorted(inclusive.items(), key=lambda kv: -kv[1])[:25]
+        ]
+        if busy
+        else [],
+        "raw_file": str(out),
+    }
+
+
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 1) if values else None
 
@@ -191,14 +269,17 @@ class LoadMonitor:
         self.samples: list[tuple[float, dict[str, float]]] = []
         self._task: asyncio.Task[None] | None = None
         self._procs: dict[int, Any] = {}
+        self.steal: list[float] = []
 
     async def _run(self) -> None:
         import psutil
 
         psutil.cpu_percent(None)
+        psutil.cpu_times_percent(None)
         ncpu = psutil.cpu_count() or 1
         while True:
             await asyncio.sleep(1.0)
+            self.steal.append(float(getattr(psutil.cpu_times_percent(None), "steal", 0.0)))
             shares: dict[str, float] = {}
             for role, pid in self.roles().items():
                 proc = self._procs.get(pid)
@@ -219,12 +300,14 @@ class LoadMonitor:
     def phase(self) -> JSON:
         """Mean figures since the last call (then reset), with the load averages."""
         samples, self.samples = self.samples, []
+        steal, self.steal = self.steal, []
         busy = [b for b, _ in samples]
         roles = sorted({r for _, shares in samples for r in shares})
         out: JSON = {"machine_busy_pct": _mean(busy)}
         for role in roles:
             out[f"{role}_pct"] = _mean([shares.get(role, 0.0) for _, shares in samples])
         out["foreign_pct"] = _mean([b - sum(shares.values()) for b, shares in samples])
+        out["steal_pct"] = _mean(steal)
         out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
         return out
 

@@ -146,10 +146,24 @@ class Managed:
             return ""
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds used so far."""
+        """CPU seconds used so far by all the process's threads.
+
+        Linux: the scheduler's nanosecond run time of every thread (``/proc/PID/task/*/schedstat``),
+        so that the CPU of a single turn (well under the 10 ms tick of ``psutil.cpu_times``) adds
+        up exactly; elsewhere user + system time from psutil. Threads that already ended are not
+        in the sum, so only differences over a window with the same threads are meaningful.
+        """
         assert self.ps is not None
-        times = self.ps.cpu_times()
-        return float(times.user + times.system)
+        tasks = Path(f"/proc/{self.ps.pid}/task")
+        try:
+            total = 0
+            for task in tasks.iterdir():
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    total += int((task / "schedstat").read_bytes().split()[0])
+            return total / 1e9
+        except (OSError, ValueError, IndexError):
+            times = self.ps.cpu_times()
+            return float(times.user + times.system)
 
     def rss(self) -> int:
         """Resident set size in bytes."""
@@ -226,11 +240,14 @@ class EmulatorProc(Managed):
 class SidecarProc(Managed):
     """``python -m proxy`` pointed at the emulator, admin on its own port."""
 
-    def __init__(self, log_dir: Path, upstream: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, log_dir: Path, upstream: str, env: dict[str, str] | None = None, wrap: list[str] | None = None
+    ) -> None:
+        """``wrap``: interpreter options before ``-m proxy`` (e.g. ``["-m", "pyinstrument", ...]``)."""
         self.port = free_port()
         self.admin_port = free_port()
         argv = [
-            sys.executable, "-m", "proxy", "--listen", f"127.0.0.1:{self.port}",
+            sys.executable, *(wrap or []), "-m", "proxy", "--listen", f"127.0.0.1:{self.port}",
             "--admin-listen", f"127.0.0.1:{self.admin_port}", "--upstream", upstream,
         ]  # fmt: skip
         defaults = {

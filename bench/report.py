@@ -61,7 +61,8 @@ def markdown(report: JSON) -> str:
         lines.append(f"| {t['target']} | {_f(t['measured'], 3)} | {met} |")
     load = report.get("load") or {}
     if load:
-        parts = [f"{k} {v['machine_busy_pct']} % busy ({v.get('foreign_pct')} % not ours)" for k, v in load.items()
+        parts = [f"{k} {v['machine_busy_pct']} % busy ({v.get('foreign_pct')} % not ours, steal "
+                 f"{v.get('steal_pct')} %, loadavg {v.get('loadavg')})" for k, v in load.items()
                  if v.get("machine_busy_pct") is not None]  # fmt: skip
         lines += ["", "Machine CPU during each phase (mean, both cores): " + "; ".join(parts) + "."]
     lines += ["", "### Rollouts: A (HTTP, full history) vs B (through upshift) vs C (native WebSocket mode)", ""]
@@ -111,22 +112,64 @@ def markdown(report: JSON) -> str:
             f"{_kb(a.get('upstream_bytes_per_turn'))} | {_kb(b.get('upstream_bytes_per_turn'))} | "
             f"{_kb(cc.get('upstream_bytes_per_turn'))} |"
         )
-    lines += ["", "### Proxy-added latency by history size (zero-latency emulator, continuation turns)", ""]
+    lines += ["", "### Proxy-added latency by history size (reasoning-agent stream, zero-latency emulator, "
+              "continuation turns)", ""]  # fmt: skip
     lines += [
-        "| History | Body (median) | Turns | Added vs native WS p50 / p99 ms | TTFB added p50 / p99 ms | "
-        "vs same body direct HTTP p50 / p99 ms | `x-upshift-overhead-ms` p50 / p99 | Sidecar CPU ms/req | "
-        "First turn (full) added p50 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| History | Body (median) | Turns | Events/turn | Added vs native WS p50 / p99 ms | TTFB added p50 / p99 ms "
+        "| First token added p50 ms | vs same body direct HTTP p50 / p99 ms | `x-upshift-overhead-ms` p50 / p99 | "
+        "Sidecar CPU ms/turn | Emulator CPU ms per native turn | CPU ratio | First turn (full) added p50 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for o in report.get("overhead", []):
         a, t, h, hd = o["added_ms"], o["added_ttfb_ms"], o["vs_direct_http_ms"], o["header_overhead_ms"]
         lines.append(
             f"| {o['label']} | {_kb(o['body_bytes'].get('p50'))} | {o['turns']} | "
-            f"{_f(a.get('p50'))} / {_f(a.get('p99'))} | "
-            f"{_f(t.get('p50'))} / {_f(t.get('p99'))} | {_f(h.get('p50'))} / {_f(h.get('p99'))} | "
-            f"{_f(hd.get('p50'))} / {_f(hd.get('p99'))} | {_f(o['sidecar_cpu_ms_per_request'])} | "
+            f"{_f((o.get('events_per_turn') or {}).get('p50'), 0)} | {_f(a.get('p50'))} / {_f(a.get('p99'))} | "
+            f"{_f(t.get('p50'))} / {_f(t.get('p99'))} | {_f((o.get('added_first_output_ms') or {}).get('p50'))} | "
+            f"{_f(h.get('p50'))} / {_f(h.get('p99'))} | "
+            f"{_f(hd.get('p50'))} / {_f(hd.get('p99'))} | {_f(o['sidecar_cpu_ms_per_request'], 3)} | "
+            f"{_f(o.get('emulator_cpu_ms_per_ws_turn'), 3)} | {_f(o.get('cpu_ratio_sidecar_over_emulator_ws'))} | "
             f"{_f(o['first_turn_added_ms'].get('p50'))} |"
         )
+    slopes = report.get("overhead_slopes") or {}
+    if slopes:
+        parts = [f"{name.replace('_', ' ')}: {v['at_zero']:g} + {v['per_mb']:g} per MB" for name, v in slopes.items()]
+        lines += ["", "Per-MB slope (least squares over the sizes): " + "; ".join(parts) + "."]
+    cap = report.get("capacity")
+    if cap:
+        lines += ["", f"### Capacity (sidecar pinned to one core: {cap.get('pinned')})", ""]
+        lines += ["| 1 KB saturation: clients | Turns/s | Sidecar CPU % of its core | Turns per sidecar CPU-second | "
+                  "Sidecar CPU ms/turn | Errors |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in cap.get("saturation", []):
+            lines.append(
+                f"| {r['concurrency']} | {_f(r['turns_per_s'], 0)} | {_f(r['sidecar_cpu_pct_of_one_core'], 0)} | "
+                f"{_f(r['turns_per_sidecar_cpu_s'], 0)} | {_f(r['sidecar_cpu_ms_per_turn'], 3)} | {r['errors']} |"
+            )
+        lines += ["", "| Conversations (twins) | Added p50 / p99 ms | First event added p50 / p99 ms | "
+                  "Sidecar first event / first token / total p50 ms | Native first event / first token / total p50 ms "
+                  "| Turns/s | Sidecar CPU % (ms per paced turn) | Errors |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in cap.get("many", []):
+            a, fe, sd, nt = r["added_ms"], r["added_first_event_ms"], r["sidecar"], r["native"]
+            lines.append(
+                f"| {r['conversations']} ({r['twins']}) | {_f(a.get('p50'))} / {_f(a.get('p99'))} | "
+                f"{_f(fe.get('p50'))} / {_f(fe.get('p99'))} | "
+                f"{_f(sd['first_event_ms'].get('p50'), 1)} / {_f(sd['first_output_ms'].get('p50'), 1)} / "
+                f"{_f(sd['total_ms'].get('p50'), 1)} | {_f(nt['first_event_ms'].get('p50'), 1)} / "
+                f"{_f(nt['first_output_ms'].get('p50'), 1)} / {_f(nt['total_ms'].get('p50'), 1)} | "
+                f"{_f(r['sidecar_turns_per_s'], 0)} | {_f(r['sidecar_cpu_pct_of_one_core'], 0)} "
+                f"({_f(r.get('sidecar_cpu_ms_per_turn'), 2)}) | {r['errors']} |"
+            )
+    net = report.get("network")
+    if net and "note" not in net:
+        lines += ["", f"### Network distance ({net['rtt_ms']:g} ms RTT, {net['connect_ms']:g} ms connection setup, "
+                  f"median of {net['conversations']} new conversations)", ""]  # fmt: skip
+        med = net["median_per_turn_ms"]
+        lines += ["| Turn | Through upshift ms | Direct HTTP (kept alive) ms |", "|---|---|---|"]
+        for i, (u, d) in enumerate(zip(med["upshift"], med["direct"], strict=False)):
+            lines.append(f"| {i + 1}{' (new conversation)' if i == 0 else ''} | {_f(u, 1)} | {_f(d, 1)} |")
+    elif net:
+        lines += ["", f"Network phase: {net['note']}."]
     mem = report.get("memory")
     if mem:
         lines += ["", "### Memory per idle conversation", ""]
@@ -158,7 +201,8 @@ def markdown(report: JSON) -> str:
             )
     prof = report.get("profile")
     if prof and prof.get("self"):
-        lines += ["", f"### Sidecar hot path (py-spy, {prof['samples']} samples during continuation turns)", ""]
+        what = f"py-spy, {prof['samples']} samples" if "samples" in prof else f"pyinstrument, {prof['seconds']} s"
+        lines += ["", f"### Sidecar hot path ({what} during continuation turns)", ""]
         lines += ["| Function (self time) | Share |", "|---|---|"]
         lines += [f"| `{row['frame']}` | {row['share'] * 100:.1f} % |" for row in prof["self"][:12]]
     return "\n".join(lines) + "\n"

@@ -115,7 +115,24 @@ def targets(report: JSON) -> list[JSON]:
         p50 = o["added_ms"].get("p50") if o else None
         out.append(_target(f"added latency p50 at {label}", p50, limit, unit=" ms"))
         if o and p50:
-            out.append(_target(f"added latency p99/p50 at {label}", round(o["added_ms"]["p99"] / p50, 2), 2.0))
+            out.append(_target(f"added latency p99 − 2·p50 at {label}", round(o["added_ms"]["p99"] - 2 * p50, 3), 0.5,
+                               unit=" ms"))  # fmt: skip
+    one_k = by_label.get("1k") or {}
+    cpu = one_k.get("sidecar_cpu_ms_per_request")
+    out.append(_target("sidecar CPU per turn at 1k", cpu, 0.5, unit=" ms"))
+    ratio = one_k.get("cpu_ratio_sidecar_over_emulator_ws")
+    out.append(_target("sidecar CPU / emulator CPU per native turn at 1k", ratio, 0.6))
+    cap = report.get("capacity") or {}
+    best = max((r.get("turns_per_sidecar_cpu_s") or 0 for r in cap.get("saturation", [])), default=None)
+    out.append(_target("turns per second on one core at 1k (per sidecar CPU-second)", best, 1500, True))
+    for r in cap.get("many", []):
+        out.append(_target(f"p99 added latency, {r['conversations']} conversations (fast, tool time)",
+                           r["added_ms"].get("p99"), 20.0, unit=" ms"))  # fmt: skip
+    net = report.get("network") or {}
+    if "median_per_turn_ms" in net:
+        med = net["median_per_turn_ms"]
+        out.append(_target(f"first turn at {net['rtt_ms']:g} ms RTT: upshift − direct HTTP (median)",
+                           round(med["upshift"][0] - med["direct"][0], 2), 0.0, unit=" ms"))  # fmt: skip
     comps = report.get("comparisons", [])
     first = [c for c in comps if c["concurrency"] == min((x["concurrency"] for x in comps), default=0)]
     for comp in first:

@@ -22,12 +22,14 @@ import orjson
 __all__ = [
     "MODEL",
     "TOOLS",
+    "AgentHistory",
     "Rollout",
     "RolloutSpec",
     "body_fields",
     "corpus",
     "history_of_size",
     "make_rollout",
+    "tool_output_bytes",
 ]
 
 JSON = Any
@@ -306,3 +308,96 @@ def history_of_size(target_bytes: int, seed: int, tag: str, steps: int) -> list[
         head["content"] += " Context: " + _slice(rng, text, pad)
     items.append(tail)
     return items
+
+
+TOOL_MIN, TOOL_MAX = 100, 16_000
+"""Bounds of a reasoning agent's tool output, bytes."""
+
+
+def tool_output_bytes(rng: random.Random) -> int:
+    """A heavy-tailed tool output size: log-normal, median 1 KB, clipped to 0.1–16 KB.
+
+    Most calls (``ls``, short greps, ``apply_patch`` confirmations) return a few hundred bytes; a
+    file read or a failing test run returns several KB, a few hit the tool's 16 KB cap.
+    """
+    return int(min(TOOL_MAX, max(TOOL_MIN, rng.lognormvariate(6.9, 1.2))))
+
+
+def _encrypted(rng: random.Random, size: int) -> str:
+    """An opaque ``encrypted_content`` blob (URL-safe base64 text, as the API returns)."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    return "gAAAAAB" + "".join(rng.choices(alphabet, k=size))
+
+
+class AgentHistory:
+    """A reasoning coding agent's history, as the app re-sends it every turn.
+
+    Each earlier turn is what such an agent's model returned and the app echoed: a reasoning item
+    with ``encrypted_content`` (and a one-line summary), now and then a commentary message
+    (``phase: "commentary"``, the preamble a coding model says before a tool call), one
+    ``function_call``, then the app's ``function_call_output`` of heavy-tailed size
+    (:func:`tool_output_bytes`). The first item is the task; the last user message asks the
+    emulator's scripted model for ``steps`` more calls, so every live turn streams a reasoning item
+    and a function call.
+    """
+
+    def __init__(self, target_bytes: int, seed: int, tag: str, steps: int) -> None:
+        self.rng = random.Random(f"agent:{seed}:{tag}")
+        self.text = corpus(seed)
+        self.tag = tag
+        head: JSON = {"role": "user", "content": f"[{tag}] Fix the failing test in tests/test_core.py."}
+        self.items: list[JSON] = [head]
+        size = len(orjson.dumps(head)) + 200
+        turn = 0
+        while target_bytes - size > 2_500:
+            for item in self._turn(turn, target_bytes - size):
+                self.items.append(item)
+                size += len(orjson.dumps(item)) + 1
+            turn += 1
+        pad = max(0, target_bytes - size)
+        if pad:
+            head["content"] += " Context: " + _slice(self.rng, self.text, pad)
+        self.items.append({"role": "user", "content": f"[{tag}] Continue. (benchmark: steps={steps})"})
+
+    def _turn(self, turn: int, room: int) -> list[JSON]:
+        rng = self.rng
+        call_id = f"call_{self.tag}_{turn}"
+        out: list[JSON] = [
+            {
+                "type": "reasoning",
+                "id": f"rs_{self.tag}_{turn}",
+                "summary": [{"type": "summary_text", "text": f"**Inspecting** step {turn}: read, then patch."}],
+                "encrypted_content": _encrypted(rng, rng.randint(600, 2_400)),
+            }
+        ]
+        if rng.random() < 0.3:
+            out.append(
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": f"msg_{self.tag}_{turn}",
+                    "status": "completed",
+                    "phase": "commentary",
+                    "content": [
+                        {"type": "output_text", "text": "Reading the module before changing it.", "annotations": []}
+                    ],
+                }
+            )
+        out.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{self.tag}_{turn}",
+                "call_id": call_id,
+                "name": "shell",
+                "arguments": f'{{"command":["sed","-n","1,200p","src/mod_{turn}.py"]}}',
+                "status": "completed",
+            }
+        )
+        size = min(tool_output_bytes(rng), max(50, room - 3_000))
+        out.append({"type": "function_call_output", "call_id": call_id, "output": _slice(rng, self.text, size)})
+        return out
+
+    def tool_output(self, call_id: str) -> JSON:
+        """The app's output for the live call ``call_id`` (heavy-tailed size)."""
+        size = tool_output_bytes(self.rng)
+        return {"type": "function_call_output", "call_id": call_id, "output": _slice(self.rng, self.text, size)}

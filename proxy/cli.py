@@ -21,6 +21,7 @@ from proxy.config import CONFIG_ENV, load_settings, settings_to_dict
 from proxy.errors import ConfigError
 from proxy.keys import KeySource
 from proxy.log import setup_logging
+from proxy.loop import loop_name
 
 __all__ = ["main"]
 
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the effective settings as YAML and exit",
     )
-    p.add_argument("--version", action="version", version=f"upshift {_version()}")
+    p.add_argument("--version", action="version", version=f"upshift {_version()} ({loop_name()} event loop)")
     return p
 
 
@@ -103,9 +104,15 @@ def main(argv: list[str] | None = None) -> None:
         setup_logging(settings.logging)
         KeySource(settings.api_key)  # fail fast on a missing key file, before binding anything
         log.info(
-            "upshift %s starting",
+            "upshift %s starting (%s event loop)",
             _version(),
-            extra={"listen": settings.listen, "admin_listen": settings.admin_listen, "mode": settings.mode},
+            loop_name(),
+            extra={
+                "listen": settings.listen,
+                "admin_listen": settings.admin_listen,
+                "mode": settings.mode,
+                "loop": loop_name(),
+            },
         )
         # Imported lazily so that config errors (and tests of the loader) need no server.
         server = importlib.import_module("proxy.server")

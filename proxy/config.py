@@ -41,6 +41,7 @@ __all__ = [
     "PoolSettings",
     "Settings",
     "ShutdownSettings",
+    "StreamingSettings",
     "TimeoutSettings",
     "env_name",
     "load_settings",
@@ -165,6 +166,16 @@ class EgressSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamingSettings:
+    """Streaming answers to the app."""
+
+    hold_back_seconds: float = 0.1
+    """Longest time ``response.created`` / ``in_progress`` are held back waiting for the first
+    output (so that a socket lost before output can be replayed invisibly); after that they go
+    to the app, and a later failure is surfaced as an error event. 0 never holds them."""
+
+
+@dataclass(frozen=True, slots=True)
 class MatchingSettings:
     """Conversation matching."""
 
@@ -259,6 +270,7 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
     egress: EgressSettings = field(default_factory=EgressSettings)
+    streaming: StreamingSettings = field(default_factory=StreamingSettings)
     matching: MatchingSettings = field(default_factory=MatchingSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)

@@ -52,7 +52,7 @@ from proxy.metrics import (
 )
 from proxy.passthrough import Passthrough
 from proxy.pool import Pool, Turn
-from proxy.streaming import Downstream, Record, json_body, new_request_id, pump, read_body
+from proxy.streaming import Downstream, Record, count_hold_back, json_body, new_request_id, pump, read_body
 
 __all__ = ["SERVICES", "Services", "post_responses"]
 
@@ -212,7 +212,8 @@ async def _websocket(
             return await _passthrough(svc, request, req, rec, headers, started, plan.reason)
         frame = _note_plan(rec, req, plan, attempt)
         headers["x-upshift-mode"] = rec.mode
-        channel = Channel(req.previous_response_id)
+        hold = svc.settings.streaming.hold_back_seconds if req.stream else None
+        channel = Channel(req.previous_response_id, hold_back_s=hold)
         failure: UpstreamError | None = None
         # issue 12: pump takes the only reference to the frame, frees it once sent, shrinks `mem`.
         frames, sent = [frame], len(frame)
@@ -226,7 +227,10 @@ async def _websocket(
         UPSTREAM_BYTES_SENT.labels("websocket").inc(sent)
         rec.upstream_s = down.upstream_wait
         if failure is None and channel.released:
-            return await _finish(down, channel, rec)
+            try:
+                return await _finish(down, channel, rec)
+            finally:
+                count_hold_back(channel)
         terminal = failure if failure is not None else (channel.terminal or {})
         decision = classify(
             terminal,
@@ -236,7 +240,11 @@ async def _websocket(
             named=plan.stream_id is not None,
         )
         if not isinstance(decision, Replay):
-            return await _surface(down, channel, failure, rec)
+            try:
+                return await _surface(down, channel, failure, rec)
+            finally:
+                count_hold_back(channel)
+        count_hold_back(channel)  # a replay: what was held never reached the app
         REPLAYS.labels(decision.cause).inc()
         rec.replays += 1
         if decision.cause is ReplayCause.LANES_UNSUPPORTED:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import IO, Any
 
 import orjson
@@ -39,8 +39,45 @@ _SECRET = re.compile(
 # Attributes every LogRecord has; anything else on a record came in through ``extra=``.
 _RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 _HANDLER_MARK = "_upshift_handler"
+_ACCESS_ATTR = "_upshift_access"
+"""LogRecord attribute holding an access line's fields (see :func:`access_log`)."""
+_SAFE_STRING_KEYS = frozenset({"request_id", "route", "mode", "reason", "outcome"})
+"""Access-log fields the sidecar fills itself (an id it generated, enum values): no secret can be
+in them, so no regex runs over them. Numbers and booleans never need one either."""
 
 _access_enabled = True
+_access_logger = logging.getLogger(ACCESS_LOGGER)
+_INFO = logging.INFO
+_second = -1
+_second_text = ""
+
+
+def _timestamp(created: float) -> str:
+    """``2026-12-01T13:20:05.123Z``; the part up to the second is formatted once per second."""
+    global _second, _second_text
+    whole = int(created)
+    if whole != _second:
+        _second, _second_text = whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    return f"{_second_text}.{int((created - whole) * 1000):03d}Z"
+
+
+def _access_line(record: logging.LogRecord, fields: Mapping[str, object]) -> dict[str, Any]:
+    """An access line: the fixed keys, then ``fields``; a regex runs only over strings that did
+    not come from the sidecar itself."""
+    line: dict[str, Any] = {
+        "ts": _timestamp(record.created),
+        "level": "info",
+        "logger": record.name,
+        "msg": "access",
+    }
+    for key, value in fields.items():
+        if key in line or key in _RECORD_ATTRS:
+            key = f"f_{key}"
+        if value is None or value.__class__ in (int, float, bool) or key in _SAFE_STRING_KEYS:
+            line[key] = value
+        elif str(key).lower().replace("-", "_") not in _DROP_KEYS:
+            line[key] = redact(value)
+    return line
 
 
 def redact(value: Any) -> Any:
@@ -62,9 +99,11 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         """Render ``record`` as ``{"ts", "level", "logger", "msg", ...extra}``, redacted."""
-        ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        fields = record.__dict__.get(_ACCESS_ATTR)
+        if fields is not None:
+            return orjson.dumps(_access_line(record, fields), default=str).decode()
         line: dict[str, Any] = {
-            "ts": ts.replace("+00:00", "Z"),
+            "ts": _timestamp(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -111,7 +150,14 @@ def access_log(fields: Mapping[str, object]) -> None:
             ``bytes_in``, ``bytes_sent``, ``upstream_ms``, ``added_ms``, ``status``, ...
             Keys that collide with LogRecord attributes (e.g. ``msg``) are prefixed ``f_``.
     """
-    if not _access_enabled:
+    if not _access_enabled or not _access_logger.isEnabledFor(_INFO):
         return
-    extra = {(f"f_{k}" if k in _RECORD_ATTRS else k): v for k, v in fields.items()}
-    logging.getLogger(ACCESS_LOGGER).info("access", extra=extra)
+    # One record built directly (no caller lookup: the line names no source location). The
+    # fields are record attributes as with ``extra=`` (for filters and handlers), and kept as
+    # one mapping too, which JsonFormatter renders without the generic redaction pass.
+    record = _access_logger.makeRecord(ACCESS_LOGGER, _INFO, "", 0, "access", (), None)
+    attrs = record.__dict__
+    for key, value in fields.items():
+        attrs[f"f_{key}" if key in _RECORD_ATTRS else key] = value
+    attrs[_ACCESS_ATTR] = fields
+    _access_logger.handle(record)

@@ -12,12 +12,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = [
     "ADDED_LATENCY",
+    "BUILD_INFO",
     "CLUSTER_PEERS",
     "CONTINUATION_MISSES",
     "DROPPED_REASONING",
     "ERRORS",
     "FORWARDS",
     "FORWARDS_RECEIVED",
+    "HELD_LIFECYCLE",
     "HYDRATED",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
@@ -298,3 +300,22 @@ WORKERS_READY = Gauge(
     "Worker processes answering their readiness probe (supervisor only).",
     registry=REGISTRY,
 )
+
+
+HELD_LIFECYCLE = Counter(
+    "upshift_held_lifecycle",
+    "Streamed responses whose response.created/in_progress were held back, by how the hold ended.",
+    ["path"],
+    registry=REGISTRY,
+)
+"""path: output (first output came within streaming.hold_back_seconds) | deadline (released on
+their own) | terminal (the response ended while they were held) | discarded (replayed, or answered
+as an HTTP error); see proxy.core.channel.HoldPath."""
+
+BUILD_INFO = Gauge(
+    "upshift_build_info",
+    "Always 1; the labels say which version runs on which event loop.",
+    ["version", "loop", "python"],
+    registry=REGISTRY,
+)
+"""loop: uvloop | asyncio."""

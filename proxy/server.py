@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
+import platform
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -27,8 +29,10 @@ from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
 from proxy.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.log import setup_logging
+from proxy.loop import loop_name
+from proxy.loop import run as run_loop
 from proxy.memory import MemoryGate, effective_settings, tune_allocator
-from proxy.metrics import ERRORS
+from proxy.metrics import BUILD_INFO, ERRORS
 from proxy.passthrough import Passthrough
 from proxy.pool import Pool
 from proxy.relay import relay_websocket
@@ -302,14 +306,21 @@ def run(settings: Settings) -> int:
     """Serve until SIGTERM or SIGINT, drain, and return the exit code (0).
 
     With ``workers`` above 1 this process becomes the supervisor of that many workers
-    (:mod:`proxy.workers`)."""
+    (:mod:`proxy.workers`). On uvloop when it is installed (a default dependency on CPython
+    outside Windows), else on asyncio's own loop; the choice is logged and exported as
+    ``upshift_build_info``.
+    """
     setup_logging(settings.logging)
     if settings.workers > 1:
         from proxy.workers import supervise
 
         return supervise(settings)
+    BUILD_INFO.labels(_version(), loop_name(), platform.python_version()).set(1)
+    return run_loop(_serve(settings))
+
+
+def _version() -> str:
     try:
-        import uvloop
-    except ImportError:  # optional speedup
-        return asyncio.run(_serve(settings))
-    return uvloop.run(_serve(settings))
+        return importlib.metadata.version("upshift")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"

@@ -22,16 +22,23 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from proxy.core.channel import Channel, Out
+from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.explain import Explanation
-from proxy.core.sse import CONTENT_TYPE, encode_event
-from proxy.errors import BodyTooLarge, InvalidRequest
+from proxy.core.sse import CONTENT_TYPE, encode_events
+from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamTimeout
 from proxy.log import access_log
 from proxy.memory import BodyBuffer, Lease
-from proxy.metrics import ADDED_LATENCY, CONTINUATION_MISSES, INPUT_ITEMS_AVOIDED, PASSTHROUGH, REQUESTS
+from proxy.metrics import (
+    ADDED_LATENCY,
+    CONTINUATION_MISSES,
+    HELD_LIFECYCLE,
+    INPUT_ITEMS_AVOIDED,
+    PASSTHROUGH,
+    REQUESTS,
+)
 from proxy.misses import RECENT
 
-__all__ = ["Downstream", "Lane", "Record", "json_body", "new_request_id", "pump", "read_body"]
+__all__ = ["Downstream", "Lane", "Record", "count_hold_back", "json_body", "new_request_id", "pump", "read_body"]
 
 _MAX_BATCH = 64
 """Most events written to the app in one write."""
@@ -42,8 +49,12 @@ def json_body(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
-def _frame(out: Out) -> bytes:
-    return encode_event(out.type, out.raw if out.raw is not None else orjson.dumps(out.obj))
+_LAST = frozenset(TERMINAL) | {"response.done"}
+"""Event types after which nothing more is written: their write also ends the body."""
+
+
+def _frames(outs: list[Out]) -> bytes:
+    return encode_events((o.type, o.raw if o.raw is not None else orjson.dumps(o.obj)) for o in outs)
 
 
 class Downstream:
@@ -70,6 +81,8 @@ class Downstream:
         """Seconds spent waiting on the upstream."""
         self.bytes_out = 0
         """SSE bytes written to the app."""
+        self._last = b""
+        """The batch that ends with the terminal event, sent by :meth:`end` with the body's end."""
 
     @property
     def written(self) -> bool:
@@ -84,31 +97,47 @@ class Downstream:
         return {"x-upshift-overhead-ms": f"{self.added() * 1000:.3f}"}
 
     async def write(self, outs: list[Out]) -> None:
-        """Write released events as SSE (prepares the response on the first call)."""
-        if self.gone:
+        """Write released events as SSE (prepares the response on the first call).
+
+        One buffer and one socket write per call: the headers go out with the first events.
+        A batch that ends with the terminal event is kept for :meth:`end`, which sends it with
+        the end of the body (the chunked encoding's last chunk) in the same write: so a turn
+        whose events arrive together costs one write, and the app sees its response end only
+        after the shell recorded the conversation's head (its next turn cannot race that).
+        """
+        if self.gone or not outs:
             return
-        data = _frame(outs[0]) if len(outs) == 1 else b"".join(_frame(o) for o in outs)
+        data = _frames(outs)
+        if self._last:
+            data = self._last + data  # never happens in a well-formed stream
+            self._last = b""
         try:
             if self.response is None:
                 response = web.StreamResponse(
                     status=200,
                     headers={"Content-Type": CONTENT_TYPE, **self.headers, **self._overhead_header()},
                 )
+                # aiohttp then sends the headers with the first body bytes, in one write.
+                response._send_headers_immediately = False
                 self.response = response
                 await response.prepare(self.request)
-            await self.response.write(data)
             self.bytes_out += len(data)
+            if outs[-1].type in _LAST:
+                self._last = data
+            else:
+                await self.response.write(data)
         except ConnectionResetError:
             # The app closed its connection; keep reading upstream to the terminal event so
             # the socket stays usable (pitfall 20), but write nothing more.
             self.gone = True
 
     async def end(self) -> web.StreamResponse:
-        """Finish the SSE stream cleanly (no ``[DONE]``)."""
+        """Finish the SSE stream cleanly (no ``[DONE]``), with the terminal batch if one is kept."""
         assert self.response is not None
         if not self.gone:
+            last, self._last = self._last, b""
             try:
-                await self.response.write_eof()
+                await self.response.write_eof(last)
             except ConnectionResetError:
                 self.gone = True
         return self.response
@@ -158,10 +187,23 @@ async def pump(
         if lane.pending():
             raw, event = await lane.recv(idle_timeout)
         else:
+            # While lifecycle events are held, wait only until their deadline (the bounded
+            # hold-back): then they go to the app, and a later loss is surfaced, not replayed.
+            deadline = channel.deadline()
+            wait = idle_timeout if deadline is None else max(0.0, min(idle_timeout, deadline - clock()))
             waited = clock()
-            raw, event = await lane.recv(idle_timeout)
+            try:
+                raw, event = await lane.recv(wait)
+            except UpstreamTimeout:
+                down.upstream_wait += clock() - waited
+                if deadline is None or wait >= idle_timeout:
+                    raise  # a real idle timeout
+                released = channel.on_timer(clock())
+                if released and stream:
+                    await down.write(released)
+                continue
             down.upstream_wait += clock() - waited
-        outs = channel.feed(raw, event)
+        outs = channel.feed(raw, event, clock())
         if outs and stream:
             batch += outs
             # Events that arrived together leave together: one write (one wakeup of the app)
@@ -171,6 +213,17 @@ async def pump(
                 batch = []
     if batch:
         await down.write(batch)
+
+
+def count_hold_back(channel: Channel) -> None:
+    """Count how ``channel``'s held lifecycle events left the hold (``upshift_held_lifecycle_total``).
+
+    Call once per attempt, when the shell is done with its channel (after the answer was
+    written, or before a replay): events still held then never reached the app.
+    """
+    path = channel.hold_path
+    if path is not None:
+        HELD_LIFECYCLE.labels(path.value).inc()
 
 
 def new_request_id() -> str:

@@ -145,3 +145,23 @@ def test_setup_is_idempotent(stream: io.StringIO) -> None:
     setup_logging(LoggingSettings(level="debug"), stream=stream)
     logging.getLogger("upshift.test").info("once")
     assert len(_lines(stream)) == 1
+
+
+def test_access_line_redacts_only_what_could_hold_a_secret(stream: io.StringIO) -> None:
+    access_log(
+        {
+            "request_id": "req_1",
+            "mode": "full",
+            "items_in": 3,
+            "added_ms": 0.5,
+            "note": f"got {BEARER}",
+            "authorization": BEARER,
+            "nested": {"api_key": SK_KEY, "ok": 1},
+        }  # fmt: skip
+    )
+    raw = stream.getvalue()
+    assert "abc.DEF-123_xyz" not in raw and "AbCdEf0123456789" not in raw
+    (line,) = _lines(stream)
+    assert (line["request_id"], line["mode"], line["items_in"], line["added_ms"]) == ("req_1", "full", 3, 0.5)
+    assert line["note"] == f"got {REDACTED}" and "authorization" not in line and line["nested"] == {"ok": 1}
+    assert TS.match(line["ts"]) and line["msg"] == "access" and line["level"] == "info"

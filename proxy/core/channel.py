@@ -6,13 +6,19 @@ released to the app, the terminal outcome, the final response object, the HTTP e
 
 Two rules shape it:
 
-- **Lifecycle prefix held back.** ``response.created`` / ``in_progress`` / ``queued`` are held
-  until the first other event (or a successful terminal) arrives. They carry no output, so the
-  app loses nothing by waiting, and a ``response.failed`` that says ``previous_response_not_found``
-  can still be replayed invisibly: nothing reached the app yet.
+- **Lifecycle prefix held back, for a bounded time.** ``response.created`` / ``in_progress`` /
+  ``queued`` are held until the first other event (or a successful terminal) arrives. They carry
+  no output, so the app loses little by waiting, and a ``response.failed`` that says
+  ``previous_response_not_found`` (or a socket lost before output) can still be replayed
+  invisibly: nothing reached the app yet. With a ``hold_back_s`` bound the held events are
+  released anyway once they are that old (:meth:`Channel.deadline`, :meth:`Channel.on_timer`):
+  a model that thinks for seconds before its first output no longer leaves the app without a
+  byte, and from then on a failure is surfaced like one after output. How the hold ended is
+  :attr:`Channel.hold_path` (a metric label).
 - **The app's own ``previous_response_id``.** Every lifecycle event's ``response`` shows the
   id the app sent (``null`` when it sent none), never the sidecar's anchor. Only those events are
-  patched and re-serialised; every other event passes through as the upstream's bytes.
+  patched (in their bytes where that is exact, else re-serialised); every other event passes
+  through as the upstream's bytes.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from proxy.core.retry import error_fields
 from proxy.core.sse import nested_error
 from proxy.errors import UpstreamProtocolError
 
-__all__ = ["PREFIX", "TERMINAL", "Channel", "HttpError", "Out", "Outcome"]
+__all__ = ["PREFIX", "TERMINAL", "Channel", "HoldPath", "HttpError", "Out", "Outcome"]
 
 PREFIX = frozenset({"response.created", "response.in_progress", "response.queued"})
 """Lifecycle events before output: held back until the response is known to proceed."""
@@ -39,6 +47,20 @@ class Outcome(enum.Enum):
     INCOMPLETE = "incomplete"
     FAILED = "failed"
     ERROR = "error"
+
+
+class HoldPath(enum.StrEnum):
+    """How held lifecycle events left the hold (``upshift_held_lifecycle_total{path}``)."""
+
+    OUTPUT = "output"
+    """The first output event arrived within the bound: everything went out together."""
+    DEADLINE = "deadline"
+    """No output by the bound: the held events were released on their own."""
+    TERMINAL = "terminal"
+    """The terminal event arrived while they were held (no output at all, or a failure the
+    shell surfaced)."""
+    DISCARDED = "discarded"
+    """They never reached the app: the attempt was replayed, or answered as an HTTP error."""
 
 
 TERMINAL = {
@@ -117,11 +139,18 @@ class Channel:
     Args:
         app_previous_response_id: The app's own ``previous_response_id`` (``None`` if it sent
             none); shown in every lifecycle event instead of the sidecar's anchor.
+        hold_back_s: Longest time events are held (from the first held one's arrival, as given
+            by :meth:`feed`'s ``now``); ``None`` holds until output or the terminal event (use it
+            for ``stream: false``, where releasing early gains nothing). ``0`` never holds.
     """
 
-    def __init__(self, app_previous_response_id: str | None) -> None:
+    def __init__(self, app_previous_response_id: str | None, hold_back_s: float | None = None) -> None:
         self._app_prev = app_previous_response_id
+        self._hold_back = hold_back_s
         self._held: list[Out] = []
+        self._held_since: float | None = None
+        self._was_held = False
+        self._path: HoldPath | None = None
         self.started = False
         """A ``response.*`` event arrived: the upstream began the response."""
         self.released = False
@@ -140,8 +169,48 @@ class Channel:
         """The terminal event arrived."""
         return self.outcome is not None
 
-    def feed(self, raw: bytes, event: dict[str, Any]) -> list[Out]:
+    @property
+    def hold_path(self) -> HoldPath | None:
+        """How the held events left the hold; ``None`` if nothing was ever held.
+
+        Final once the shell is done with the channel: events still held then never reached
+        the app (:attr:`HoldPath.DISCARDED`).
+        """
+        if self._path is None and self._was_held:
+            return HoldPath.DISCARDED
+        return self._path
+
+    def deadline(self) -> float | None:
+        """When the held events must be released (same clock as ``now``), or ``None``."""
+        if self.released or self._hold_back is None or self._held_since is None or self.outcome is not None:
+            return None
+        return self._held_since + self._hold_back
+
+    def on_timer(self, now: float) -> list[Out]:
+        """The timer set for :meth:`deadline` fired: what to emit now (possibly nothing)."""
+        deadline = self.deadline()
+        if deadline is None or now < deadline:
+            return []
+        return self.release(HoldPath.DEADLINE)
+
+    def _hold(self, out: Out, now: float | None) -> list[Out]:
+        """Hold ``out``; release everything at once if the bound has passed."""
+        self._held.append(out)
+        self._was_held = True
+        if now is None:
+            return []
+        if self._held_since is None:
+            self._held_since = now
+        return self.on_timer(now)
+
+    def feed(self, raw: bytes, event: dict[str, Any], now: float | None = None) -> list[Out]:
         """Take one upstream event and return what to emit now (possibly nothing).
+
+        Args:
+            raw: The event's bytes as the upstream sent them.
+            event: Those bytes parsed.
+            now: The shell's monotonic clock when the event arrived; it starts the hold-back
+                bound (without it, the bound is not armed by this event).
 
         Raises:
             UpstreamProtocolError: the event has no string ``type``, or arrives after the end.
@@ -159,8 +228,7 @@ class Channel:
             out = self._lifecycle(kind, raw, event)
             if self.released:
                 return [out]
-            self._held.append(out)
-            return []
+            return self._hold(out, now)
         outcome = TERMINAL.get(kind)
         if outcome is None and kind == "response.done":
             response = event.get("response")
@@ -172,10 +240,9 @@ class Channel:
             if not kind.startswith("response."):
                 # Backend extras (``codex.rate_limits``, timings) carry no output: hold them
                 # with the prefix so a replay stays possible.
-                self._held.append(Out(kind, raw))
-                return []
+                return self._hold(Out(kind, raw), now)
             self.started = True
-            return self.release() + [Out(kind, raw)]
+            return self.release(HoldPath.OUTPUT) + [Out(kind, raw)]
         self.outcome = outcome
         self.terminal = event
         if outcome is Outcome.ERROR:
@@ -188,11 +255,17 @@ class Channel:
         self.response = response if isinstance(response, dict) else None
         if outcome is Outcome.FAILED and not self.released:
             self._held.append(out)  # a not_found in response.failed can still be replayed
+            self._was_held = True
             return []
         return self.release() + [out]
 
-    def release(self) -> list[Out]:
-        """Release every held event (the response goes to the app as it is)."""
+    def release(self, path: HoldPath = HoldPath.TERMINAL) -> list[Out]:
+        """Release every held event (the response goes to the app as it is).
+
+        ``path`` is recorded as :attr:`hold_path` if events were held and this is their release.
+        """
+        if not self.released and self._was_held and self._path is None:
+            self._path = path
         self.released = True
         held, self._held = self._held, []
         return held
@@ -234,9 +307,21 @@ class Channel:
         return self.last_sequence
 
     def _lifecycle(self, kind: str, raw: bytes, event: dict[str, Any]) -> Out:
-        """Show the app's own ``previous_response_id``; re-serialise only if it differs."""
+        """Show the app's own ``previous_response_id``; rewrite only if it differs.
+
+        The rewrite patches the upstream's bytes when the member occurs in them exactly once
+        (outside strings a ``"`` is never escaped, so that one occurrence is the member the
+        parse found); otherwise the event is serialised anew.
+        """
         response = event.get("response")
-        if not isinstance(response, dict) or response.get("previous_response_id") == self._app_prev:
+        if not isinstance(response, dict):
+            return Out(kind, raw)
+        previous = response.get("previous_response_id")
+        if previous == self._app_prev:
             return Out(kind, raw)
         response["previous_response_id"] = self._app_prev
+        if isinstance(previous, str):
+            old = b'"previous_response_id":' + orjson.dumps(previous)
+            if raw.count(old) == 1:
+                return Out(kind, raw.replace(old, b'"previous_response_id":' + orjson.dumps(self._app_prev)))
         return Out(kind, None, event)

@@ -233,7 +233,8 @@ class HeadTable:
             digests = req.prefix_digests(lengths)
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
-                    found, why, dropped = self._try(self._heads[anchor], req.items, n, 0, now, usable)
+                    items, at, skipped = req.items_from(n)  # the fast parse's tail when it suffices
+                    found, why, dropped = self._try(self._heads[anchor], items, at, skipped, now, usable)
                     if found is not None:
                         return found
                     if why == MissReason.DROPPED_REASONING:
@@ -295,7 +296,7 @@ class HeadTable:
         for (ident, settings), bucket in self._buckets.items():
             if ident != identity or settings == req.settings_digest:
                 continue
-            lengths = {n for n in bucket.lengths if n < len(req.items)}
+            lengths = {n for n in bucket.lengths if n < req.n_items}
             for n, value in req.prefix_digests(lengths).items():
                 if (identity, settings, n, value) in self._index:
                     return True
@@ -342,7 +343,7 @@ class HeadTable:
         """
         if req.previous_response_id is not None or reason not in _EXPLAINED:
             return None
-        keys, items = req.item_keys, req.items
+        keys, items = req.item_keys(), req.all_items()
         wanted = settings_fields(req.fields)
         found: list[tuple[tuple[int, int, int], Candidate, int]] = []
         for seen, anchor in enumerate(reversed(self._heads)):
@@ -404,7 +405,7 @@ class HeadTable:
             ):
                 return None
             return base.items + item_digests([item_key(item) for item in req.tail])
-        return item_digests(req.item_keys)
+        return item_digests(req.item_keys())
 
     def _note_settings(self, digest: bytes, req: ParsedRequest) -> None:
         if digest in self._settings_fields:

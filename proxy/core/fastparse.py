@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from proxy.core.rawjson import InputSpan, blank_back, blank_forward, locate_input, parse_object_part
-from proxy.core.request import Base, ParsedRequest, make_request, validate_fields, validate_items
+from proxy.core.request import Base, ParsedRequest, SettingsBlock, make_request, validate_fields, validate_items
 
 __all__ = ["PROBE", "RawPrefix", "fast_parse", "hash_prefix", "prefix_length", "raw_prefix"]
 
@@ -42,8 +42,23 @@ class RawPrefix:
     """The SHA-256 state behind ``digest``, extended by the next turn."""
     span: InputSpan
     """The previous body's input span (its key and start offsets carry over)."""
-    body: bytes | None = None
-    """The previous body itself while the head is hot (a byte comparison beats hashing)."""
+    _body: bytes | None = None
+    settings: SettingsBlock | None = None
+    """The previous body's settings, processed (shared), while the head is hot (see :func:`fast_parse`)."""
+    suffix: int = 0
+    """Bytes of the previous body after its input array's ``]``."""
+
+    @property
+    def body(self) -> bytes | None:
+        """The previous body itself while the head is hot (a byte comparison beats hashing)."""
+        return self._body
+
+    @body.setter
+    def body(self, value: bytes | None) -> None:
+        # Letting the body go (the head cools) lets its processed settings go too.
+        self._body = value
+        if value is None:
+            self.settings = None
 
     def starts(self, body: bytes) -> bool:
         """Whether ``body`` starts with this prefix."""
@@ -87,7 +102,9 @@ def raw_prefix(req: ParsedRequest, state: Any = None) -> RawPrefix | None:
         state.update(memoryview(body)[req.base.raw_len : length])
     elif state is None:
         state = hash_prefix(body, length)
-    return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body)
+    block = SettingsBlock.of(req)
+    suffix = len(body) - req.span.end - 1
+    return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body, block, suffix)
 
 
 def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any, body: bytes) -> ParsedRequest | None:
@@ -100,6 +117,10 @@ def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any,
     i = blank_forward(body, length)
     if i >= len(body):
         return None
+    if raw.settings is not None and raw.body is not None:
+        found = _same_settings(raw, raw.settings, raw.body, anchor, n_input, input_state, body, i)
+        if found is not None:
+            return found
     prefix = b'{"input":['
     if body[i] == ord(","):
         j = blank_forward(body, i + 1)
@@ -149,4 +170,53 @@ def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any,
         InputSpan(raw.span.key, raw.span.start, tail_span.end + shift),
         base=Base(anchor, n_input, input_state.copy(), raw.state.copy(), length),
         tail=tail,
+    )
+
+
+def _same_settings(
+    raw: RawPrefix,
+    block: SettingsBlock,
+    previous: bytes,
+    anchor: Hashable,
+    n_input: int,
+    input_state: Any,
+    body: bytes,
+    i: int,
+) -> ParsedRequest | None:
+    """The hot path: ``body`` ends with the previous body's bytes after its input array, so only
+    the new items between the prefix and those bytes are parsed (once); the settings are the
+    previous turn's, already parsed, validated and digested.
+
+    Exact: the previous body was valid with these very bytes around its input, and ``[`` + the
+    new bytes + ``]`` parses as one array only if they are a list of values, so the new body
+    parses as the previous one with these items appended. ``None`` when the bytes differ.
+    """
+    suffix = memoryview(previous)[len(previous) - raw.suffix :]
+    close = len(body) - raw.suffix - 1  # where this body's "]" must be
+    if close < i or body[close] != ord("]") or not body.endswith(suffix):
+        return None
+    if body[i] == ord("]"):
+        if close != i:
+            return None
+        tail: Any = []
+    elif body[i] == ord(","):
+        j = blank_forward(body, i + 1)
+        if j >= close:
+            return None  # "[a, ]" is invalid JSON; "[" + "]" would not be.
+        try:
+            tail = orjson.loads(b"".join((b"[", memoryview(body)[i + 1 : close], b"]")))
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(tail, list):
+            return None
+    else:
+        return None
+    validate_items(tail, n_input)
+    return make_request(
+        body,
+        block.fields(tail),
+        InputSpan(raw.span.key, raw.span.start, close),
+        base=Base(anchor, n_input, input_state.copy(), raw.state.copy(), raw.length),
+        tail=tail,
+        settings=block,
     )

@@ -24,6 +24,7 @@ from proxy.errors import InvalidRequest
 
 __all__ = [
     "Base",
+    "SettingsBlock",
     "NON_SETTINGS_FIELDS",
     "TRANSPORT_ONLY_FIELDS",
     "ParsedRequest",
@@ -88,12 +89,94 @@ class Base:
 
 
 @dataclass(slots=True, eq=False)
+class SettingsBlock:
+    """The non-input members of a body, processed once and reused while later bodies carry the
+    very same bytes around their input (the steady state of an agent loop).
+
+    Blocks are shared: every conversation whose bodies hold the same settings bytes uses one
+    block (:meth:`of` keeps a bounded table of them), so a head costs a reference, not a copy
+    of the instructions and tools.
+
+    Attributes:
+        before: Fields before ``input`` (body order).
+        after: Fields after the ``input`` array.
+        digest: :func:`settings_digest` of both.
+        huge: Whether a value may be an integer beyond 64 bits (see :func:`build_frame`).
+    """
+
+    before: dict[str, Any]
+    after: dict[str, Any]
+    digest: bytes
+    huge: bool
+    _members: tuple[bytes, bytes] | None = None
+
+    @classmethod
+    def of(cls, req: ParsedRequest) -> SettingsBlock | None:
+        """The block of ``req`` (its fast parse's, or the shared one for the same settings bytes);
+        ``None`` without a located input array."""
+        if req.settings is not None:
+            return req.settings
+        span = req.span
+        if span is None or "input" not in req.fields:
+            return None
+        body = memoryview(req.body)
+        key = (
+            req.settings_digest,
+            hashlib.blake2b(body[: span.key]).digest(),
+            hashlib.blake2b(body[span.end :]).digest(),
+        )
+        block = _BLOCKS.get(key)
+        if block is not None:
+            return block
+        before: dict[str, Any] = {}
+        after: dict[str, Any] = {}
+        side = before
+        for name, value in req.fields.items():
+            if name == "input":
+                side = after
+            else:
+                side[name] = value
+        huge = _has_huge_float(list(before.values())) or _has_huge_float(list(after.values()))
+        block = cls(before, after, req.settings_digest, huge)
+        if len(_BLOCKS) >= _MAX_BLOCKS:
+            del _BLOCKS[next(iter(_BLOCKS))]
+        _BLOCKS[key] = block
+        return block
+
+    def fields(self, items: list[Any]) -> dict[str, Any]:
+        """Every field in body order, ``input`` set to ``items``."""
+        out = dict(self.before)
+        out["input"] = items
+        out.update(self.after)
+        return out
+
+    def members(self) -> tuple[bytes, bytes]:
+        """The frame's members before and after ``input`` (serialised once): no transport-only
+        fields, no ``type``/``stream_id``/``previous_response_id``."""
+        if self._members is None:
+            skip = TRANSPORT_ONLY_FIELDS | {"type", "stream_id", "previous_response_id"}
+            head = _dumps({k: v for k, v in self.before.items() if k not in skip})[1:-1]
+            tail = _dumps({k: v for k, v in self.after.items() if k not in skip})[1:-1]
+            self._members = (head, tail)
+        return self._members
+
+
+_BLOCKS: dict[tuple[bytes, bytes, bytes], SettingsBlock] = {}
+"""Shared blocks by (settings digest, hashes of the bytes before and after the input array)."""
+_MAX_BLOCKS = 256
+"""Distinct settings blocks kept (oldest first out): apps have a handful of agent configurations."""
+
+
+@dataclass(slots=True, eq=False)
 class ParsedRequest:
     """One app request, parsed once.
 
     A *fast* parse (``base`` set) read only the bytes after the prefix that the previous turn
-    already sent: ``tail`` holds the input items after that prefix, and :attr:`items`
-    parses the whole body only if someone asks for all items.
+    already sent: ``tail`` holds the input items after that prefix. What costs work in
+    proportion to the history is a method that says so: :meth:`all_items` (after a fast parse:
+    parses the skipped prefix of the input array, once) and :meth:`item_keys`; the cheap views
+    (:attr:`n_items`, :meth:`items_from`, :meth:`prefix_digests` for lengths the fast parse
+    covers) never parse anything.
 
     Attributes:
         body: The raw body as received (replayed unchanged over HTTP).
@@ -107,6 +190,9 @@ class ParsedRequest:
         span: Where the ``input`` array sits in ``body`` (``None``: string input or unknown).
         base: Set by a fast parse.
         tail: Input items after ``base``'s prefix (fast parse), else ``None``.
+        settings: The previous turn's :class:`SettingsBlock`, when this body carries the same
+            bytes around its input (fast parse of a hot head): nothing of it was parsed again.
+        prefix_parses: How many times the skipped prefix had to be parsed (0 on the hot path).
     """
 
     body: bytes
@@ -118,19 +204,52 @@ class ParsedRequest:
     span: InputSpan | None = None
     base: Base | None = None
     tail: list[Any] | None = None
+    settings: SettingsBlock | None = None
+    prefix_parses: int = 0
     _items: list[Any] | None = field(default=None, repr=False)
     _keys: list[bytes] | None = field(default=None, repr=False)
     _partial: list[bytes] = field(default_factory=list, repr=False)
     _prefix: dict[int, bytes] = field(default_factory=dict, repr=False)
     _count: int | None = field(default=None, repr=False)
     """Input items of a full parse whose items were released."""
+    _tail_cache: list[bytes] | None = field(default=None, repr=False)
+
+    def all_items(self) -> list[Any]:
+        """The whole input as a list of items (a string input is one user message).
+
+        Free after a full parse. After a fast parse it parses the skipped prefix of the input
+        array (only that: not the settings, not the tail) once, and counts it in
+        :attr:`prefix_parses`; the hot path never needs it (see :meth:`items_from`).
+        """
+        if self._items is None:
+            self._items = self._parse_prefix() + (self.tail or [])
+        return self._items
 
     @property
     def items(self) -> list[Any]:
-        """The whole input as a list of items (a string input is one user message)."""
-        if self._items is None:
-            self._items = parse_request(self.body).items
-        return self._items
+        """:meth:`all_items` (kept for callers that read it as an attribute; prefer the method)."""
+        return self.all_items()
+
+    def _parse_prefix(self) -> list[Any]:
+        base, span = self.base, self.span
+        self.prefix_parses += 1
+        if base is not None and span is not None:
+            try:
+                found = orjson.loads(b"".join((memoryview(self.body)[span.start : base.raw_len], b"]")))
+            except orjson.JSONDecodeError:
+                found = None
+            if isinstance(found, list) and len(found) == base.count:
+                return found
+        raw_input = parse_request(self.body).all_items()  # cannot happen for a valid fast parse
+        return raw_input[: len(raw_input) - len(self.tail or [])]
+
+    def items_from(self, n: int) -> tuple[list[Any], int, int]:
+        """``(items, m, skipped)`` with ``items[m:]`` the input items from index ``n`` on and
+        ``skipped`` the items before ``items[0]``: the fast parse's tail when ``n`` is within it
+        (nothing parsed), else :meth:`all_items`."""
+        if self._items is None and self.base is not None and self.tail is not None and n >= self.base.count:
+            return self.tail, n - self.base.count, self.base.count
+        return self.all_items(), n, 0
 
     @property
     def n_items(self) -> int:
@@ -139,13 +258,13 @@ class ParsedRequest:
             return self.base.count + len(self.tail)
         if self._items is None and self._count is not None:
             return self._count
-        return len(self.items)
+        return len(self.all_items())
 
-    @property
     def item_keys(self) -> list[bytes]:
-        """:func:`~proxy.core.items.item_key` of every input item, computed once."""
+        """:func:`~proxy.core.items.item_key` of every input item, computed once (canonicalises the
+        whole history: :meth:`input_state` and :meth:`prefix_digests` avoid it after a fast parse)."""
         if self._keys is None:
-            self.warm_keys(len(self.items))
+            self.warm_keys(len(self.all_items()))
             assert self._keys is not None
         return self._keys
 
@@ -157,7 +276,7 @@ class ParsedRequest:
         """
         if self._keys is not None:
             return True
-        items = self.items
+        items = self.all_items()
         done = self._partial
         for item in items[len(done) : len(done) + count]:
             done.append(item_key(item))
@@ -178,15 +297,21 @@ class ParsedRequest:
             self.fields["input"] = None  # the marker stays in place, its value goes
         return True
 
+    def _tail_keys(self) -> list[bytes]:
+        """Item keys of the fast parse's tail, computed once per request."""
+        if self._tail_cache is None:
+            self._tail_cache = [item_key(item) for item in self.tail or []]
+        return self._tail_cache
+
     def input_state(self) -> Any:
         """SHA-256 state over the keys of every input item (cheap after a fast parse)."""
         if self.base is not None and self.tail is not None:
             hasher = self.base.input_state.copy()
-            for item in self.tail:
-                hasher.update(item_key(item))
+            for key in self._tail_keys():
+                hasher.update(key)
             return hasher
         hasher = hashlib.sha256()
-        for key in self.item_keys:
+        for key in self.item_keys():
             hasher.update(key)
         return hasher
 
@@ -195,10 +320,24 @@ class ParsedRequest:
         return self.prefix_digests({n})[n]
 
     def prefix_digests(self, lengths: set[int]) -> dict[int, bytes]:
-        """Digests for several prefix lengths in one pass."""
+        """Digests for several prefix lengths in one pass.
+
+        After a fast parse, lengths from the skipped prefix's on extend its carried state with
+        the tail's keys (no parse); shorter ones need :meth:`item_keys` of the whole history.
+        """
         wanted = sorted(n for n in lengths if n not in self._prefix and n <= self.n_items)
-        if wanted:
-            keys = self.item_keys
+        base = self.base if self._keys is None else None
+        if wanted and base is not None and self.tail is not None and wanted[0] >= base.count:
+            hasher = base.input_state.copy()
+            keys = self._tail_keys()
+            done = base.count
+            for n in wanted:
+                for key in keys[done - base.count : n - base.count]:
+                    hasher.update(key)
+                done = n
+                self._prefix[n] = hasher.copy().digest()[:16]
+        elif wanted:
+            keys = self.item_keys()
             hasher = hashlib.sha256()
             done = 0
             for n in wanted:
@@ -305,18 +444,21 @@ def make_request(
     items: list[Any] | None = None,
     base: Base | None = None,
     tail: list[Any] | None = None,
+    settings: SettingsBlock | None = None,
 ) -> ParsedRequest:
-    """Build a :class:`ParsedRequest` from validated fields (full or fast parse)."""
+    """Build a :class:`ParsedRequest` from validated fields (full or fast parse); with
+    ``settings`` (same bytes as last turn's) its digest is reused, not recomputed."""
     return ParsedRequest(
         body=body,
         fields=fields,
         stream=fields.get("stream") is True,
         store=fields.get("store") is not False,
         previous_response_id=fields.get("previous_response_id"),
-        settings_digest=settings_digest(fields),
+        settings_digest=settings.digest if settings is not None else settings_digest(fields),
         span=span,
         base=base,
         tail=tail,
+        settings=settings,
         _items=items,
     )
 
@@ -374,6 +516,15 @@ def build_frame(
         items: The new items of a continuation; ``None`` keeps the app's whole input.
         stream_id: The lane's ``stream_id`` (``None``: the default lane).
     """
+    block = req.settings
+    if items is not None and block is not None and not block.huge and not _has_huge_float(items):
+        # The settings were serialised once, when their block was first used.
+        return _spliced(
+            block,
+            items,
+            previous_response_id if previous_response_id is not None else req.previous_response_id,
+            stream_id,
+        )
     # The frame splices the body's own bytes: a full parse's items may go first (issue 12).
     req.release_items()
     frame = _frame(req, req.fields, previous_response_id, items, stream_id)
@@ -389,6 +540,25 @@ def build_frame(
             items = exact_items[len(exact_items) - len(items) :] if items else []
         frame = _frame(req, exact, previous_response_id, items, stream_id)
     return frame
+
+
+def _spliced(
+    block: SettingsBlock, items: list[Any], previous_response_id: str | None, stream_id: str | None = None
+) -> bytes:
+    """What :func:`_frame` writes for ``items``, from the block's serialised members."""
+    head, tail = block.members()
+    parts = [b'{"type":"response.create"']
+    if stream_id is not None:
+        parts += (b',"stream_id":', _dumps(stream_id))
+    if head:
+        parts += (b",", head)
+    parts += (b',"input":', _dumps(items))
+    if tail:
+        parts += (b",", tail)
+    if previous_response_id is not None:
+        parts += (b',"previous_response_id":', _dumps(previous_response_id))
+    parts.append(b"}")
+    return b"".join(parts)
 
 
 def _frame(

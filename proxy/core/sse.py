@@ -6,14 +6,18 @@ One ``event: <type>`` line, one ``data: <compact JSON>`` line, one blank line; n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["CONTENT_TYPE", "encode_event", "nested_error"]
+__all__ = ["CONTENT_TYPE", "encode_event", "encode_events", "nested_error"]
 
 CONTENT_TYPE = "text/event-stream; charset=utf-8"
 """``Content-Type`` of a streamed ``/v1/responses`` answer."""
 
 _NEWLINES = (b"\n", b"\r")
+_HEADS: dict[str, bytes] = {}
+"""``event: <type>\ndata: `` per event type seen (a few dozen); bounded by :data:`_MAX_HEADS`."""
+_MAX_HEADS = 256
 
 
 def _clean_name(name: str) -> bytes:
@@ -37,9 +41,30 @@ def encode_event(event_type: str, data: bytes) -> bytes:
         whitespace) is split over several ``data:`` lines, which SSE readers join with ``\\n``,
         so the JSON they parse is unchanged.
     """
-    if _NEWLINES[0] in data or _NEWLINES[1] in data:
-        data = b"\ndata: ".join(data.splitlines())
-    return b"".join((b"event: ", _clean_name(event_type), b"\ndata: ", data, b"\n\n"))
+    return encode_events(((event_type, data),))
+
+
+def _head(event_type: str) -> bytes:
+    head = _HEADS.get(event_type)
+    if head is None:
+        head = b"".join((b"event: ", _clean_name(event_type), b"\ndata: "))
+        if len(_HEADS) < _MAX_HEADS:
+            _HEADS[event_type] = head
+    return head
+
+
+def encode_events(events: Iterable[tuple[str, bytes]]) -> bytes:
+    """Frame several events into one buffer (one join for the whole batch: one copy of each
+    event's bytes), each exactly as :func:`encode_event` frames it."""
+    parts: list[bytes] = []
+    add = parts.append
+    for event_type, data in events:
+        if _NEWLINES[0] in data or _NEWLINES[1] in data:
+            data = b"\ndata: ".join(data.splitlines())
+        add(_head(event_type))
+        add(data)
+        add(b"\n\n")
+    return b"".join(parts)
 
 
 def nested_error(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
 import pytest
 
-from proxy.core.channel import Channel, HttpError, Out, Outcome
+from proxy.core.channel import Channel, HoldPath, HttpError, Out, Outcome
 from proxy.errors import UpstreamProtocolError
 
 ANCHOR = "resp_sidecar_anchor"
@@ -21,10 +22,10 @@ def ev(kind: str, seq: int, **fields: Any) -> dict[str, Any]:
     return {"type": kind, "sequence_number": seq, **fields}
 
 
-def feed(channel: Channel, events: list[dict[str, Any]]) -> list[Out]:
+def feed(channel: Channel, events: list[dict[str, Any]], now: float | None = None) -> list[Out]:
     out: list[Out] = []
     for event in events:
-        out += channel.feed(orjson.dumps(event), event)
+        out += channel.feed(orjson.dumps(event), event, now)
     return out
 
 
@@ -47,9 +48,9 @@ def test_text_turn_prefix_held_until_output_then_passthrough() -> None:
     assert channel.started and not channel.released
     outs = feed(channel, events[2:3])
     assert [o.type for o in outs] == ["response.created", "response.in_progress", "response.output_item.added"]
-    # lifecycle events are patched to the app's own previous_response_id (null) and re-serialised
-    assert outs[0].raw is None and outs[0].obj is not None
-    assert outs[0].obj["response"]["previous_response_id"] is None
+    # lifecycle events are patched to the app's own previous_response_id (null), in their bytes
+    assert outs[0].raw is not None and outs[0].obj is None
+    assert orjson.loads(outs[0].raw) == {**events[0], "response": resp(prev=None)}
     # every other event is the upstream's bytes, unchanged
     assert outs[2].raw == orjson.dumps(events[2]) and outs[2].obj is None
     outs = feed(channel, events[3:])
@@ -197,3 +198,98 @@ def test_proxy_error_event_takes_the_next_sequence_number() -> None:
 def test_protocol_errors(events: list[dict[str, Any]]) -> None:
     with pytest.raises(UpstreamProtocolError):
         feed(Channel(None), events)
+
+
+# -- bounded hold-back: the clock is passed in ---------------------------------------------------
+
+
+def test_output_within_the_bound_releases_everything_together() -> None:
+    channel = Channel(None, hold_back_s=0.25)
+    events = text_turn()
+    assert feed(channel, events[:2], now=10.0) == []
+    assert channel.deadline() == 10.25
+    assert channel.on_timer(10.2) == []  # early timer: nothing yet
+    outs = feed(channel, events[2:3], now=10.2)
+    assert [o.type for o in outs] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert channel.deadline() is None and channel.hold_path is HoldPath.OUTPUT
+
+
+def test_deadline_releases_the_held_events_and_ends_the_replay_window() -> None:
+    channel = Channel(None, hold_back_s=0.25)
+    events = text_turn()
+    assert feed(channel, events[:1], now=10.0) == []
+    assert feed(channel, events[1:2], now=10.1) == []  # the bound counts from the first held event
+    assert channel.deadline() == 10.25
+    outs = channel.on_timer(10.25)
+    assert [o.type for o in outs] == ["response.created", "response.in_progress"]
+    assert outs[0].raw is not None and orjson.loads(outs[0].raw)["response"]["previous_response_id"] is None
+    assert channel.released and channel.hold_path is HoldPath.DEADLINE and channel.deadline() is None
+    assert channel.on_timer(11.0) == []  # a late second timer releases nothing twice
+    # from now on every event passes at once, and a failure is surfaced, never replayed
+    outs = feed(channel, events[2:], now=12.0)
+    assert [o.type for o in outs] == [e["type"] for e in events[2:]]
+    assert channel.hold_path is HoldPath.DEADLINE
+
+
+def test_a_late_event_past_the_bound_releases_without_a_timer() -> None:
+    channel = Channel(None, hold_back_s=0.25)
+    assert feed(channel, [ev("response.created", 0, response=resp())], now=1.0) == []
+    outs = feed(channel, [ev("response.in_progress", 1, response=resp())], now=1.5)
+    assert [o.type for o in outs] == ["response.created", "response.in_progress"]
+    assert channel.hold_path is HoldPath.DEADLINE
+
+
+def test_failure_after_the_deadline_release_is_not_held() -> None:
+    channel = Channel(None, hold_back_s=0.25)
+    feed(channel, [ev("response.created", 0, response=resp())], now=0.0)
+    channel.on_timer(0.3)
+    failed = ev("response.failed", 1, response=resp("failed", error={"code": "server_error", "message": "m"}))
+    outs = feed(channel, [failed], now=0.4)
+    assert [o.type for o in outs] == ["response.failed"] and channel.released
+
+
+def test_zero_bound_never_holds() -> None:
+    channel = Channel(None, hold_back_s=0.0)
+    outs = feed(channel, [ev("response.created", 0, response=resp())], now=5.0)
+    assert [o.type for o in outs] == ["response.created"] and channel.hold_path is HoldPath.DEADLINE
+
+
+def test_no_bound_holds_until_output_as_before() -> None:
+    for channel in (Channel(None), Channel(None, hold_back_s=None)):
+        assert feed(channel, text_turn()[:2], now=0.0) == []
+        assert channel.deadline() is None and channel.on_timer(1e9) == []
+    # a bound without a clock is not armed either (an old shell that passes no ``now``)
+    channel = Channel(None, hold_back_s=0.25)
+    assert feed(channel, text_turn()[:2]) == [] and channel.deadline() is None
+
+
+def test_terminal_while_held_and_discarded_paths() -> None:
+    channel = Channel(None, hold_back_s=0.25)
+    done = ev("response.completed", 2, response=resp("completed", output=[]))
+    outs = feed(channel, [ev("response.created", 0, response=resp()), done], now=0.0)
+    assert [o.type for o in outs] == ["response.created", "response.completed"]
+    assert channel.hold_path is HoldPath.TERMINAL and channel.deadline() is None
+    # a failure held for a replay decision: no deadline any more (the shell decides at once)
+    channel = Channel(None, hold_back_s=0.25)
+    failed = ev("response.failed", 1, response=resp("failed", error={"code": "previous_response_not_found"}))
+    assert feed(channel, [ev("response.created", 0, response=resp()), failed], now=0.0) == []
+    assert channel.deadline() is None and channel.on_timer(1.0) == []
+    assert channel.hold_path is HoldPath.DISCARDED  # replayed: nothing of it reached the app
+    channel.release()  # ... or surfaced by the shell
+    assert channel.hold_path is HoldPath.TERMINAL
+    assert Channel(None).hold_path is None  # nothing held at all
+
+
+def test_lifecycle_patch_falls_back_to_serialising_when_the_bytes_are_ambiguous() -> None:
+    channel = Channel("resp_app")
+    tricky = resp(metadata={"previous_response_id": ANCHOR})  # the same member twice in the bytes
+    spaced = ev("response.in_progress", 1, response=resp())
+    outs = channel.feed(orjson.dumps(ev("response.created", 0, response=tricky)), ev("response.created", 0,
+                        response=tricky))  # fmt: skip
+    outs += channel.feed(json.dumps(spaced).encode(), spaced)  # "key": "value": no byte match
+    outs += channel.feed(orjson.dumps(text_turn()[2]), text_turn()[2])
+    assert outs[0].raw is None and outs[0].obj is not None
+    assert outs[0].obj["response"]["previous_response_id"] == "resp_app"
+    assert outs[0].obj["response"]["metadata"] == {"previous_response_id": ANCHOR}
+    assert outs[1].raw is None and outs[1].obj is not None
+    assert outs[1].obj["response"]["previous_response_id"] == "resp_app"

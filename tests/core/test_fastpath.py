@@ -151,3 +151,81 @@ def test_settings_change_after_input_is_seen_by_fast_parse() -> None:
     changed = raw.replace(b'"store":false', b'"store":false,"temperature":0.1')
     req = heads.parse("id", changed)
     assert heads.lookup("id", req, 9, IDLE).match is None
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced", "indented"])
+def test_hot_turns_reuse_the_settings_and_never_parse_the_prefix(style: str) -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=1e9)
+    items: list[Any] = [{"role": "user", "content": "do 5 steps"}]
+    raw = body(items, style)
+    for n in range(5):
+        req = heads.parse("id", raw)
+        slow = parse_request(raw)
+        assert req.settings_digest == slow.settings_digest
+        assert req.fields == slow.fields | {"input": req.fields["input"]}
+        found = heads.lookup("id", req, n, IDLE)
+        if n:
+            assert req.settings is not None, f"turn {n}: settings parsed again"
+            assert found.match is not None, found.reason
+            frame = build_frame(req, previous_response_id=f"resp_{n - 1}", items=found.match.new_items)
+            want = build_frame(slow, previous_response_id=f"resp_{n - 1}", items=found.match.new_items)
+            assert orjson.loads(frame) == orjson.loads(want)
+            # digests the fast parse covers need no parse; shorter ones parse only the prefix, once
+            lengths = {req.n_items - 1, req.n_items}
+            assert req.prefix_digests(lengths) == slow.prefix_digests(lengths) and req.prefix_parses == 0
+            assert req.input_state().digest() == slow.input_state().digest() and req.prefix_parses == 0
+            assert req.base is not None
+            shorter = {req.base.count - 1}
+            assert req.prefix_digests(shorter) == slow.prefix_digests(shorter) and req.prefix_parses == 1
+            assert req.all_items() == slow.all_items() == items and req.prefix_parses == 1
+        heads.begin("s1")
+        heads.record("id", "s1", req, {"id": f"resp_{n}", "output": [call(n)]}, n)
+        items = items + [call(n), output(n, f'out {n} ]}}, "input": [')]
+        raw = body(items, style)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"store": True},  # a setting after the input changed: parsed again, new digest
+        {"tools": []},
+    ],
+)
+def test_changed_settings_bytes_are_parsed_again(change: dict[str, Any]) -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=1e9)
+    items: list[Any] = [{"role": "user", "content": "go"}]
+    first = heads.parse("id", body(items))
+    heads.begin("s1")
+    heads.record("id", "s1", first, {"id": "resp_0", "output": [call(0)]}, 0)
+    items = items + [call(0), output(0, "x")]
+    raw = body(items, **change)
+    req = heads.parse("id", raw)
+    assert req.settings is None and req.settings_digest == parse_request(raw).settings_digest != first.settings_digest
+
+
+def test_cooled_head_drops_its_settings() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=1e9)
+    items: list[Any] = [{"role": "user", "content": "go"}]
+    first = heads.parse("id", body(items))
+    heads.begin("s1")
+    heads.record("id", "s1", first, {"id": "resp_0", "output": [call(0)]}, 0)
+    heads.expire(1e6)  # past hot_prefix_seconds: the body (and with it the parsed settings) goes
+    req = heads.parse("id", body(items + [call(0), output(0, "x")]))
+    assert req.base is not None and req.settings is None
+
+
+def test_conversations_with_the_same_settings_share_one_block() -> None:
+    heads = HeadTable(max_heads=100, ttl_seconds=1e9)
+    blocks = []
+    for n in range(3):
+        req = heads.parse("id", body([{"role": "user", "content": f"conversation {n}"}]))
+        heads.begin(f"s{n}")
+        heads.record("id", f"s{n}", req, {"id": f"resp_{n}", "output": [call(n)]}, 0)
+        raw = heads._heads[f"s{n}"].raw
+        assert raw is not None and raw.settings is not None
+        blocks.append(raw.settings)
+    assert blocks[0] is blocks[1] is blocks[2]  # a head holds a reference, not a copy of the settings
+    other = heads.parse("id", body([{"role": "user", "content": "x"}], store=True))
+    heads.begin("s9")
+    heads.record("id", "s9", other, {"id": "resp_9", "output": [call(9)]}, 0)
+    assert heads._heads["s9"].raw is not None and heads._heads["s9"].raw.settings is not blocks[0]

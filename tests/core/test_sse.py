@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.sse import CONTENT_TYPE, encode_event, nested_error
+from proxy.core.sse import CONTENT_TYPE, encode_event, encode_events, nested_error
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,14 @@ def test_nested_error_shape() -> None:
         "sequence_number": 7,
         "error": {"type": "server_error", "code": "upstream_closed", "message": "gone", "param": None},
     }
+
+
+def test_a_batch_is_framed_as_its_events_one_by_one() -> None:
+    batch = [
+        ("response.created", b'{"type":"response.created"}'),
+        ("x", b'{\n  "a": 1\n}'),
+        ("evil\ndata: x", b"{}"),
+        ("response.completed", b"{}"),
+    ]
+    assert encode_events(batch) == b"".join(encode_event(t, d) for t, d in batch)
+    assert encode_events([]) == b""

@@ -170,7 +170,7 @@ def test_memory_per_head_of_the_explanation_data() -> None:
     for n in range(10):
         history += [call(n), result(n)]
     r = req(history)
-    r.item_keys  # noqa: B018 (computed by lookup anyway)
+    r.item_keys()  # computed by lookup anyway
     message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}
     output = [reasoning(99), call(99), message]
     digests = heads._item_digests(r)

@@ -255,7 +255,12 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "level": {"replica", "worker"},
     "verified": {"true", "false", "unsigned"},
     "worker": {str(i) for i in range(32)},
+    "path": {"output", "deadline", "terminal", "discarded"},
+    "loop": {"uvloop", "asyncio"},
+    "version": set(),  # upshift_build_info: the package and Python versions (checked below)
+    "python": set(),
 }
+_VERSION_LABELS = frozenset({"version", "python"})
 _LABEL_VALUES["mode"] |= {"forwarded"}
 _LABEL_VALUES["outcome"] |= {"cut", "owner_down", "connect_timeout", "busy", "refused", "failed_before_answer"}
 _LABEL_VALUES["reason"] |= {"header_timeout", "max_connections"} | _LABEL_VALUES["outcome"]
@@ -281,7 +286,10 @@ def assert_metrics_clean(text: str) -> None:
     for name, values in label_values(text).items():
         assert name in _LABEL_VALUES, name
         assert len(values) <= 32, (name, values)
-        assert all(re.fullmatch(r"[a-z0-9_]{1,40}", v) for v in values), (name, values)
+        if name in _VERSION_LABELS:
+            assert len(values) == 1 and all(re.fullmatch(r"[0-9a-z.+]{1,40}", v) for v in values), (name, values)
+        else:
+            assert all(re.fullmatch(r"[a-z0-9_]{1,40}", v) for v in values), (name, values)
 
 
 async def test_no_secret_or_request_data_in_metrics(
