@@ -121,6 +121,9 @@ class PoolSettings:
     spread_sockets: int = 32
     """New conversations get a socket of their own until a credential has this many; beyond,
     they share sockets through lanes."""
+    http_connections: int = 256
+    """HTTP requests in flight to the upstream at once (the plain-HTTP relay's connection pool);
+    more wait for a slot, and the wait counts in the added latency."""
     wait_seconds: float = 1.0
     """How long a request waits for a free lane when every lane it may use is busy, before it
     goes over HTTP (``pool_full``)."""
@@ -341,6 +344,7 @@ _POSITIVE = frozenset(
         "pool.max_sockets_per_identity",
         "pool.max_sockets_total",
         "pool.lanes_per_socket",
+        "pool.http_connections",
         "pool.max_active_per_socket",
         "timeouts.connect_seconds",
         "timeouts.stream_idle_seconds",

@@ -12,6 +12,7 @@ connection takes the egress path of :mod:`proxy.egress` (forward proxy, TLS trus
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 import time
@@ -27,7 +28,7 @@ from proxy.config import Settings, merge_query, redact_url
 from proxy.egress import egress_for
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.keys import KeySource
-from proxy.metrics import UPSTREAM_BYTES_SENT
+from proxy.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
 
 __all__ = ["HOP_BY_HOP", "Forwarded", "Passthrough", "error_response"]
 
@@ -116,6 +117,9 @@ class Passthrough:
         self._ssl: ssl.SSLContext | bool = self.egress.ssl if self.egress.ssl is not None else True
         self._proxy, self._proxy_headers = self.egress.without_credentials()
         self._session: aiohttp.ClientSession | None = None
+        self._slots = asyncio.Semaphore(settings.pool.http_connections)
+        """HTTP requests in flight to the upstream (``pool.http_connections``); a request waits
+        for a slot, and that wait is the sidecar's time (added latency), not the upstream's."""
 
     async def start(self) -> None:
         """Open the client session (needs a running loop)."""
@@ -127,6 +131,7 @@ class Passthrough:
             # The proxy is resolved by proxy.egress (egress.proxy, NO_PROXY) and passed per
             # request, so aiohttp's own environment lookup stays off.
             trust_env=False,
+            connector=aiohttp.TCPConnector(limit=0),  # bounded by self._slots, which is measured
             timeout=aiohttp.ClientTimeout(
                 total=t.http_total_seconds, sock_connect=t.connect_seconds, sock_read=t.stream_idle_seconds
             ),
@@ -170,6 +175,14 @@ class Passthrough:
             The answer, already sent; a JSON error (502 unreachable, 504 timeout) if the upstream
             failed before its headers.
         """
+        waited = time.perf_counter()
+        async with self._slots:
+            POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
+            return await self._forward(request, headers=headers, body=body, started=started)
+
+    async def _forward(
+        self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
+    ) -> Forwarded:
         assert self._session is not None, "Passthrough.start() not called"
         try:
             url = self.url_for(request.raw_path)

@@ -42,6 +42,7 @@ __all__ = [
     "lane_name",
     "lane_step",
     "socket_step",
+    "state_diagram",
 ]
 
 LaneKey = tuple[int, str | None]
@@ -184,3 +185,14 @@ class Socket:
     def live(self) -> bool:
         """Whether new turns may be assigned to it."""
         return self.state in (SocketState.CONNECTING, SocketState.OPEN)
+
+
+def state_diagram() -> str:
+    """The two transition tables as Mermaid state diagrams (``docs/architecture.md`` embeds this
+    text; a test checks it is current)."""
+    lines = ["```mermaid", "stateDiagram-v2", "    %% lane (LANE_TRANSITIONS)"]
+    lines += [f"    lane_{a} --> lane_{b}: {e}" for (a, e), b in LANE_TRANSITIONS.items()]
+    lines += ["    %% socket (SOCKET_TRANSITIONS)"]
+    lines += [f"    socket_{a} --> socket_{b}: {e}" for (a, e), b in SOCKET_TRANSITIONS.items()]
+    lines.append("```")
+    return "\n".join(lines)

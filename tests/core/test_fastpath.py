@@ -178,7 +178,6 @@ def test_hot_turns_reuse_the_settings_and_never_parse_the_prefix(style: str) -> 
             shorter = {req.base.count - 1}
             assert req.prefix_digests(shorter) == slow.prefix_digests(shorter) and req.prefix_parses == 1
             assert req.all_items() == slow.all_items() == items and req.prefix_parses == 1
-        heads.begin("s1")
         heads.record("id", "s1", req, {"id": f"resp_{n}", "output": [call(n)]}, n)
         items = items + [call(n), output(n, f'out {n} ]}}, "input": [')]
         raw = body(items, style)
@@ -195,7 +194,6 @@ def test_changed_settings_bytes_are_parsed_again(change: dict[str, Any]) -> None
     heads = HeadTable(max_heads=100, ttl_seconds=1e9)
     items: list[Any] = [{"role": "user", "content": "go"}]
     first = heads.parse("id", body(items))
-    heads.begin("s1")
     heads.record("id", "s1", first, {"id": "resp_0", "output": [call(0)]}, 0)
     items = items + [call(0), output(0, "x")]
     raw = body(items, **change)
@@ -207,7 +205,6 @@ def test_cooled_head_drops_its_settings() -> None:
     heads = HeadTable(max_heads=100, ttl_seconds=1e9)
     items: list[Any] = [{"role": "user", "content": "go"}]
     first = heads.parse("id", body(items))
-    heads.begin("s1")
     heads.record("id", "s1", first, {"id": "resp_0", "output": [call(0)]}, 0)
     heads.expire(1e6)  # past hot_prefix_seconds: the body (and with it the parsed settings) goes
     req = heads.parse("id", body(items + [call(0), output(0, "x")]))
@@ -219,13 +216,11 @@ def test_conversations_with_the_same_settings_share_one_block() -> None:
     blocks = []
     for n in range(3):
         req = heads.parse("id", body([{"role": "user", "content": f"conversation {n}"}]))
-        heads.begin(f"s{n}")
         heads.record("id", f"s{n}", req, {"id": f"resp_{n}", "output": [call(n)]}, 0)
         raw = heads._heads[f"s{n}"].raw
         assert raw is not None and raw.settings is not None
         blocks.append(raw.settings)
     assert blocks[0] is blocks[1] is blocks[2]  # a head holds a reference, not a copy of the settings
     other = heads.parse("id", body([{"role": "user", "content": "x"}], store=True))
-    heads.begin("s9")
     heads.record("id", "s9", other, {"id": "resp_9", "output": [call(9)]}, 0)
     assert heads._heads["s9"].raw is not None and heads._heads["s9"].raw.settings is not blocks[0]

@@ -169,3 +169,76 @@ async def test_stream_limit_reached_retires_the_lane(make_emulator: EmulatorFact
     assert replays("stream_limit") == before + 1
     assert max(c.named_streams for c in emu.stats.connections.values()) == 1
     assert_pool_quiet(sc)
+
+
+async def test_the_http_relay_is_bounded_and_its_wait_is_the_sidecars_time(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    emu = await make_emulator()
+    sc = await sidecar_for(emu.base_url, mode="http", pool={"http_connections": 1})
+    count = metric("upshift_pool_wait_seconds_count", pool="http")
+    total = metric("upshift_pool_wait_seconds_sum", pool="http")
+    emu.faults.arm("delay", seconds=0.3, count=2)
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        convs = [Conversation(http, sc.base_url, emu, name=f"h{i}") for i in range(2)]
+        replies = await asyncio.gather(*(c.send("hi") for c in convs))
+    assert [r.mode for r in replies] == ["passthrough", "passthrough"]
+    assert metric("upshift_pool_wait_seconds_count", pool="http") == count + 2
+    waited = metric("upshift_pool_wait_seconds_sum", pool="http") - total
+    assert waited >= 0.25  # one of them waited for the other's slot (the 0.3 s the upstream took)
+    overheads = sorted(float(r.headers["x-upshift-overhead-ms"]) for r in replies)
+    assert overheads[-1] >= 250  # ... and that wait is reported as the sidecar's own time
+
+
+async def test_a_stored_conversation_outlives_its_socket(make_emulator: EmulatorFactory, sidecar_for: SidecarFor) -> None:
+    emu = await make_emulator()
+    sc = await sidecar_for(emu.base_url, pool={"idle_close_seconds": 0.3, "rotate_after_seconds": 3.0})
+    hydrated = metric("upshift_hydrated_continuations_total")
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        conv = Conversation(http, sc.base_url, emu, name="stored", store=True)
+        await conv.turn()
+        # idle close: the socket goes, the stored head stays
+        assert await wait_for(lambda: sc.pool.count() == 0, timeout=5)
+        after_idle = await conv.turn()
+        # a drop mid-flight of nothing: the upstream closes the idle socket
+        emu.faults.arm("drop", after_events=3)
+        reply = await conv.send("this turn is cut after output", stream=True)
+        assert reply.status == 200
+        conv.items.pop()  # the app drops the failed turn and sends another
+        after_cut = await conv.turn()
+    assert after_idle["continuation"] is True and after_idle["hydrated"] is True
+    assert after_cut["status"] == "completed"
+    assert metric("upshift_hydrated_continuations_total") >= hydrated + 1
+    assert emu.stats.hydrations["ws"] >= 1
+
+
+async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_sockets(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    emu = await make_emulator(ws_stream_ids="reject", ws_max_connections_per_key=8)
+    sc = await sidecar_for(emu.base_url, pool={"max_sockets_per_identity": 8})
+    rng = random.Random(3)
+    continued = later = 0
+    modes: dict[str, int] = {}
+
+    async def loop(http: aiohttp.ClientSession, i: int) -> None:
+        nonlocal continued, later
+        conv = Conversation(http, sc.base_url, emu, name=f"x{i}", store=True)
+        for turn in range(5):
+            await asyncio.sleep(rng.uniform(0.0, 0.3))  # the app's tool time
+            reply = await conv.send(f"x{i} turn {turn}")
+            record = conv.accept(reply)
+            modes[str(reply.mode)] = modes.get(str(reply.mode), 0) + 1
+            if turn:
+                later += 1
+                continued += record["continuation"] is True
+
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        await asyncio.gather(*(loop(http, i) for i in range(30)))
+    assert modes.get("passthrough", 0) == 0, modes
+    assert continued >= 0.95 * later, (continued, later, modes)
+    refusals = sum(c.errors for c in emu.stats.connections.values())
+    assert refusals <= 8, refusals  # the missing lanes were learned after at most one refusal per socket
+    key = next(iter(emu.stats.keys.values()))
+    assert key.refused == 0 and key.peak_open <= 8
+    print(f"\n30 stored conversations, no lanes, 8 sockets: modes {modes}, {refusals} lane refusals")
