@@ -46,9 +46,7 @@ def _gauge(text: str, name: str, state: str) -> float:
 
 async def one_run(conversations: int, turns: int, seed: int) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="bench-lanes-"))
-    emu = EmulatorProc(
-        logs, {}, ["--latency-preset", "fast", "--ws-max-connections-per-key", "32"]
-    )
+    emu = EmulatorProc(logs, {}, ["--latency-preset", "fast", "--ws-max-connections-per-key", "32"])
     emu.start()
     await emu.ready()
     side = SidecarProc(logs, emu.base_url, env={"UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "32",

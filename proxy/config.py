@@ -121,6 +121,13 @@ class PoolSettings:
     spread_sockets: int = 32
     """New conversations get a socket of their own until a credential has this many; beyond,
     they share sockets through lanes."""
+    reseed: bool = False
+    """When a socket is rotated (``rotate_after_seconds``), rebuild its ``store: false`` heads on a
+    fresh lane with a ``generate: false`` create (never a billed generation, never seen by the
+    app), so their next turn stays a continuation. Stored heads need none (the upstream hydrates)."""
+    reseed_bytes: int = 64 * 1024 * 1024
+    """Memory for the contexts re-seeding keeps (request bodies and outputs), least recently used
+    out first."""
     http_connections: int = 256
     """HTTP requests in flight to the upstream at once (the plain-HTTP relay's connection pool);
     more wait for a slot, and the wait counts in the added latency."""

@@ -40,6 +40,7 @@ __all__ = [
     "REPLAYS",
     "REQUESTS",
     "REQUEST_BYTES",
+    "RESEEDS",
     "SOCKETS",
     "SOCKET_AGE_AT_ROTATION",
     "UPSTREAM_BYTES_SENT",
@@ -132,6 +133,14 @@ HYDRATED = Counter(
     "Continuations of a stored response whose lane was gone (the upstream hydrated it).",
     registry=REGISTRY,
 )
+
+RESEEDS = Counter(
+    "upshift_reseeds",
+    "store:false heads rebuilt on a new lane with a generate:false create when their socket was rotated.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+"""outcome: ok | failed."""
 
 LANES = Gauge(
     "upshift_upstream_lanes",

@@ -25,12 +25,13 @@ from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.lanes import LaneKey, LaneState
 from proxy.core.lanes import SocketState as CoreSocketState
-from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner
+from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
 from proxy.core.reasons import PassthroughReason
 from proxy.core.request import ParsedRequest
+from proxy.core.reseed import reseed_frame
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
 from proxy.identity import Identity
-from proxy.metrics import LANES, LANES_FALLBACKS, POOL_WAIT, SOCKET_AGE_AT_ROTATION, SOCKETS
+from proxy.metrics import LANES, LANES_FALLBACKS, POOL_WAIT, RESEEDS, SOCKET_AGE_AT_ROTATION, SOCKETS
 from proxy.upstream import Inbox, UpstreamSocket, open_websocket
 
 __all__ = ["Pool", "SocketState", "Turn"]
@@ -112,11 +113,15 @@ class Pool:
                 spread_sockets=p.spread_sockets,
                 idle_close_seconds=p.idle_close_seconds,
                 rotate_after_seconds=p.rotate_after_seconds,
+                reseed=p.reseed,
+                reseed_bytes=p.reseed_bytes,
             ),
             heads,
         )
         self._clock = clock
         self._socks: dict[int, UpstreamSocket] = {}
+        self._identities: dict[str, Identity] = {}
+        """The identities seen, by digest (re-seeds open sockets with their headers)."""
         self._ready: dict[int, asyncio.Future[None]] = {}
         self._waiters: set[asyncio.Future[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -167,6 +172,7 @@ class Pool:
             waiting for a lane or a handshake (the sidecar's time, not the upstream's).
         """
         started = self._clock()
+        self._identities[identity.digest] = identity
         may_open = True
         deadline: float | None = None
         while True:
@@ -399,12 +405,49 @@ class Pool:
 
     def sweep(self) -> None:
         """One housekeeping pass (also run by tests)."""
-        close, ages = self.planner.tick(self._clock())
-        for age in ages:
+        tick = self.planner.tick(self._clock())
+        for age in tick.ages:
             SOCKET_AGE_AT_ROTATION.observe(age)
-        self._close_soon(close)
-        if close:
+        self._close_soon(tick.close)
+        for job in tick.reseed:
+            task = asyncio.get_running_loop().create_task(self._reseed(job))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if tick.close:
             self._wake()
+        self._publish()
+
+    async def _reseed(self, job: Reseed) -> None:
+        """Rebuild a rotated ``store: false`` head on a new lane with a ``generate: false`` create
+        (proxy/core/reseed.py): off the app's path, never a generation. Any failure only lets the
+        head go (the next turn is a full send, as without re-seeding)."""
+        identity = self._identities.get(job.identity)
+        plan = self.planner.reseed_lane(job.identity, self._clock()) if identity is not None else None
+        if plan is None or plan.lane is None or identity is None:
+            self.planner.reseeded(job.anchor, None, self._clock(), None)
+            return
+        response_id: str | None = None
+        try:
+            if plan.open_socket:
+                self._start_open(plan.lane[0], identity)
+            ready = self._ready.get(plan.lane[0])
+            if ready is not None:
+                await asyncio.shield(ready)
+            async with self.lease(plan) as turn:
+                await turn.send(reseed_frame(job.kept, plan.stream_id))
+                while True:
+                    _, event = await turn.recv(self.settings.timeouts.stream_idle_seconds)
+                    kind = event.get("type")
+                    if kind in ("response.completed", "response.failed", "response.incomplete", "error"):
+                        break
+                turn.finish()  # the lane's own head is set below, under the warm-up's id
+                response = event.get("response") if kind == "response.completed" else None
+                rid = response.get("id") if isinstance(response, dict) else None
+                response_id = rid if isinstance(rid, str) else None
+        except Exception:  # noqa: BLE001 - a re-seed is an optimisation; any failure just lets go
+            response_id = None
+        RESEEDS.labels("ok" if response_id else "failed").inc()
+        self._close_soon(self.planner.reseeded(job.anchor, plan.lane, self._clock(), response_id))
         self._publish()
 
     async def close(self, code: int = 1001) -> None:

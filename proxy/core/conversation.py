@@ -417,6 +417,18 @@ class HeadTable:
 
     # -- updates ---------------------------------------------------------------------------
 
+    def rename(self, anchor: Hashable, response_id: str) -> None:
+        """The head of ``anchor`` is now known upstream as ``response_id`` (a re-seed rebuilt
+        the same context under a new id)."""
+        head = self._heads.get(anchor)
+        if head is None:
+            return
+        if self._by_response.get(head.response_id) == anchor:
+            del self._by_response[head.response_id]
+        head.response_id = response_id
+        self._by_response[response_id] = anchor
+        self.note_owner(head.identity, response_id)
+
     def rekey(self, anchor: Hashable, new: Hashable) -> None:
         """Keep the head of ``anchor`` under ``new`` (its lane is taken by another
         conversation; a stored head stays continuable through the upstream's store)."""

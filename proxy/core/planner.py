@@ -49,8 +49,9 @@ from proxy.core.lanes import (
 )
 from proxy.core.reasons import MissReason, PassthroughReason
 from proxy.core.request import ParsedRequest
+from proxy.core.reseed import Kept, KeptContexts
 
-__all__ = ["LaneLimits", "Plan", "PlanKind", "Planner", "hold_off_seconds"]
+__all__ = ["LaneLimits", "Plan", "PlanKind", "Planner", "Reseed", "Tick", "hold_off_seconds"]
 
 LANES_RETRY_SECONDS = 600.0
 """How long named lanes stay off after the upstream refused one."""
@@ -89,6 +90,30 @@ class LaneLimits:
     spread_sockets: int = 32
     idle_close_seconds: float = 900.0
     rotate_after_seconds: float = 3300.0
+    reseed: bool = False
+    """Re-seed ``store: false`` heads of a socket rotated while idle (``proxy/core/reseed.py``)."""
+    reseed_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Reseed:
+    """Rebuild the ``store: false`` head kept under ``anchor`` on a new lane of ``identity``."""
+
+    identity: str
+    anchor: LaneKey
+    kept: Kept
+
+
+@dataclass(slots=True)
+class Tick:
+    """What housekeeping found to do."""
+
+    close: list[int]
+    """Sockets to close."""
+    ages: list[float]
+    """Ages of the sockets closed by rotation."""
+    reseed: list[Reseed]
+    """Heads to re-seed on a new lane (their socket was rotated)."""
 
 
 class PlanKind(enum.StrEnum):
@@ -145,6 +170,9 @@ class Planner:
         self.limits = limits
         self.heads = heads
         self._lanes_off_until = 0.0
+        self.kept = KeptContexts(limits.reseed_bytes)
+        """Contexts of ``store: false`` heads, for re-seeding (empty unless ``reseed``)."""
+        self._reseeding: set[LaneKey] = set()
         self._sockets: dict[int, Socket] = {}
         self._by_identity: dict[str, dict[int, Socket]] = {}
         self._ids = itertools.count(1)
@@ -418,8 +446,9 @@ class Planner:
         for lane in sock.lanes.values():
             self._lane(lane, LaneEvent.CLOSE)
             head = self.heads.get(lane.key) if lane.head else None
-            if head is not None and not head.store:
+            if head is not None and not head.store and lane.key not in self._reseeding:
                 self.heads.discard(lane.key)
+                self.kept.drop(head.response_id)
         del self._sockets[sock.id]
         self._max_slots.pop(sock.id, None)
         by_identity = self._by_identity[sock.identity]
@@ -478,7 +507,14 @@ class Planner:
         lane.used_at = now
         origin, lane.from_head = lane.from_head, None
         if response is not None and req is not None:
+            replaced = self.heads.get(key)
+            if replaced is not None:
+                self.kept.drop(replaced.response_id)
             self.heads.record(sock.identity, key, req, response, now, prefix_state)
+            output, rid = response.get("output"), response.get("id")
+            if self.limits.reseed and not req.store and req.previous_response_id is None:
+                if isinstance(output, list) and isinstance(rid, str):
+                    self.kept.keep(rid, req.body, output)
             lane.head = self.heads.has(key)
             if origin is not None and origin != key:
                 self.heads.discard(origin)
@@ -539,15 +575,11 @@ class Planner:
         if sock is not None:
             self._max_slots[sock.id] = max(len(sock.lanes) - 1, 1)
 
-    def tick(self, now: float) -> tuple[list[int], list[float]]:
-        """Housekeeping: close idle and aged sockets, retire aged busy ones, expire heads.
-
-        Returns:
-            The sockets to close, and the ages of those closed by rotation.
-        """
+    def tick(self, now: float) -> Tick:
+        """Housekeeping: close idle and aged sockets (re-seeding their kept ``store: false``
+        heads), retire aged busy ones, expire heads."""
         self._now = now
-        close: list[int] = []
-        ages: list[float] = []
+        done = Tick([], [], [])
         for sock in list(self._sockets.values()):
             if sock.state is SocketState.CONNECTING:
                 continue
@@ -555,13 +587,48 @@ class Planner:
             aged = age >= self.limits.rotate_after_seconds
             if sock.active == 0 and (aged or now - sock.used_at >= self.limits.idle_close_seconds):
                 if aged:
-                    ages.append(age)
+                    done.ages.append(age)
+                    done.reseed += self._to_reseed(sock)
                 self._forget(sock, SocketEvent.CLOSE)
-                close.append(sock.id)
+                done.close.append(sock.id)
             elif aged and sock.state is SocketState.OPEN:
                 self._socket(sock, SocketEvent.RETIRE)
         self.heads.expire(now)
-        return close, ages
+        return done
+
+    def _to_reseed(self, sock: Socket) -> list[Reseed]:
+        found = []
+        for lane in sock.lanes.values():
+            head = self.heads.get(lane.key) if lane.head else None
+            kept = self.kept.get(head.response_id) if head is not None and not head.store else None
+            if kept is not None:
+                self._reseeding.add(lane.key)
+                found.append(Reseed(sock.identity, lane.key, kept))
+        return found
+
+    def reseed_lane(self, identity: str, now: float) -> Plan | None:
+        """A lane for a re-seed (reserved), or ``None``: then the head is let go."""
+        self._now = now
+        plan = self._full(identity, now, "", may_open=True)
+        return plan if plan.lane is not None else None
+
+    def reseeded(self, old: LaneKey, key: LaneKey | None, now: float, response_id: str | None) -> list[int]:
+        """A re-seed ended: on ``response_id`` the head moves to lane ``key`` under that id, else
+        it is let go. ``key`` is the re-seed's lane (freed here); returns sockets to close."""
+        self._reseeding.discard(old)
+        close = self.finished(key, now) if key is not None else []
+        lane = self.lane(key) if key is not None else None
+        head = self.heads.get(old)
+        if head is None or lane is None or response_id is None or self.heads.has(lane.key):
+            if head is not None:
+                self.kept.drop(head.response_id)
+            self.heads.discard(old)
+            return close
+        self.kept.move(head.response_id, response_id)
+        self.heads.rekey(old, lane.key)
+        self.heads.rename(lane.key, response_id)
+        lane.head = True
+        return close
 
     def close_all(self) -> list[int]:
         """Forget every socket (shutdown); returns them all to close."""

@@ -257,8 +257,8 @@ def test_rotation_retires_busy_sockets_and_closes_idle_ones() -> None:
     opened(p, idle)
     assert idle.lane is not None and busy.lane is not None
     p.finished(idle.lane, 1.0)
-    close, ages = p.tick(11.0)
-    assert close == [idle.lane[0]] and ages == [11.0]
+    tick = p.tick(11.0)
+    assert tick.close == [idle.lane[0]] and tick.ages == [11.0] and tick.reseed == []
     assert p.socket(busy.lane[0]).state is SocketState.RETIRING  # type: ignore[union-attr]
     assert p.plan("id", req([user("c")]), 11.0).lane != busy.lane  # no new turns on it
     assert complete(p, busy, r, "resp_a", 12.0) == [busy.lane[0]]  # drained: closed
@@ -269,8 +269,8 @@ def test_idle_close() -> None:
     plan = opened(p, p.plan("id", req([user("a")]), 0.0))
     assert plan.lane is not None
     p.finished(plan.lane, 1.0)
-    assert p.tick(3.0) == ([], [])
-    assert p.tick(6.5) == ([plan.lane[0]], [])
+    assert p.tick(3.0).close == []
+    assert p.tick(6.5).close == [plan.lane[0]]
 
 
 def test_the_connection_limit_retires_the_socket() -> None:
@@ -381,9 +381,38 @@ def test_invalid_steps_raise() -> None:
     assert isinstance(InvalidTransition("x"), AssertionError)
 
 
-def test_every_transition_is_exercised() -> None:
+def test_zz_every_transition_is_exercised() -> None:
     # Runs last in this module (pytest keeps file order): every row was taken by some test.
     wanted = {("lane", s, e) for s, e in LANE_TRANSITIONS} | {("socket", s, e) for s, e in SOCKET_TRANSITIONS}
     missing = wanted - SEEN
     assert not missing, sorted(missing)
     assert lanes.lane_name(0) is None and lanes.lane_name(3) == "u3"
+
+
+def test_a_rotated_store_false_head_is_reseeded_on_a_new_lane() -> None:
+    p = planner(rotate_after_seconds=10, reseed=True)
+    r = req([user("a")], store=False)
+    first = opened(p, p.plan("id", r, 0.0))
+    complete(p, first, r, "resp_a", 1.0, call(1))
+    assert len(p.kept) == 1
+    tick = p.tick(11.0)
+    assert first.lane is not None and tick.close == [first.lane[0]]
+    (job,) = tick.reseed
+    assert job.anchor == first.lane and b'"store":false' in job.kept.body
+    lane = p.reseed_lane("id", 11.0)
+    assert lane is not None and lane.lane is not None and lane.open_socket
+    p.opened(lane.lane[0], 11.1)
+    p.reseeded(job.anchor, lane.lane, 11.2, "resp_warm")
+    nxt = p.plan("id", req([user("a"), call(1), result(1)], store=False), 12.0)
+    assert (nxt.kind, nxt.lane, nxt.response_id) == (PlanKind.CONTINUE, lane.lane, "resp_warm")
+    assert p.kept.get("resp_warm") is not None and p.kept.get("resp_a") is None
+
+
+def test_a_failed_reseed_lets_the_head_go() -> None:
+    p = planner(rotate_after_seconds=10, reseed=True)
+    r = req([user("a")], store=False)
+    first = opened(p, p.plan("id", r, 0.0))
+    complete(p, first, r, "resp_a", 1.0, call(1))
+    (job,) = p.tick(11.0).reseed
+    p.reseeded(job.anchor, None, 11.0, None)
+    assert len(p.heads) == 0 and len(p.kept) == 0

@@ -190,7 +190,9 @@ async def test_the_http_relay_is_bounded_and_its_wait_is_the_sidecars_time(
     assert overheads[-1] >= 250  # ... and that wait is reported as the sidecar's own time
 
 
-async def test_a_stored_conversation_outlives_its_socket(make_emulator: EmulatorFactory, sidecar_for: SidecarFor) -> None:
+async def test_a_stored_conversation_outlives_its_socket(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
     emu = await make_emulator()
     sc = await sidecar_for(emu.base_url, pool={"idle_close_seconds": 0.3, "rotate_after_seconds": 3.0})
     hydrated = metric("upshift_hydrated_continuations_total")
@@ -242,3 +244,31 @@ async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_soc
     key = next(iter(emu.stats.keys.values()))
     assert key.refused == 0 and key.peak_open <= 8
     print(f"\n30 stored conversations, no lanes, 8 sockets: modes {modes}, {refusals} lane refusals")
+
+
+async def test_reseed_keeps_a_store_false_conversation_hot_across_a_rotation(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    for reseed in (False, True):
+        emu = await make_emulator()
+        sc = await sidecar_for(
+            emu.base_url, pool={"rotate_after_seconds": 0.6, "idle_close_seconds": 600, "reseed": reseed}
+        )
+        async with aiohttp.ClientSession(trust_env=False) as http:
+            conv = Conversation(http, sc.base_url, emu, name=f"r{reseed}")  # store: false
+            await conv.turn()
+            await conv.turn()
+            first = emu.stats.ws_connections["opened"]
+            # The socket is rotated while the app thinks; with re-seeding the head moves first.
+            assert await wait_for(lambda e=emu: e.stats.ws_connections["closed"] >= 1, timeout=5)
+            if reseed:
+                assert await wait_for(lambda e=emu: e.stats.generate_false == 1, timeout=5)
+            after = await conv.turn()
+        assert emu.stats.ws_connections["opened"] > first
+        if reseed:
+            assert after["continuation"] is True and after["cache_hit"] is True  # hot, not a full send
+            assert metric("upshift_reseeds_total", outcome="ok") >= 1
+            assert emu.stats.responses["completed"] == 4  # 3 turns + the warm-up (output [])
+        else:
+            assert after["continuation"] is False  # without re-seeding: a cold full send
+        assert_pool_quiet(sc)
