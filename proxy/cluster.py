@@ -63,6 +63,7 @@ from proxy.core.sse import encode_event, nested_error
 from proxy.errors import ConfigError, UpstreamClosed
 from proxy.identity import Identity
 from proxy.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, OWNER_MISSES
+from proxy.passthrough import HOP_BY_HOP
 from proxy.streaming import Record, json_body
 
 __all__ = [
@@ -86,20 +87,7 @@ OWNER_HEADER = "x-upshift-owner"
 REFUSED_HEADER = "x-upshift-refused"
 """Response header of the listener's own refusal (``max_connections``)."""
 
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
+_HOP_BY_HOP = HOP_BY_HOP
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect", MARKER}
 """``content-encoding``: aiohttp already decoded the body that is forwarded."""
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length", "date", "server"}

@@ -189,6 +189,8 @@ class Pool:
                     return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL), now - started
                 await self._wait_change(deadline - now)
                 continue
+            if plan.warm is not None:
+                self._start_open(plan.warm, identity)
             if plan.lane is None:
                 return plan, now - started
             sid = plan.lane[0]

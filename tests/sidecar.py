@@ -55,6 +55,10 @@ class Sidecar:
 
     def __init__(self, upstream: str, *, settings: Settings | None = None, **changes: Any) -> None:
         base = settings or Settings()
+        lanes = os.environ.get("UPSHIFT_TEST_LANES_PER_SOCKET")
+        if lanes and isinstance(changes.get("pool", {}), dict):
+            # Runs the suite as an upstream without lanes would see it (``pool.lanes_per_socket: 1``).
+            changes["pool"] = {"lanes_per_socket": int(lanes), **changes.get("pool", {})}
         changes.setdefault("shutdown", {"grace_seconds": 2.0})
         self.settings = override(base, upstream=upstream, listen="127.0.0.1:0", admin_listen="127.0.0.1:0", **changes)
         self.server = Server(self.settings)

@@ -124,13 +124,20 @@ def _headers(event: Mapping[str, Any]) -> dict[str, str]:
 
 
 def error_object(event: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"type", "code", "message", "param"}`` of an error event in any shape."""
+    """``{"type", "code", "message", "param"}`` of an error event in any shape, plus every other
+    field the upstream put in its ``error`` object (``misalignment``, ...; protocol.md §6), except
+    ``headers``, which become HTTP headers."""
     code, message, param = error_fields(event)
     inner = event.get("error")
     kind = inner.get("type") if isinstance(inner, Mapping) else None
     if not isinstance(kind, str):
         kind = "invalid_request_error" if _status(event) < 500 else "server_error"
-    return {"type": kind, "code": code, "message": message or "An error occurred.", "param": param}
+    out: dict[str, Any] = {"type": kind, "code": code, "message": message or "An error occurred.", "param": param}
+    if isinstance(inner, Mapping):
+        for key, value in inner.items():
+            if key not in out and key != "headers":
+                out[key] = value
+    return out
 
 
 class Channel:

@@ -145,6 +145,8 @@ class Plan:
     dropped_reasoning: int = 0
     close: tuple[int, ...] = ()
     """Sockets to close first (the total limit's least recently used)."""
+    warm: int | None = None
+    """A spare socket to open in the background (nobody waits for it)."""
 
     @property
     def stream_id(self) -> str | None:
@@ -173,6 +175,7 @@ class Planner:
         self.kept = KeptContexts(limits.reseed_bytes)
         """Contexts of ``store: false`` heads, for re-seeding (empty unless ``reseed``)."""
         self._reseeding: set[LaneKey] = set()
+        self._warm: Lane | None = None
         self._sockets: dict[int, Socket] = {}
         self._by_identity: dict[str, dict[int, Socket]] = {}
         self._ids = itertools.count(1)
@@ -302,15 +305,20 @@ class Planner:
         taken = self.lane(plan.lane)
         assert taken is not None
         taken.from_head = _lane_key(match.anchor)
-        return replace(cont, lane=plan.lane, open_socket=plan.open_socket, hydrated=True, close=plan.close)
+        return replace(
+            cont, lane=plan.lane, open_socket=plan.open_socket, hydrated=True, close=plan.close, warm=plan.warm
+        )
 
     def _full(self, identity: str, now: float, reason: str, may_open: bool) -> Plan:
         close: list[int] = []
+        self._warm = None
         found = self._free_lane(identity, now, may_open, close)
+        warm, self._warm = self._warm, None
         if found is not None:
             lane, opened = found
             self._begin(lane, now)
-            return Plan(PlanKind.FULL, reason, lane.key, open_socket=opened, close=tuple(close))
+            spare = warm.key[0] if warm is not None else None
+            return Plan(PlanKind.FULL, reason, lane.key, open_socket=opened, close=tuple(close), warm=spare)
         live = [s for s in self._by_identity.get(identity, {}).values() if s.live]
         if not live and self.held_off(identity, now):
             return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED, close=tuple(close))
@@ -346,10 +354,19 @@ class Planner:
             for s in self._by_identity.get(identity, {}).values()
             if s.live and not self._stale(s, now) and s.active < lim.max_active_per_socket
         ]
-        socks.sort(key=lambda s: (s.active, s.state is not SocketState.OPEN, -s.used_at))
-        spread = len(self._by_identity.get(identity, {})) < lim.spread_sockets
-        if may_open and spread and (not socks or socks[0].active > 0) and self._can_open(identity, now, close):
-            return self._open(identity, now), True
+        # Open sockets first (no handshake to wait for), the least busy first.
+        socks.sort(key=lambda s: (s.state is not SocketState.OPEN, s.active, -s.used_at))
+        mine = self._by_identity.get(identity, {}).values()
+        spread = len(mine) < lim.spread_sockets and not any(s.active == 0 for s in mine)
+        if may_open and spread and self._can_open(identity, now, close):
+            opened = [s for s in socks if s.state is SocketState.OPEN]
+            lane = self._free_slot(opened[0]) if opened else None
+            if lane is None:
+                return self._open(identity, now), True
+            # A free lane now, and the socket of its own opened in the background for the
+            # next new conversation: nobody waits for a handshake.
+            self._warm = self._open(identity, now, reserve=False)
+            return lane, False
         for sock in socks:
             lane = self._free_slot(sock)
             if lane is not None:
@@ -387,11 +404,15 @@ class Planner:
         close.append(oldest.id)
         return True
 
-    def _open(self, identity: str, now: float) -> Lane:
+    def _open(self, identity: str, now: float, *, reserve: bool = True) -> Lane:
+        """A new CONNECTING socket; with ``reserve`` its default lane is the one returned, else the
+        socket is a spare (the returned lane is only its key holder, not reserved)."""
         sock = Socket(next(self._ids), identity, created_at=now, used_at=now)
         self._sockets[sock.id] = sock
         self._by_identity.setdefault(identity, {})[sock.id] = sock
         self.socket_counts[SocketState.CONNECTING] += 1
+        if not reserve:
+            return Lane((sock.id, None), used_at=now)
         lane = Lane((sock.id, None), used_at=now)
         sock.lanes[None] = lane
         self.lane_counts[LaneState.IDLE] += 1

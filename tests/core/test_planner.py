@@ -110,9 +110,14 @@ def test_first_turn_opens_a_socket_and_the_next_continues_on_its_lane() -> None:
 
 def test_conversations_spread_over_sockets_then_share_them_through_lanes() -> None:
     p = planner(spread_sockets=2, max_sockets_per_identity=2)
-    plans = [opened(p, p.plan("id", req([user(f"c{i}")]), 0.0)) for i in range(5)]
-    assert [pl.lane for pl in plans] == [(1, None), (2, None), (1, "u1"), (2, "u1"), (1, "u2")]
-    assert [pl.stream_id for pl in plans] == [None, None, "u1", "u1", "u2"]
+    first = opened(p, p.plan("id", req([user("c0")]), 0.0))  # nothing open: it waits for a handshake
+    second = p.plan("id", req([user("c1")]), 0.0)
+    # A free lane at once, and a socket of its own opening in the background for the next one.
+    assert (first.lane, second.lane, second.open_socket, second.warm) == ((1, None), (1, "u1"), False, 2)
+    p.opened(2, 0.1)
+    plans = [p.plan("id", req([user(f"c{i}")]), 0.2) for i in range(2, 5)]
+    assert [pl.lane for pl in plans] == [(2, None), (2, "u1"), (2, "u2")]
+    assert all(pl.warm is None for pl in plans)  # the spread is reached: lanes from now on
     assert p.lane_counts[LaneState.BUSY] == 5 and p.busy_sockets == 2
 
 

@@ -272,3 +272,16 @@ async def test_reseed_keeps_a_store_false_conversation_hot_across_a_rotation(
         else:
             assert after["continuation"] is False  # without re-seeding: a cold full send
         assert_pool_quiet(sc)
+
+
+async def test_error_bodies_keep_every_field_the_upstream_sent(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    emu = await make_emulator()
+    sc = await sidecar_for(emu.base_url)
+    misalignment = {"error_type": "x", "detailed_explanation": "y", "review_target": "z", "steer": None}
+    emu.faults.arm("error", status=400, misalignment=misalignment)
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        reply = await Conversation(http, sc.base_url, emu, name="m").send("hi")
+    assert reply.status == 400
+    assert reply.json["error"]["misalignment"] == misalignment
