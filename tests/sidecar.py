@@ -55,7 +55,7 @@ class Sidecar:
 
     def __init__(self, upstream: str, *, settings: Settings | None = None, **changes: Any) -> None:
         base = settings or Settings()
-        lanes = os.environ.get("UPSHIFT_TEST_LANES_PER_SOCKET")
+        lanes = os.environ.get("LANES_PER_SOCKET_UNDER_TEST")
         if lanes and isinstance(changes.get("pool", {}), dict):
             # Runs the suite as an upstream without lanes would see it (``pool.lanes_per_socket: 1``).
             changes["pool"] = {"lanes_per_socket": int(lanes), **changes.get("pool", {})}
