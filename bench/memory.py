@@ -272,6 +272,8 @@ class LoadResult:
     answered: int = 0
     failures: list[str] = field(default_factory=list)
     retries: int = 0
+    connection_retries: int = 0
+    """Requests sent again after a connection error (as the openai SDK does)."""
     statuses: dict[str, int] = field(default_factory=dict)
     modes: dict[str, int] = field(default_factory=dict)
     sent: list[tuple[str, str, int]] = field(default_factory=list)
@@ -285,7 +287,16 @@ async def _post_retrying(
     ``retry-after``."""
     headers = sdk_headers()
     for attempt in range(retries + 1):
-        async with session.post(url, data=body, headers=headers) as res:
+        try:
+            res = await session.post(url, data=body, headers=headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            # The openai SDK retries a connection error too (APIConnectionError); counted apart.
+            result.connection_retries += 1
+            if attempt == retries:
+                raise
+            await asyncio.sleep(0.5)
+            continue
+        async with res:
             raw = await res.read()
             head = {k.lower(): v for k, v in res.headers.items()}
             key = str(res.status)
@@ -412,6 +423,7 @@ async def run_budget(
                 "failures": result.failures[:5],
                 "oracle_mismatches": len(wrong),
                 "client_retries": result.retries,
+                "connection_retries": result.connection_retries,
                 "statuses": result.statuses,
                 "modes": result.modes,
                 "memory_waits": _metric(metrics, "upshift_memory_waits_total"),

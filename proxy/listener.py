@@ -86,7 +86,10 @@ class _Handler(RequestHandler):
             self._arm()  # the first byte of a later request on a kept-alive connection
         before = self._request_count
         super().data_received(data)
-        if self._request_count != before or self._upgraded:
+        # Complete headers make a message (queued for the handler loop, which counts requests
+        # later): the deadline is met. A timer left armed would fire on the idle moment after
+        # this request and close the connection just as the client reuses it.
+        if self._messages or self._request_count != before or self._upgraded:
             self._disarm()
 
     def _arm(self) -> None:

@@ -51,6 +51,26 @@ async def test_a_keep_alive_connection_gets_the_deadline_per_request(make_sideca
     writer.close()
 
 
+async def test_a_kept_alive_connection_is_not_closed_by_an_earlier_requests_deadline(
+    make_sidecar: SidecarFactory,
+) -> None:
+    """The deadline of a request whose headers arrived must not fire later, on the idle moment
+    after its answer, and close the connection just as the client reuses it."""
+    sidecar = await make_sidecar(listener={"header_timeout_seconds": 0.5})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sidecar.port)
+    for _ in range(2):
+        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404")
+        length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+        await reader.readexactly(length)
+        await asyncio.sleep(0.7)  # idle past the first request's deadline
+    assert not reader.at_eof()
+    writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 404")
+    writer.close()
+
+
 async def test_open_connections_are_bounded(make_sidecar: SidecarFactory) -> None:
     sidecar = await make_sidecar(listener={"max_connections": 20, "header_timeout_seconds": 30.0})
     held = [await asyncio.open_connection("127.0.0.1", sidecar.port) for _ in range(20)]

@@ -43,6 +43,8 @@ async def run_load(
         await prober
     assert result.failures == [], result.failures[:3]
     assert result.answered == result.turns == conversations * turns
+    if result.connection_retries:  # resent after a connection error, as the openai SDK does
+        print(f"\n{result.connection_retries} request(s) resent after a connection error")
 
     async def record(response_id: str) -> dict[str, object]:
         found = emulator.record(response_id)
