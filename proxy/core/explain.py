@@ -46,6 +46,7 @@ from proxy.core.items import (
     _summary_texts,
     canonical,
     echo_matches,
+    input_view,
 )
 from proxy.core.request import NON_SETTINGS_FIELDS
 
@@ -304,19 +305,6 @@ def _echo_field(fp: OutputFingerprint, fields: EchoFields, echo: Any) -> str | N
     return None
 
 
-def _input_view(item: Any) -> Any:
-    """An input item as :func:`~proxy.core.items.item_key` sees it (rules 1-4 and 7)."""
-    value = canonical(item)
-    if isinstance(value, dict) and "role" in value and value.get("type", "message") == "message":
-        value["type"] = "message"
-        parts = _message_parts(value)
-        if isinstance(parts, list):
-            value["content"] = [
-                {k: v for k, v in p.items() if k != "parsed"} if isinstance(p, dict) else p for p in parts
-            ]
-    return value
-
-
 def first_field_diff(old: Any, new: Any, path: str = "", depth: int = 0) -> str | None:
     """The first field path at which two input items differ (after rules 1-4 and 7).
 
@@ -324,7 +312,7 @@ def first_field_diff(old: Any, new: Any, path: str = "", depth: int = 0) -> str 
     by index. A path names schema keys and indices only (odd keys show as ``?``).
     """
     if depth == 0:
-        old, new = _input_view(old), _input_view(new)
+        old, new = input_view(old), input_view(new)
     if old == new:
         return None
     if isinstance(old, dict) and isinstance(new, dict) and depth < 8:

@@ -29,6 +29,7 @@ __all__ = [
     "digest",
     "echo_matches",
     "fingerprint",
+    "input_view",
     "item_key",
 ]
 
@@ -90,8 +91,8 @@ def _message_parts(item: Mapping[str, Any]) -> Any:
     return content
 
 
-def item_key(item: Mapping[str, Any]) -> bytes:
-    """Digest of an input item for the *prefix* comparison (all fields, rules 1-4 and 7)."""
+def input_view(item: Any) -> Any:
+    """An input item as the *prefix* comparison sees it (all fields, rules 1-4 and 7)."""
     value = canonical(item)
     if isinstance(value, dict) and "role" in value and value.get("type", "message") == "message":
         value["type"] = "message"
@@ -100,7 +101,12 @@ def item_key(item: Mapping[str, Any]) -> bytes:
             value["content"] = [
                 {k: v for k, v in p.items() if k != "parsed"} if isinstance(p, dict) else p for p in parts
             ]
-    return digest(_dumps(value))
+    return value
+
+
+def item_key(item: Mapping[str, Any]) -> bytes:
+    """Digest of an input item for the *prefix* comparison: :func:`input_view`, digested."""
+    return digest(_dumps(input_view(item)))
 
 
 @dataclass(frozen=True, slots=True)
