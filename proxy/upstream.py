@@ -138,7 +138,7 @@ class Inbox:
     *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
     """
 
-    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "seen", "unattributed")
+    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "seen")
 
     def __init__(self, lane: str | None) -> None:
         self.lane = lane
@@ -146,8 +146,6 @@ class Inbox:
         self.error: UpstreamError | None = None
         self.draining = False
         self.on_drained: Callable[[], None] | None = None
-        self.unattributed = False
-        """A named lane got events without ``stream_id``: the upstream ignores lanes."""
         self.seen = False
         """An event of this lane arrived."""
         self._waiter: asyncio.Future[None] | None = None
@@ -351,7 +349,7 @@ class UpstreamSocket:
         else:
             inbox = self._oldest(named=False)
             if inbox is not None and inbox.lane is not None and kind != "error":
-                inbox.unattributed = True
+                # A named lane's events come without stream_id: the upstream ignores lanes.
                 if self._on_lanes_ignored is not None:
                     self._on_lanes_ignored(self)
         if inbox is None:
