@@ -304,11 +304,8 @@ class Pool:
 
     def lanes_refused(self) -> None:
         """The upstream does not take ``stream_id``: default lanes only for a while."""
-        now = self._clock()
-        self.planner._now = max(self.planner._now, now)
-        if self.planner.named_lanes:
+        if self.planner.lanes_refused(self._clock()):
             LANES_FALLBACKS.inc()
-            self.planner.lanes_refused(now)
 
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``'s socket."""

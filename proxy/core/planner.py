@@ -175,7 +175,6 @@ class Planner:
         self.kept = KeptContexts(limits.reseed_bytes)
         """Contexts of ``store: false`` heads, for re-seeding (empty unless ``reseed``)."""
         self._reseeding: set[LaneKey] = set()
-        self._warm: Lane | None = None
         self._sockets: dict[int, Socket] = {}
         self._by_identity: dict[str, dict[int, Socket]] = {}
         self._ids = itertools.count(1)
@@ -311,13 +310,10 @@ class Planner:
 
     def _full(self, identity: str, now: float, reason: str, may_open: bool) -> Plan:
         close: list[int] = []
-        self._warm = None
         found = self._free_lane(identity, now, may_open, close)
-        warm, self._warm = self._warm, None
         if found is not None:
-            lane, opened = found
+            lane, opened, spare = found
             self._begin(lane, now)
-            spare = warm.key[0] if warm is not None else None
             return Plan(PlanKind.FULL, reason, lane.key, open_socket=opened, close=tuple(close), warm=spare)
         live = [s for s in self._by_identity.get(identity, {}).values() if s.live]
         if not live and self.held_off(identity, now):
@@ -347,7 +343,10 @@ class Planner:
             return lane
         return None
 
-    def _free_lane(self, identity: str, now: float, may_open: bool, close: list[int]) -> tuple[Lane, bool] | None:
+    def _free_lane(
+        self, identity: str, now: float, may_open: bool, close: list[int]
+    ) -> tuple[Lane, bool, int | None] | None:
+        """A lane for a new head: ``(lane, its socket is new, a spare socket to open meanwhile)``."""
         lim = self.limits
         socks = [
             s
@@ -362,17 +361,16 @@ class Planner:
             opened = [s for s in socks if s.state is SocketState.OPEN]
             lane = self._free_slot(opened[0]) if opened else None
             if lane is None:
-                return self._open(identity, now), True
+                return self._open(identity, now), True, None
             # A free lane now, and the socket of its own opened in the background for the
             # next new conversation: nobody waits for a handshake.
-            self._warm = self._open(identity, now, reserve=False)
-            return lane, False
+            return lane, False, self._open(identity, now, reserve=False).key[0]
         for sock in socks:
             lane = self._free_slot(sock)
             if lane is not None:
-                return lane, False
+                return lane, False, None
         if may_open and self._can_open(identity, now, close):
-            return self._open(identity, now), True
+            return self._open(identity, now), True, None
         victim: Lane | None = None
         for sock in socks:
             if sock.state is not SocketState.OPEN:
@@ -386,7 +384,7 @@ class Planner:
         if victim is None:
             return None
         self._let_go(victim)
-        return victim, False
+        return victim, False, None
 
     def _can_open(self, identity: str, now: float, close: list[int]) -> bool:
         lim = self.limits
@@ -583,12 +581,15 @@ class Planner:
             event = SocketEvent.FAILED if sock.state is SocketState.CONNECTING else SocketEvent.LOST
             self._forget(sock, event)
 
-    def lanes_refused(self, now: float) -> None:
+    def lanes_refused(self, now: float) -> bool:
         """The upstream refused a named lane (``invalid_stream_id``, unknown parameter, or a close
         before any event on a socket that never routed a ``stream_id``): default lanes only, for
-        :data:`LANES_RETRY_SECONDS`."""
+        :data:`LANES_RETRY_SECONDS`. Returns whether they were on until now (a fallback)."""
         self._now = max(self._now, now)
+        if not self.named_lanes:
+            return False  # already off: the window is not extended
         self._lanes_off_until = now + LANES_RETRY_SECONDS
+        return True
 
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``: that socket takes no more lanes."""
