@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from proxy.emulator.oracle import normalize_input
 from proxy.identity import identify
 from proxy.server import Server
 from tests.clients.support import MODEL, TOOLS, task_text, tool_outputs
+from tests.sidecar import SidecarProcess
 
 KEY = "sk-test-cluster"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -195,3 +197,18 @@ __all__ = [
     "task_owned_by",
     "tool_loop",
 ]
+
+
+async def wait_ready(proc: SidecarProcess, session: aiohttp.ClientSession, timeout: float = 30.0) -> None:
+    """Poll a sidecar process's ``/readyz`` (its admin URL known) until 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.proc.poll() is None, proc.logs()
+        try:
+            async with session.get(proc.admin + "/readyz") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not ready:\n{proc.logs()}")

@@ -5,7 +5,6 @@ moves only the conversations it now owns."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,25 +26,12 @@ from .support import (
     summary,
     task_text,
     tool_loop,
+    wait_ready,
 )
 
 CONVERSATIONS = 60
 SPLIT = 3
 """Turns 0..2 before the membership change, 3..5 after."""
-
-
-async def _ready(proc: SidecarProcess, session: aiohttp.ClientSession) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.proc.poll() is None, proc.logs()
-        try:
-            async with session.get(proc.admin + "/readyz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError(proc.logs())
 
 
 class Phases:
@@ -115,7 +101,7 @@ async def test_three_replicas_round_robin_and_one_sigkilled(
     targets = list(urls)  # the client's round-robin list; the dead replica leaves it
     async with aiohttp.ClientSession() as session:
         for proc in procs:
-            await _ready(proc, session)
+            await wait_ready(proc, session)
         running = [
             asyncio.ensure_future(tool_loop(session, targets, t, start=i, before_turn=phases))
             for i, t in enumerate(tasks)

@@ -18,7 +18,18 @@ from proxy.emulator import Emulator, LatencyModel
 from tests.clients.support import MODEL
 from tests.sidecar import SidecarProcess
 
-from .support import HEADERS, STEPS, assert_fidelity, continued, direct, free_ports, summary, task_text, tool_loop
+from .support import (
+    HEADERS,
+    STEPS,
+    assert_fidelity,
+    continued,
+    direct,
+    free_ports,
+    summary,
+    task_text,
+    tool_loop,
+    wait_ready,
+)
 
 CONVERSATIONS = 200
 
@@ -34,20 +45,6 @@ async def start_workers(spawn: Callable[..., SidecarProcess], upstream: str, cou
     async with aiohttp.ClientSession() as session:
         await wait_ready(proc, session)
     return proc
-
-
-async def wait_ready(proc: SidecarProcess, session: aiohttp.ClientSession, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.proc.poll() is None, proc.logs()
-        try:
-            async with session.get(proc.admin + "/readyz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"not ready:\n{proc.logs()}")
 
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
