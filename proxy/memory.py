@@ -335,9 +335,7 @@ class MemoryGate:
 
     def keep(self, anchor: Hashable, size: int) -> bool:
         """May a head keep its body (``size`` bytes)? Only into free memory."""
-        kept = self.budget.keep(anchor, size)
-        self._publish()
-        return kept
+        return self.budget.keep(anchor, size)
 
     def cooled(self, anchor: Hashable) -> None:
         """A head let its body go."""
@@ -361,7 +359,6 @@ class MemoryGate:
         MEMORY_WAITS.inc()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = future
-        self._publish()
         try:
             await asyncio.wait_for(future, self.wait_seconds)
         except TimeoutError:
@@ -375,7 +372,6 @@ class MemoryGate:
             raise
         finally:
             self._waiters.pop(ticket, None)
-            self._publish()
         if not _granted(ticket):  # woken to be refused: the heads grew meanwhile
             MEMORY_REFUSALS.labels("too_large").inc()
             raise MemoryTooLarge("The request no longer fits the sidecar's memory budget.")
@@ -390,7 +386,6 @@ class MemoryGate:
             future = self._waiters.get(ticket)
             if future is not None and not future.done():
                 future.set_result(None)
-        self._publish()
         if self.budget.idle:
             self._schedule_trim()
 
@@ -407,11 +402,13 @@ class MemoryGate:
             trim()
 
     def _publish(self) -> None:
+        """Point the budget gauges at this gate: they are read at scrape time, so a request
+        costs no gauge update (the newest gate of a process is the one its metrics show)."""
         b = self.budget
-        MEMORY_BYTES.labels(Kind.IN_FLIGHT).set(b.in_flight)
-        MEMORY_BYTES.labels(Kind.KEPT).set(b.kept)
-        MEMORY_BYTES.labels(Kind.HEADS).set(b.heads)
-        MEMORY_WAITING.set(b.waiting)
+        MEMORY_BYTES.labels(Kind.IN_FLIGHT).set_function(lambda: b.in_flight)
+        MEMORY_BYTES.labels(Kind.KEPT).set_function(lambda: b.kept)
+        MEMORY_BYTES.labels(Kind.HEADS).set_function(lambda: b.heads)
+        MEMORY_WAITING.set_function(lambda: b.waiting)
 
 
 def _granted(ticket: Ticket) -> bool:

@@ -37,6 +37,18 @@ from proxy.upstream import Inbox, UpstreamSocket, open_websocket
 __all__ = ["Pool", "SocketState", "Turn"]
 
 
+_GAUGES = (
+    SOCKETS.labels("open"),
+    SOCKETS.labels("busy"),
+    SOCKETS.labels("idle"),
+    SOCKETS.labels("connecting"),
+    LANES.labels("busy"),
+    LANES.labels("idle"),
+    LANES.labels("draining"),
+)
+"""The pool's gauge children, in :meth:`Pool._publish`'s order (looked up once)."""
+
+
 class SocketState(enum.Enum):
     """A socket as the pool's counts see it (``busy``: at least one lane in flight)."""
 
@@ -77,6 +89,10 @@ class Turn:
     def pending(self) -> bool:
         """Whether another event is already buffered."""
         return self.inbox.pending()
+
+    def take(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every event already buffered, in order (none: empty)."""
+        return self.inbox.take()
 
     def finish(
         self,
@@ -128,7 +144,8 @@ class Pool:
         self._opening: set[asyncio.Task[None]] = set()
         self._housekeeper: asyncio.Task[None] | None = None
         self._closed = False
-        self._published: dict[tuple[str, str], int] = {}
+        self._published: tuple[int, ...] = (0,) * len(_GAUGES)
+        """What :meth:`_publish` last added to the shared gauges."""
         self.close_code = 1000
         """Close code for sockets retired from now on (1001 once the sidecar drains)."""
 
@@ -338,7 +355,15 @@ class Pool:
             self._wake()
             self._publish()
         now = self._clock()
-        sock = UpstreamSocket(sid, ws, now, on_closed=self._lost, on_lanes_ignored=lambda s: self.lanes_refused())
+        sock = UpstreamSocket(
+            sid,
+            ws,
+            now,
+            on_closed=self._lost,
+            on_lanes_ignored=lambda s: self.lanes_refused(),
+            ping_interval=self.settings.pool.ping_interval_seconds,
+            ping_timeout=self.settings.pool.ping_timeout_seconds,
+        )
         if self._closed or self.planner.socket(sid) is None:  # the pool closed meanwhile
             self._socks[sid] = sock
             self._close_soon([sid], 1001)
@@ -371,22 +396,25 @@ class Pool:
     def _publish(self) -> None:
         """Bring the socket and lane gauges up to date (deltas: several pools share them)."""
         planner = self.planner
-        connecting = planner.socket_counts[CoreSocketState.CONNECTING]
-        live = planner.socket_counts[CoreSocketState.OPEN] + planner.socket_counts[CoreSocketState.RETIRING]
-        values = {
-            ("sockets", "open"): live,
-            ("sockets", "busy"): planner.busy_sockets,
-            ("sockets", "idle"): live - planner.busy_sockets,
-            ("sockets", "connecting"): connecting,
-            ("lanes", "busy"): planner.lane_counts[LaneState.BUSY],
-            ("lanes", "idle"): planner.lane_counts[LaneState.IDLE],
-            ("lanes", "draining"): planner.lane_counts[LaneState.DRAINING],
-        }
-        for (gauge, label), value in values.items():
-            delta = value - self._published.get((gauge, label), 0)
-            if delta:
-                (SOCKETS if gauge == "sockets" else LANES).labels(label).inc(delta)
-                self._published[gauge, label] = value
+        sockets, lanes = planner.socket_counts, planner.lane_counts
+        live = sockets[CoreSocketState.OPEN] + sockets[CoreSocketState.RETIRING]
+        busy = planner.busy_sockets
+        values = (
+            live,
+            busy,
+            live - busy,
+            sockets[CoreSocketState.CONNECTING],
+            lanes[LaneState.BUSY],
+            lanes[LaneState.IDLE],
+            lanes[LaneState.DRAINING],
+        )
+        published = self._published
+        if values == published:
+            return
+        for gauge, value, before in zip(_GAUGES, values, published, strict=True):
+            if value != before:
+                gauge.inc(value - before)
+        self._published = values
 
     # -- housekeeping --------------------------------------------------------------------------
 

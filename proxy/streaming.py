@@ -153,6 +153,7 @@ class Lane(Protocol):
 
     async def send(self, frame: bytes) -> None: ...
     async def recv(self, timeout: float) -> tuple[bytes, dict[str, Any]]: ...
+    def take(self) -> list[tuple[bytes, dict[str, Any]]]: ...
     def pending(self) -> bool: ...
 
 
@@ -184,16 +185,15 @@ async def pump(
     clock = time.perf_counter
     batch: list[Out] = []
     while not channel.done:
-        if lane.pending():
-            raw, event = await lane.recv(idle_timeout)
-        else:
+        events = lane.take()
+        if not events:
             # While lifecycle events are held, wait only until their deadline (the bounded
             # hold-back): then they go to the app, and a later loss is surfaced, not replayed.
             deadline = channel.deadline()
             wait = idle_timeout if deadline is None else max(0.0, min(idle_timeout, deadline - clock()))
             waited = clock()
             try:
-                raw, event = await lane.recv(wait)
+                events = [await lane.recv(wait)]
             except UpstreamTimeout:
                 down.upstream_wait += clock() - waited
                 if deadline is None or wait >= idle_timeout:
@@ -203,14 +203,18 @@ async def pump(
                     await down.write(released)
                 continue
             down.upstream_wait += clock() - waited
-        outs = channel.feed(raw, event, clock())
-        if outs and stream:
-            batch += outs
-            # Events that arrived together leave together: one write (one wakeup of the app)
-            # per burst instead of one per event; never held back while upstream is silent.
-            if not lane.pending() or len(batch) >= _MAX_BATCH:
-                await down.write(batch)
-                batch = []
+        now = clock()
+        for raw, event in events:
+            outs = channel.feed(raw, event, now)
+            if outs and stream:
+                batch += outs
+            if channel.done:
+                break  # anything after the terminal event is not this response's
+        # Events that arrived together leave together: one write (one wakeup of the app)
+        # per burst instead of one per event; never held back while upstream is silent.
+        if batch and (len(batch) >= _MAX_BATCH or channel.done or not lane.pending()):
+            await down.write(batch)
+            batch = []
     if batch:
         await down.write(batch)
 

@@ -1,16 +1,19 @@
-"""One upstream WebSocket connection (websockets' asyncio client), its lanes' inboxes, and the
-boundary where library exceptions become :mod:`proxy.errors`.
+"""One upstream WebSocket connection, its lanes' inboxes, and the boundary where library
+exceptions become :mod:`proxy.errors`.
 
-Every send goes through :meth:`UpstreamSocket.send` and every frame is read by the socket's one
-reader task, which routes it to the inbox of its lane: one write path, one read path, each
-mapping ``ConnectionClosed``, ``OSError`` and ``TimeoutError`` once. :func:`open_websocket` maps the handshake failures
-(``InvalidStatus``, ``InvalidHandshake``, ``OSError``, ``TimeoutError``).
+websockets' client opens the connection (proxy tunnel, TLS, upgrade: :func:`open_websocket`
+maps its handshake failures); then :class:`UpstreamSocket` takes the transport over and drives
+websockets' sans-I/O protocol itself. Every send goes through :meth:`UpstreamSocket.send`, and
+every frame is parsed once, in the transport's ``data_received``, and routed to the inbox of
+its lane: one write path, one read path, each mapping closes and OS errors once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +21,6 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import (
-    ConnectionClosed,
     InvalidHandshake,
     InvalidProxy,
     InvalidProxyStatus,
@@ -26,6 +28,7 @@ from websockets.exceptions import (
     InvalidURI,
     ProxyError,
 )
+from websockets.frames import Close, Frame, Opcode
 from websockets.protocol import State
 
 from proxy.config import Settings
@@ -40,7 +43,15 @@ from proxy.errors import (
 )
 from proxy.identity import USER_AGENT
 
-__all__ = ["MAX_RECEIVED_FRAME", "Inbox", "UpstreamSocket", "closed_error", "open_websocket", "strip_stream_id"]
+__all__ = [
+    "MAX_RECEIVED_FRAME",
+    "Inbox",
+    "UpstreamSocket",
+    "closed_error",
+    "live_sockets",
+    "open_websocket",
+    "strip_stream_id",
+]
 
 MAX_RECEIVED_FRAME = 64 * 1024 * 1024
 """Largest frame accepted from upstream: a ``response.completed`` holds the whole output."""
@@ -53,9 +64,10 @@ _FRAGMENT = 1024 * 1024
 """Frames above this go as a fragmented message (issue 12: memory per byte sent)."""
 
 
-def closed_error(exc: ConnectionClosed) -> UpstreamClosed:
-    """Map ``ConnectionClosed`` to :class:`UpstreamClosed`, keeping code and reason."""
-    frame = exc.rcvd or exc.sent
+def closed_error(rcvd: Close | None, sent: Close | None) -> UpstreamClosed:
+    """:class:`UpstreamClosed` for a closing handshake: the code and reason the upstream sent
+    (else ours; 1006 when no close frame went either way)."""
+    frame = rcvd or sent
     code = frame.code if frame is not None else 1006
     reason = frame.reason if frame is not None else ""
     return UpstreamClosed(
@@ -94,8 +106,7 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
             user_agent_header=USER_AGENT,
             compression="deflate" if pool.compression else None,
             open_timeout=settings.timeouts.connect_seconds,
-            ping_interval=pool.ping_interval_seconds or None,
-            ping_timeout=pool.ping_timeout_seconds or None,
+            ping_interval=None,  # the UpstreamSocket's own keepalive (it owns the transport)
             close_timeout=_CLOSE_TIMEOUT,
             max_size=MAX_RECEIVED_FRAME,
             # Resolved once by proxy.egress (egress.proxy: env|off|URL, NO_PROXY), never by
@@ -174,6 +185,14 @@ class Inbox:
         """Whether another event is already here (the caller may batch its writes)."""
         return bool(self.frames)
 
+    def take(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every event already here, in order, or none (raises nothing: :meth:`get` does)."""
+        if not self.frames:
+            return []
+        frames = list(self.frames)
+        self.frames.clear()
+        return frames
+
     async def get(self, timeout: float) -> tuple[bytes, dict[str, Any]]:
         """The next event of this lane: ``(raw bytes, parsed object)``.
 
@@ -185,37 +204,51 @@ class Inbox:
             return self.frames.popleft()
         if self.error is not None:
             raise self.error
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _wake_up, waiter)  # cheaper than asyncio.timeout per wait
         try:
-            async with asyncio.timeout(timeout):
-                await waiter
-        except TimeoutError as exc:
-            if not self.frames and self.error is None:
-                raise UpstreamTimeout(f"The upstream sent nothing for {timeout:g} s.") from exc
+            await waiter
         finally:
+            timer.cancel()
             self._waiter = None
+        if not self.frames and self.error is None:
+            raise UpstreamTimeout(f"The upstream sent nothing for {timeout:g} s.")
         if self.frames:
             return self.frames.popleft()
         assert self.error is not None
         raise self.error
 
 
-class UpstreamSocket:
-    """An open upstream connection, its reader, and the inboxes of its lanes in flight.
+def _wake_up(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
-    One reader task parses every frame once and routes it by ``stream_id`` (the ``stream_id``
-    is taken out of the event: the app sees what HTTP would have given it). Events without one
-    belong to the default lane; until the socket has seen an event with a ``stream_id`` they are
-    attributed in the order the creates were sent (an upstream that ignores lanes runs them one
-    after another), and an ``error`` about the ``stream_id`` itself goes to the oldest named lane
-    still waiting for its first event.
+
+class UpstreamSocket(asyncio.Protocol):
+    """An open upstream connection, the inboxes of its lanes in flight, and its keepalive.
+
+    After the handshake (websockets' client) the socket takes the transport over as its
+    protocol and drives websockets' sans-I/O :class:`~websockets.client.ClientProtocol`
+    itself: bytes in, frames out, parsed once and routed in the same callback (no reader task,
+    no message queue between them). Compression, UTF-8 and frame-size rules, control frames
+    and the closing handshake stay the library's.
+
+    Every event is routed by ``stream_id`` (the ``stream_id`` is taken out of the event: the app
+    sees what HTTP would have given it). Events without one belong to the default lane; until
+    the socket has seen an event with a ``stream_id`` they are attributed in the order the
+    creates were sent (an upstream that ignores lanes runs them one after another), and an
+    ``error`` about the ``stream_id`` itself goes to the oldest named lane still waiting for its
+    first event.
 
     Args:
         key: The pool's id for this socket.
-        ws: The open connection.
+        ws: The open connection (its transport and protocol are taken over).
         now: Monotonic time of the handshake.
         on_closed: Called once when the connection is gone (by whichever side).
         on_lanes_ignored: Called when a named lane's events come without ``stream_id``.
+        ping_interval: Seconds between keepalive pings (0: none).
+        ping_timeout: Seconds a ping may wait for its pong before the socket is dropped (0: forever).
     """
 
     def __init__(
@@ -226,9 +259,13 @@ class UpstreamSocket:
         *,
         on_closed: Callable[[UpstreamSocket], None] | None = None,
         on_lanes_ignored: Callable[[UpstreamSocket], None] | None = None,
+        ping_interval: float = 0.0,
+        ping_timeout: float = 0.0,
     ) -> None:
         self.key = key
         self.ws = ws
+        self.protocol = ws.protocol
+        self.transport: asyncio.Transport = ws.transport
         self.created_at = now
         """Monotonic time the socket opened (rotation age)."""
         self.inboxes: dict[str | None, Inbox] = {}
@@ -239,15 +276,29 @@ class UpstreamSocket:
         self._on_closed = on_closed
         self._on_lanes_ignored = on_lanes_ignored
         self.error: UpstreamError | None = None
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._fragments: list[bytes] = []
+        self._fragment_size = 0
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._lost: asyncio.Future[None] = loop.create_future()
+        self._writable: asyncio.Future[None] | None = None
+        self._ping_interval = ping_interval
+        self._ping_timeout = ping_timeout
+        self._ping: bytes | None = None
+        self._keepalive: asyncio.TimerHandle | None = None
+        self._closer: asyncio.TimerHandle | None = None
+        self.transport.set_protocol(self)
+        _LIVE.add(self)
+        if ping_interval > 0:
+            self._keepalive = loop.call_later(ping_interval, self._send_ping)
 
     def __repr__(self) -> str:
-        return f"<UpstreamSocket #{self.key} {self.ws.state.name.lower()} lanes={len(self.inboxes)}>"
+        return f"<UpstreamSocket #{self.key} {self.protocol.state.name.lower()} lanes={len(self.inboxes)}>"
 
     @property
     def closed(self) -> bool:
         """Whether the connection is closing or closed."""
-        return self.ws.state is not State.OPEN or self.error is not None
+        return self.protocol.state is not State.OPEN or self.error is not None
 
     def open_inbox(self, lane: str | None) -> Inbox:
         """Start receiving for ``lane`` (one response in flight per lane)."""
@@ -266,60 +317,165 @@ class UpstreamSocket:
         if self._current is inbox:
             self._current = None
 
+    # -- sending -------------------------------------------------------------------------------
+
     async def send(self, frame: bytes, lane: str | None) -> None:
         """Send one ``response.create`` for ``lane`` as a text frame (UTF-8 JSON already).
 
-        The send runs shielded: a cancelled caller never leaves half a frame on a socket that
-        other lanes share.
+        A frame of up to 1 MiB is written at once (no await); a larger one goes as one
+        message in 1 MiB fragments, each written when the transport has room, shielded: a
+        cancelled caller never leaves half a message on a socket that other lanes share.
 
         Raises:
             UpstreamClosed: the connection is closed.
         """
         if self.error is not None:
             raise self.error
+        if self.protocol.state is not State.OPEN:
+            raise closed_error(self.protocol.close_rcvd, self.protocol.close_sent)
         self._first.append(lane)
-        try:
-            await asyncio.shield(self._send(frame))
-        except ConnectionClosed as exc:
-            raise closed_error(exc) from exc
-        except OSError as exc:
-            raise UpstreamClosed(f"Sending to the upstream failed: {exc}") from exc
+        if len(frame) <= _FRAGMENT and self._writable is None:
+            self.protocol.send_text(frame)
+            self._flush()
+            return
+        await asyncio.shield(self._send_fragments(frame))
 
-    async def _send(self, frame: bytes) -> None:
-        if len(frame) > _FRAGMENT:
-            # issue 12: a large frame goes as one message in 1 MiB fragments, so the library's
-            # masked copy and its write buffer hold one fragment at a time, not the whole frame.
-            view = memoryview(frame)
-            await self.ws.send((view[i : i + _FRAGMENT] for i in range(0, len(frame), _FRAGMENT)), text=True)
+    async def _send_fragments(self, frame: bytes) -> None:
+        # issue 12: a large frame goes as one message in 1 MiB fragments, so the masked copy
+        # and the write buffer hold one fragment at a time, not the whole frame.
+        view = memoryview(frame)
+        for at in range(0, len(frame), _FRAGMENT):
+            await self._drain()
+            if self.error is not None:
+                raise self.error
+            chunk, fin = view[at : at + _FRAGMENT], at + _FRAGMENT >= len(frame)
+            if at == 0:
+                self.protocol.send_text(chunk, fin=fin)
+            else:
+                self.protocol.send_continuation(chunk, fin=fin)
+            self._flush()
+        await self._drain()
+
+    async def _drain(self) -> None:
+        while self._writable is not None:
+            await asyncio.shield(self._writable)
+
+    def _flush(self) -> None:
+        """Write what the protocol has to send (frames, pongs, close); close after a close."""
+        data = self.protocol.data_to_send()
+        if data and not self.transport.is_closing():
+            if data[-1] == b"":  # the protocol says: half-close after this (never as a client)
+                data = data[:-1]
+            self.transport.writelines(data)
+        if self.protocol.close_expected() and self._closer is None and not self._lost.done():
+            # The closing handshake is under way: the upstream should close the TCP
+            # connection; if it does not, we do.
+            self._closer = self._loop.call_later(_CLOSE_TIMEOUT, self.transport.abort)
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        protocol = self.protocol
+        protocol.receive_data(data)
+        frames = protocol.events_received()
+        self._flush()  # the protocol's own answers: pongs, the close reply
+        for frame in frames:
+            if not isinstance(frame, Frame):
+                continue  # handshake events come before the socket takes over: never here
+            opcode = frame.opcode
+            if opcode is Opcode.TEXT or opcode is Opcode.BINARY or opcode is Opcode.CONT:
+                if not frame.fin or self._fragments:
+                    self._fragments.append(bytes(frame.data))
+                    self._fragment_size += len(frame.data)
+                    if self._fragment_size > MAX_RECEIVED_FRAME:
+                        self._protocol_error(f"The upstream sent a message over {MAX_RECEIVED_FRAME} bytes.")
+                        return
+                    if not frame.fin:
+                        continue
+                    raw = b"".join(self._fragments)
+                    self._fragments, self._fragment_size = [], 0
+                else:
+                    raw = bytes(frame.data)
+                if not self._message(raw):
+                    return
+            elif opcode is Opcode.PONG:
+                if self._ping is not None and frame.data == self._ping:
+                    self._pong()
+        if protocol.close_rcvd is not None:
+            # The upstream is closing: nothing more comes, and nothing may be sent any more.
+            self._fail(closed_error(protocol.close_rcvd, protocol.close_sent))
+        if protocol.state is not State.OPEN:
+            self._flush()
+
+    def _message(self, raw: bytes) -> bool:
+        try:
+            event = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            self._protocol_error(f"The upstream sent a frame that is not JSON: {exc}")
+            return False
+        if not isinstance(event, dict):
+            self._protocol_error("The upstream sent a frame that is not a JSON object.")
+            return False
+        self._route(raw, event)
+        return True
+
+    def _protocol_error(self, message: str) -> None:
+        self._fail(UpstreamProtocolError(message))
+        self.transport.abort()
+
+    def eof_received(self) -> bool | None:
+        self.protocol.receive_eof()
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.protocol.receive_eof()  # idempotent: the protocol's state becomes CLOSED
+        for handle in (self._keepalive, self._closer):
+            if handle is not None:
+                handle.cancel()
+        self._keepalive = self._closer = None
+        self.resume_writing()
+        _LIVE.discard(self)
+        if exc is not None and self.protocol.close_rcvd is None:
+            self._fail(UpstreamClosed(f"Receiving from the upstream failed: {exc}"))
         else:
-            await self.ws.send(frame, text=True)
+            self._fail(closed_error(self.protocol.close_rcvd, self.protocol.close_sent))
+        if not self._lost.done():
+            self._lost.set_result(None)
 
-    async def _read(self) -> None:
-        error: UpstreamError
-        try:
-            while True:
-                # decode=False yields bytes for text frames too; no UTF-8 decode on the hot path.
-                data = await self.ws.recv(decode=False)
-                raw = data if isinstance(data, bytes) else data.encode()
-                try:
-                    event = orjson.loads(raw)
-                except orjson.JSONDecodeError as exc:
-                    raise UpstreamProtocolError(f"The upstream sent a frame that is not JSON: {exc}") from None
-                if not isinstance(event, dict):
-                    raise UpstreamProtocolError("The upstream sent a frame that is not a JSON object.")
-                self._route(raw, event)
-        except ConnectionClosed as exc:
-            error = closed_error(exc)
-        except UpstreamProtocolError as exc:
-            error = exc
-            self.ws.transport.abort()
-        except OSError as exc:
-            error = UpstreamClosed(f"Receiving from the upstream failed: {exc}")
-        except asyncio.CancelledError:
-            error = UpstreamClosed("The upstream socket was closed by the sidecar.")
-            self._fail(error)
-            raise
-        self._fail(error)
+    # -- keepalive -----------------------------------------------------------------------------
+
+    def _send_ping(self) -> None:
+        self._keepalive = None
+        if self.protocol.state is not State.OPEN:
+            return
+        self._ping = os.urandom(4)
+        self.protocol.send_ping(self._ping)
+        self._flush()
+        if self._ping_timeout > 0:
+            self._keepalive = self._loop.call_later(self._ping_timeout, self._ping_lost)
+
+    def _pong(self) -> None:
+        self._ping = None
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        self._keepalive = self._loop.call_later(self._ping_interval, self._send_ping)
+
+    def _ping_lost(self) -> None:
+        self._keepalive = None
+        self.protocol.fail(1011, "keepalive ping timeout")
+        self._flush()
+        self.transport.abort()
+
+    # -- routing -------------------------------------------------------------------------------
 
     def _fail(self, error: UpstreamError) -> None:
         if self.error is not None:
@@ -354,8 +510,9 @@ class UpstreamSocket:
                     self._on_lanes_ignored(self)
         if inbox is None:
             return  # nobody waits for it (an abandoned lane's stray event, an unsolicited frame)
-        with contextlib.suppress(ValueError):
-            self._first.remove(inbox.lane)
+        if self._first:
+            with contextlib.suppress(ValueError):
+                self._first.remove(inbox.lane)
         if sid is None:
             self._current = None if kind in _TERMINAL else inbox
         inbox.put(raw, event)
@@ -369,18 +526,38 @@ class UpstreamSocket:
                 return inbox
         return None
 
+    # -- closing -------------------------------------------------------------------------------
+
     async def close(self, code: int = 1000, reason: str = "") -> None:
-        """Close the connection; never raises (closing is cleanup)."""
-        try:
-            await self.ws.close(code, reason)
-        except Exception:  # noqa: BLE001 - a failing close leaves nothing to clean up
-            self.ws.transport.abort()
+        """Close the connection (closing handshake, then TCP); never raises (closing is cleanup)."""
+        if not self._lost.done():
+            if self.protocol.state is State.OPEN:
+                try:
+                    self.protocol.send_close(code, reason)
+                except Exception:  # noqa: BLE001 - an invalid code: drop the connection instead
+                    self.transport.abort()
+                self._flush()
+            try:
+                async with asyncio.timeout(_CLOSE_TIMEOUT):
+                    await asyncio.shield(self._lost)
+            except TimeoutError:
+                self.transport.abort()
+        if self.error is None:
+            self._fail(UpstreamClosed("The upstream socket was closed by the sidecar.", close_code=code))
         with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+            await asyncio.shield(self._lost)
 
     async def wait_closed(self) -> None:
         """Return once the connection is closed, whoever closed it."""
-        await self.ws.wait_closed()
+        await asyncio.shield(self._lost)
+
+
+_LIVE: weakref.WeakSet[UpstreamSocket] = weakref.WeakSet()
+
+
+def live_sockets() -> int:
+    """Upstream sockets of this process whose connection is not yet lost (tests' leak checks)."""
+    return len(_LIVE)
 
 
 def _about_lanes(event: dict[str, Any]) -> bool:

@@ -4,6 +4,8 @@ and the error it maps to; identities."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import socket
 from typing import Any
 
@@ -11,6 +13,7 @@ import orjson
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request
+from websockets.protocol import State
 
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
@@ -112,6 +115,54 @@ async def test_close_maps_to_upstream_closed_with_code(emulator: Any) -> None:
     assert info.value.close_code == 1011
     with pytest.raises(UpstreamClosed):
         await sock.send(b"{}", None)
+
+
+async def _upgrade_then_close_without_fin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A raw upstream: accepts the upgrade, answers the first frame with a close frame (1011),
+    then keeps the TCP connection open (a slow closing handshake)."""
+    request = await reader.readuntil(b"\r\n\r\n")
+    key = next(
+        line.split(b":", 1)[1].strip()
+        for line in request.split(b"\r\n")
+        if line.lower().startswith(b"sec-websocket-key:")
+    )
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")  # fmt: skip
+    await reader.read(1)  # the create frame
+    writer.write(b"\x88\x02\x03\xf3")  # close, 1011
+    try:
+        await asyncio.sleep(10)
+    finally:
+        writer.close()
+
+
+async def test_send_while_the_upstream_closes_is_upstream_closed() -> None:
+    handlers: list[asyncio.Task[Any]] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.append(task)
+        await _upgrade_then_close_without_fin(reader, writer)
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    sock = await open_socket(settings_for(f"http://127.0.0.1:{port}/v1"))
+    inbox = sock.open_inbox(None)
+    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    with pytest.raises(UpstreamClosed) as info:
+        await inbox.get(5)
+    assert info.value.close_code == 1011
+    assert sock.protocol.state is State.CLOSING and sock.closed  # the close frame came, TCP is still up
+    with pytest.raises(UpstreamClosed) as again:
+        await sock.send(b'{"type":"response.create","model":"gpt-5","input":"again"}', None)
+    assert again.value.close_code == 1011
+    for task in handlers:
+        task.cancel()  # the upstream ends the TCP connection now
+    await asyncio.wait_for(sock.wait_closed(), 5)
+    server.close()
+    await server.wait_closed()
 
 
 async def test_silence_maps_to_upstream_timeout(emulator: Any) -> None:

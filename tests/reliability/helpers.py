@@ -23,6 +23,7 @@ from proxy.emulator.model import ModelRequest, plan
 from proxy.emulator.oracle import Segment, context_digest
 from proxy.metrics import REGISTRY
 from proxy.pool import SocketState
+from proxy.upstream import live_sockets
 from tests.sidecar import Sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,8 +258,8 @@ def assert_heads_completed(sc: Sidecar, emu: Emulator) -> None:
         assert record is not None and record["status"] == "completed", (response_id, record)
 
 
-_SOCKET_TASKS = ("UpstreamSocket._read", "keepalive", "ClientConnection", "Connection.")
-"""Coroutines that belong to an open upstream socket (its reader, websockets' keepalive)."""
+_SOCKET_TASKS = ("keepalive", "ClientConnection", "Connection.")
+"""Coroutines of websockets' own connections (an upstream socket has no task of its own)."""
 
 
 def _name(task: asyncio.Task[Any]) -> str:
@@ -271,9 +272,9 @@ async def leaked_tasks(
 ) -> list[str]:
     """Tasks started since ``baseline`` still pending after up to ``settle`` seconds.
 
-    Tasks that belong to an open upstream socket (its reader, websockets' keepalive) are
-    expected; with ``open_sockets`` given, there must be exactly one reader per open socket and
-    no more keepalives than sockets, else the mismatch is reported as a leak too.
+    Tasks of websockets' own connections are expected; with ``open_sockets`` given, exactly that
+    many upstream connections must be live (:func:`proxy.upstream.live_sockets`), else the
+    mismatch is reported as a leak too.
     """
     deadline = time.monotonic() + settle
     while True:
@@ -281,10 +282,9 @@ async def leaked_tasks(
         extra = [t for t in asyncio.all_tasks() if t not in baseline and t is not current and not t.done()]
         leaked = sorted(_name(t) for t in extra if not _name(t).startswith(_SOCKET_TASKS))
         if open_sockets is not None:
-            watchers = sum(1 for t in asyncio.all_tasks() if _name(t) == "UpstreamSocket._read")
-            keepalives = sum(1 for t in asyncio.all_tasks() if _name(t).endswith("keepalive"))
-            if watchers != open_sockets or keepalives > open_sockets:
-                leaked.append(f"{watchers} watchers, {keepalives} keepalives for {open_sockets} open sockets")
+            live = live_sockets()
+            if live != open_sockets:
+                leaked.append(f"{live} live upstream connections for {open_sockets} open sockets")
         if not leaked or time.monotonic() > deadline:
             return leaked
         await asyncio.sleep(0.05)
