@@ -165,6 +165,50 @@ async def test_send_while_the_upstream_closes_is_upstream_closed() -> None:
     await server.wait_closed()
 
 
+async def test_keepalive_pings_are_answered(emulator: Any) -> None:
+    settings = settings_for(emulator.base_url)
+    identity = identify({"Authorization": f"Bearer {KEY}"}, upstream=settings.upstream, authorization=f"Bearer {KEY}")
+    ws = await open_websocket(settings.ws_url, identity.headers, settings)
+    sock = UpstreamSocket(1, ws, 0.0, ping_interval=0.02, ping_timeout=0.05)
+    await asyncio.sleep(0.3)  # about 10 pings: one unanswered for 50 ms would drop the socket
+    assert not sock.closed
+    inbox = sock.open_inbox(None)
+    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    while (await inbox.get(5))[1]["type"] != "response.completed":
+        pass
+    assert not sock.closed
+    await sock.close()
+
+
+async def test_unanswered_keepalive_ping_drops_the_socket() -> None:
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await reader.readuntil(b"\r\n\r\n")
+        key = next(
+            v.split(b":", 1)[1].strip() for v in request.split(b"\r\n") if v.lower().startswith(b"sec-websocket-key:")
+        )
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")  # fmt: skip
+        try:
+            await reader.read()  # reads pings, never answers
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = settings_for(f"http://127.0.0.1:{port}/v1")
+    identity = identify({"Authorization": f"Bearer {KEY}"}, upstream=settings.upstream, authorization=f"Bearer {KEY}")
+    ws = await open_websocket(settings.ws_url, identity.headers, settings)
+    sock = UpstreamSocket(1, ws, 0.0, ping_interval=0.05, ping_timeout=0.1)
+    inbox = sock.open_inbox(None)
+    with pytest.raises(UpstreamClosed) as info:
+        await inbox.get(5)
+    assert info.value.close_code == 1011 and "keepalive" in info.value.reason
+    await asyncio.wait_for(sock.wait_closed(), 5)
+    server.close()
+    await server.wait_closed()
+
+
 async def test_silence_maps_to_upstream_timeout(emulator: Any) -> None:
     sock = await open_socket(settings_for(emulator.base_url))
     with pytest.raises(UpstreamTimeout):
