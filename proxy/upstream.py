@@ -149,10 +149,12 @@ class Inbox:
     *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
     """
 
-    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "seen")
+    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "member", "on_drained", "seen")
 
     def __init__(self, lane: str | None) -> None:
         self.lane = lane
+        self.member = b'"stream_id":' + orjson.dumps(lane) if lane is not None else b""
+        """The lane's ``stream_id`` member as the upstream writes it (cut out of its events)."""
         self.frames: deque[tuple[bytes, dict[str, Any]]] = deque()
         self.error: UpstreamError | None = None
         self.draining = False
@@ -493,7 +495,9 @@ class UpstreamSocket(asyncio.Protocol):
         if isinstance(sid, str):
             self.proven = True
             inbox = self.inboxes.get(sid)
-            raw = strip_stream_id(raw, sid, event)
+            if inbox is None:
+                return  # nobody waits for it (an abandoned lane's stray event)
+            raw = strip_stream_id(raw, sid, event, inbox.member)
         elif kind == "error" and _about_lanes(event):
             inbox = self._oldest(named=True)
         elif self._current is not None:
@@ -568,13 +572,14 @@ def _about_lanes(event: dict[str, Any]) -> bool:
     return inner.get("param") == "stream_id" or inner.get("code") in _LANE_ERRORS
 
 
-def strip_stream_id(raw: bytes, sid: str, event: dict[str, Any]) -> bytes:
+def strip_stream_id(raw: bytes, sid: str, event: dict[str, Any], member: bytes = b"") -> bytes:
     """``raw`` without its top-level ``"stream_id"`` member (the app asked over HTTP).
 
-    The member is cut out of the bytes when its compact form occurs exactly once (the usual
-    case: no re-serialisation); otherwise the parsed event, already without it, is written anew.
+    The member (``member``: its compact form, when the caller has it) is cut out of the bytes
+    when it occurs exactly once (the usual case: no re-serialisation); otherwise the parsed
+    event, already without it, is written anew.
     """
-    member = b'"stream_id":' + orjson.dumps(sid)
+    member = member or b'"stream_id":' + orjson.dumps(sid)
     at = raw.find(member)
     if at >= 0 and raw.find(member, at + 1) < 0:
         end = at + len(member)

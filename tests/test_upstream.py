@@ -18,7 +18,7 @@ from websockets.protocol import State
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
 from proxy.identity import USER_AGENT, identify
-from proxy.upstream import UpstreamSocket, open_websocket
+from proxy.upstream import UpstreamSocket, open_websocket, strip_stream_id
 
 KEY = "sk-test"
 
@@ -251,3 +251,21 @@ def test_identity_parts() -> None:
     t2 = identify({"Authorization": "Bearer t2"}, upstream=up, authorization="Bearer key")
     assert t1 != t2 and t1.headers == t2.headers == (("Authorization", "Bearer key"),)
     assert "Bearer" not in repr(t1)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"stream_id":"s1","type":"response.output_text.delta","delta":"hi"}',
+        b'{"type":"response.output_text.delta","stream_id":"s1","delta":"hi"}',
+        b'{"type":"response.output_text.delta","delta":"hi","stream_id":"s1"}',
+        b'{"type": "response.output_text.delta", "delta": "hi", "stream_id": "s1"}',  # not compact
+        b'{"type":"response.output_text.delta","delta":"\\"stream_id\\":\\"s1\\"","stream_id":"s1"}',
+    ],
+)
+def test_strip_stream_id_leaves_the_rest_of_the_event_unchanged(raw: bytes) -> None:
+    event = orjson.loads(raw)
+    sid = event.pop("stream_id")
+    stripped = strip_stream_id(raw, sid, event, b'"stream_id":"s1"')
+    assert orjson.loads(stripped) == event and b'"stream_id":"s1"' not in stripped.replace(b'\\"', b"")
+    assert strip_stream_id(raw, sid, event) == stripped

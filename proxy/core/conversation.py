@@ -40,7 +40,7 @@ from proxy.core.explain import (
     settings_fields,
 )
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
-from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, item_key
+from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
 from proxy.core.reasons import MissReason
 from proxy.core.request import ParsedRequest, parse_request
 
@@ -404,7 +404,7 @@ class HeadTable:
                 or base.input_digest != req.base.input_state.digest()[:16]
             ):
                 return None
-            return base.items + item_digests([item_key(item) for item in req.tail])
+            return base.items + item_digests(req.tail_keys())
         return item_digests(req.item_keys())
 
     def _note_settings(self, digest: bytes, req: ParsedRequest) -> None:

@@ -297,7 +297,7 @@ class ParsedRequest:
             self.fields["input"] = None  # the marker stays in place, its value goes
         return True
 
-    def _tail_keys(self) -> list[bytes]:
+    def tail_keys(self) -> list[bytes]:
         """Item keys of the fast parse's tail, computed once per request."""
         if self._tail_cache is None:
             self._tail_cache = [item_key(item) for item in self.tail or []]
@@ -307,7 +307,7 @@ class ParsedRequest:
         """SHA-256 state over the keys of every input item (cheap after a fast parse)."""
         if self.base is not None and self.tail is not None:
             hasher = self.base.input_state.copy()
-            for key in self._tail_keys():
+            for key in self.tail_keys():
                 hasher.update(key)
             return hasher
         hasher = hashlib.sha256()
@@ -329,7 +329,7 @@ class ParsedRequest:
         base = self.base if self._keys is None else None
         if wanted and base is not None and self.tail is not None and wanted[0] >= base.count:
             hasher = base.input_state.copy()
-            keys = self._tail_keys()
+            keys = self.tail_keys()
             done = base.count
             for n in wanted:
                 for key in keys[done - base.count : n - base.count]:
