@@ -201,6 +201,20 @@ async def _conversation(
             await ws.close()
 
 
+def _own_added(log_path: Any, offset: int) -> dict[str, JSON]:
+    """Summaries of the access log's ``added_ms`` since ``offset``: continuations, first turns."""
+    cont: list[float] = []
+    first: list[float] = []
+    with open(log_path, "rb") as log:
+        log.seek(offset)
+        for line in log:
+            if b'"msg":"access"' not in line:
+                continue
+            row = orjson.loads(line)
+            (cont if row.get("mode") == "continuation" else first).append(float(row.get("added_ms", 0.0)))
+    return {"sidecar_own_added_ms": summary(cont), "sidecar_own_added_full_ms": summary(first)}
+
+
 async def _many(
     emu: EmulatorProc,
     side: SidecarProc,
@@ -216,6 +230,7 @@ async def _many(
     results = [_Conv() for _ in range(conversations)]
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=READ_TIMEOUT)
+    log_from = side.log_path.stat().st_size if side.log_path.exists() else 0
     cpu0, wall0 = side.cpu_seconds(), time.perf_counter()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await asyncio.gather(
@@ -255,6 +270,10 @@ async def _many(
         "added_ms": summary(added),
         "added_first_event_ms": summary(added_first_event),
         "added_first_output_ms": summary(added_first_output),
+        # The sidecar's own time per request (its access log's added_ms: wall time minus the
+        # time spent waiting on the upstream), every conversation, not only the twins. The paired
+        # difference above also holds the load generator's own lag on the shared core.
+        **_own_added(side.log_path, log_from),
         "sidecar": {
             "first_event_ms": summary([t.ttfb * ms for t in side_turns]),
             "first_output_ms": summary([t.first_output * ms for t in side_turns]),
@@ -300,13 +319,14 @@ async def run_capacity(
         for n in conversations:
             found = await _many(emu, side, n, turns=turns, tool_ms=tool_ms, twin_every=twin_every, seed=seed)
             out["many"].append(found)
-            a, fe = found["added_ms"], found["added_first_event_ms"]
+            a, fe, own = found["added_ms"], found["added_first_event_ms"], found["sidecar_own_added_ms"]
             log(
                 f"  capacity x{n} conversations: added p50 {a.get('p50', float('nan')):.2f} ms p99 "
                 f"{a.get('p99', float('nan')):.2f} ms; first event +{fe.get('p50', float('nan')):.1f} ms (p50) vs "
                 f"native; {found['sidecar_turns_per_s']:.0f} turns/s, sidecar "
                 f"{found['sidecar_cpu_pct_of_one_core']:.0f} % of its core ({found['sidecar_cpu_ms_per_turn']:.2f} ms "
-                f"CPU per paced turn), {found['errors']} errors"
+                f"CPU per paced turn), {found['errors']} errors; the sidecar's own time per continuation p50 "
+                f"{own.get('p50', float('nan')):.2f} ms p99 {own.get('p99', float('nan')):.2f} ms"
             )
             await emu.reset()
         await emu.set_latency({})

@@ -145,15 +145,17 @@ def markdown(report: JSON) -> str:
                 f"| {r['concurrency']} | {_f(r['turns_per_s'], 0)} | {_f(r['sidecar_cpu_pct_of_one_core'], 0)} | "
                 f"{_f(r['turns_per_sidecar_cpu_s'], 0)} | {_f(r['sidecar_cpu_ms_per_turn'], 3)} | {r['errors']} |"
             )
-        lines += ["", "| Conversations (twins) | Added p50 / p99 ms | First event added p50 / p99 ms | "
+        lines += ["", "| Conversations (twins) | Added p50 / p99 ms | "
+                  "Sidecar's own time per continuation p50 / p99 ms | First event added p50 / p99 ms | "
                   "Sidecar first event / first token / total p50 ms | Native first event / first token / total p50 ms "
                   "| Turns/s | Sidecar CPU % (ms per paced turn) | Errors |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in cap.get("many", []):
             a, fe, sd, nt = r["added_ms"], r["added_first_event_ms"], r["sidecar"], r["native"]
+            own = r.get("sidecar_own_added_ms", {})
             lines.append(
                 f"| {r['conversations']} ({r['twins']}) | {_f(a.get('p50'))} / {_f(a.get('p99'))} | "
-                f"{_f(fe.get('p50'))} / {_f(fe.get('p99'))} | "
+                f"{_f(own.get('p50'))} / {_f(own.get('p99'))} | {_f(fe.get('p50'))} / {_f(fe.get('p99'))} | "
                 f"{_f(sd['first_event_ms'].get('p50'), 1)} / {_f(sd['first_output_ms'].get('p50'), 1)} / "
                 f"{_f(sd['total_ms'].get('p50'), 1)} | {_f(nt['first_event_ms'].get('p50'), 1)} / "
                 f"{_f(nt['first_output_ms'].get('p50'), 1)} / {_f(nt['total_ms'].get('p50'), 1)} | "

@@ -128,6 +128,10 @@ def targets(report: JSON) -> list[JSON]:
     for r in cap.get("many", []):
         out.append(_target(f"p99 added latency, {r['conversations']} conversations (fast, tool time)",
                            r["added_ms"].get("p99"), 20.0, unit=" ms"))  # fmt: skip
+        own = r.get("sidecar_own_added_ms", {}).get("p99")
+        if own is not None:
+            out.append(_target(f"p99 of the sidecar's own time per continuation, {r['conversations']} conversations",
+                               own, 20.0, unit=" ms"))  # fmt: skip
     net = report.get("network") or {}
     if "median_per_turn_ms" in net:
         med = net["median_per_turn_ms"]
