@@ -15,6 +15,7 @@ Every turn yields a :class:`TurnRecord`; times are ``time.perf_counter()`` secon
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "echo_items",
     "post_sse",
     "WsTurn",
+    "note_request_sent",
     "sdk_headers",
     "ws_create",
     "ws_turn",
@@ -97,6 +99,19 @@ class TurnRecord:
     """The sidecar's ``x-upshift-mode``: continuation / full / passthrough (B only)."""
     max_gap: float = 0.0
     """Longest silence between two events of this turn."""
+    client_s: float = 0.0
+    """The client's own time before its request left (the SDK serialising the input and building
+    the HTTP request; for a WebSocket turn, serialising and writing the frame)."""
+
+
+_REQUEST_SENT: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("request_sent", default=None)
+
+
+async def note_request_sent(request: Any) -> None:
+    """httpx ``request`` event hook: when the SDK's request leaves, for :attr:`TurnRecord.client_s`."""
+    box = _REQUEST_SENT.get()
+    if box is not None:
+        box.append(time.perf_counter())
 
 
 class Agent(Protocol):
@@ -137,8 +152,13 @@ class SdkHttpAgent:
 
     async def turn(self, new_items: list[JSON]) -> tuple[TurnRecord, list[JSON]]:
         self.input += new_items
+        sent: list[float] = []
+        token = _REQUEST_SENT.set(sent)
         start = time.perf_counter()
-        raw = await self.client.responses.with_raw_response.create(input=self.input, **self.fields)
+        try:
+            raw = await self.client.responses.with_raw_response.create(input=self.input, **self.fields)
+        finally:
+            _REQUEST_SENT.reset(token)
         stream: Any = raw.parse()
         ttfb = last = 0.0
         gap = 0.0
@@ -160,6 +180,7 @@ class SdkHttpAgent:
         rec = TurnRecord(
             start, ttfb, total, size, getattr(response, "id", ""), getattr(final, "type", "none"),
             _float(raw.headers.get("x-upshift-overhead-ms")), raw.headers.get("x-upshift-mode"), gap,
+            (sent[0] - start) if sent else 0.0,
         )  # fmt: skip
         return rec, [item.model_dump() for item in output]
 
@@ -185,6 +206,7 @@ class SdkWsAgent:
         size = len(orjson.dumps(frame))
         start = time.perf_counter()
         await self.conn.send(frame)
+        client_s = time.perf_counter() - start
         ttfb = last = gap = 0.0
         final: Any = None
         async for event in _deadline(self.conn, READ_TIMEOUT):
@@ -200,8 +222,9 @@ class SdkWsAgent:
         self.previous = getattr(response, "id", None)
         output = [item.model_dump() for item in (response.output if response is not None else [])]
         return TurnRecord(
-            start, ttfb, total, size, self.previous or "", getattr(final, "type", "none"), max_gap=gap
-        ), output
+            start, ttfb, total, size, self.previous or "", getattr(final, "type", "none"), max_gap=gap,
+            client_s=client_s,
+        ), output  # fmt: skip
 
     async def close(self) -> None:
         if self.manager is not None:

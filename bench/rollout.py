@@ -14,7 +14,17 @@ import aiohttp
 import httpx2 as httpx
 from openai import AsyncOpenAI
 
-from .clients import API_KEY, READ_TIMEOUT, Agent, RawHttpAgent, RawWsAgent, SdkHttpAgent, SdkWsAgent, TurnRecord
+from .clients import (
+    API_KEY,
+    READ_TIMEOUT,
+    Agent,
+    RawHttpAgent,
+    RawWsAgent,
+    SdkHttpAgent,
+    SdkWsAgent,
+    TurnRecord,
+    note_request_sent,
+)
 from .workload import Rollout, RolloutSpec, body_fields, make_rollout
 
 __all__ = ["ConversationResult", "SetupResult", "Urls", "run_conversation", "run_setup"]
@@ -102,7 +112,11 @@ def _sdk_client(base_url: str, concurrency: int) -> AsyncOpenAI:
     limits = httpx.Limits(
         max_connections=max(100, concurrency * 2), max_keepalive_connections=max(100, concurrency * 2)
     )
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(READ_TIMEOUT, connect=30.0))
+    http = httpx.AsyncClient(
+        limits=limits,
+        timeout=httpx.Timeout(READ_TIMEOUT, connect=30.0),
+        event_hooks={"request": [note_request_sent]},  # the SDK's own time per turn (client_s)
+    )
     return AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, http_client=http)
 
 
