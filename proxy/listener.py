@@ -60,6 +60,7 @@ class _Handler(RequestHandler):
         "_guard",
         "_head",
         "_head_start",
+        "_last_payload",
         "_header_timer",
         "_refused",
         "adopted",
@@ -85,6 +86,7 @@ class _Handler(RequestHandler):
         """The current request's first line, as received."""
         self._head: bytearray | None = None
         self._head_start = 0
+        self._last_payload: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
@@ -112,12 +114,16 @@ class _Handler(RequestHandler):
         if self._refused:
             return
         if data:
-            idle = not self._request_in_progress and not self._messages
-            if self._header_timer is None and idle:
+            if self._header_timer is None and not self._request_in_progress and not self._messages:
                 self._arm()  # the first byte of a later request on a kept-alive connection
-            self._account(data, idle)
+            # Bytes after the last request's body are a new request's (on Python 3.11 the handler
+            # task starts a loop turn after its message is dequeued: no handler state says it).
+            last = self._last_payload
+            self._account(data, last is None or last.is_eof())
         before = self._request_count
         super().data_received(data)
+        if self._messages:
+            self._last_payload = self._messages[-1][1]
         # Complete headers make a message (queued for the handler loop, which counts requests
         # later): the deadline is met. A timer left armed would fire on the idle moment after
         # this request and close the connection just as the client reuses it.
