@@ -2,10 +2,15 @@
 
     python -m bench.workers                       # workers 1,2,3; 64 agents; 8 s per point
     python -m bench.workers --workers 1,2 --duration 5 --concurrency 96 --json out.json
+    python -m bench.workers --shared-pool         # all agents share one connection pool
 
 The emulator (zero latency) and the sidecar run as separate processes on 127.0.0.1; this process
 drives ``--concurrency`` agents, each running 6-turn tool loops back to back over plain HTTP
-(small bodies, so the client costs little). Turns completed in the measuring window (after a
+(small bodies, so the client costs little). Each agent keeps its own connection, as one SDK
+client per agent does (``--shared-pool``: one pool for all, so a conversation's turns ride
+whichever connection is free). Handoffs (``upshift_handoffs_total{outcome="adopted"}``) and
+byte forwards (``upshift_forwards_total{outcome="ok"}``) per turn in the window are reported
+next to turns/s. Turns completed in the measuring window (after a
 warm-up) give turns/s; the ``x-upshift-mode`` of each answer gives the continuation rate (a
 forwarded answer carries its owner's mode). CPU seconds of the sidecar (supervisor + workers),
 the emulator and this client are read with psutil: on a small machine they compete for the
@@ -106,7 +111,20 @@ def _cpu(proc: psutil.Process) -> float:
     return total
 
 
-async def measure(workers: int, concurrency: int, duration: float, warmup: float, log_dir: Path) -> dict[str, JSON]:
+def _moves(text: str) -> tuple[float, float]:
+    """(handoffs adopted, forwards ok) in a ``/metrics`` exposition."""
+    handed = forwarded = 0.0
+    for line in text.splitlines():
+        if line.startswith("upshift_handoffs_total{") and 'outcome="adopted"' in line:
+            handed += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("upshift_forwards_total{") and 'outcome="ok"' in line:
+            forwarded += float(line.rsplit(" ", 1)[1])
+    return handed, forwarded
+
+
+async def measure(
+    workers: int, concurrency: int, duration: float, warmup: float, log_dir: Path, *, shared: bool = False
+) -> dict[str, JSON]:
     emulator = EmulatorProc(log_dir, {})
     emulator.start()
     await emulator.ready()
@@ -118,17 +136,27 @@ async def measure(workers: int, concurrency: int, duration: float, warmup: float
         me = psutil.Process()
         now = time.monotonic()
         load = Load(now + warmup, now + warmup + duration)
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        # One connection per agent (one SDK client each), or one pool for all (--shared-pool).
+        sessions = [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0 if shared else 1))
+            for _ in range(1 if shared else concurrency)
+        ]
+        try:
             url = sidecar.base_url + "/responses"
-            tasks = [asyncio.create_task(agent(session, url, i, load)) for i in range(concurrency)]
+            tasks = [asyncio.create_task(agent(sessions[i % len(sessions)], url, i, load)) for i in range(concurrency)]
             await asyncio.sleep(max(load.start - time.monotonic(), 0))
             cpu0 = (_cpu(sidecar.ps), _cpu(emulator.ps), _cpu(me))
+            moves0 = _moves(await sidecar.metrics())
             psutil.cpu_percent()
             await asyncio.sleep(max(load.end - time.monotonic(), 0))
             cpu1 = (_cpu(sidecar.ps), _cpu(emulator.ps), _cpu(me))
             machine = psutil.cpu_percent()
+            moves1 = _moves(await sidecar.metrics())
             await asyncio.gather(*tasks)
+        finally:
+            for session in sessions:
+                await session.close()
+        turns = max(load.turns, 1)
         return {
             "workers": workers,
             "concurrency": concurrency,
@@ -137,6 +165,9 @@ async def measure(workers: int, concurrency: int, duration: float, warmup: float
             "turns_per_s": round(load.turns / duration, 1),
             "continuation_rate": round(load.continued / load.later_turns, 4) if load.later_turns else None,
             "errors": load.errors,
+            "connections": "shared pool" if shared else "one per agent",
+            "handoffs_per_turn": round((moves1[0] - moves0[0]) / turns, 4),
+            "forwards_per_turn": round((moves1[1] - moves0[1]) / turns, 4),
             "cpu_cores": {
                 "sidecar": round((cpu1[0] - cpu0[0]) / duration, 2),
                 "emulator": round((cpu1[1] - cpu0[1]) / duration, 2),
@@ -158,19 +189,24 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=8.0, help="measuring window per point, s (default 8)")
     p.add_argument("--warmup", type=float, default=2.0, help="warm-up before the window, s (default 2)")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument(
+        "--shared-pool",
+        action="store_true",
+        help="all agents share one connection pool (default: one connection per agent, as one SDK client each)",
+    )
     args = p.parse_args(argv)
     install_signal_handlers()
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as tmp:
         for n in (int(x) for x in args.workers.split(",")):
-            point = await measure(n, args.concurrency, args.duration, args.warmup, Path(tmp))
+            point = await measure(n, args.concurrency, args.duration, args.warmup, Path(tmp), shared=args.shared_pool)
             results.append(point)
             print(json.dumps(point), flush=True)
     base = results[0]["turns_per_s"] if results and results[0]["workers"] == 1 else None
     cores = psutil.cpu_count() or 1
     print(
         f"\n{'workers':>7} {'turns/s':>8} {'speedup':>8} {'efficiency':>10} {'cont.':>6} {'sidecar cores':>13}"
-        f" {'ms CPU/turn':>11} {'capacity/s':>10}"
+        f" {'ms CPU/turn':>11} {'capacity/s':>10} {'handoffs/turn':>13} {'forwards/turn':>13}"
     )
     for r in results:
         speedup = r["turns_per_s"] / base if base else float("nan")
@@ -182,7 +218,7 @@ async def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['workers']:>7} {r['turns_per_s']:>8} {speedup:>8.2f} {efficiency:>10.0%} "
             f"{r['continuation_rate']:>6} {r['cpu_cores']['sidecar']:>13} {per_turn:>11}"
-            f" {r['capacity_turns_per_s']:>10}"
+            f" {r['capacity_turns_per_s']:>10} {r['handoffs_per_turn']:>13} {r['forwards_per_turn']:>13}"
         )
     print(f"(machine: {cores} cores, load average {os.getloadavg()[0]:.2f})")
     if args.json:

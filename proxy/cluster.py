@@ -61,8 +61,9 @@ from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
 from proxy.core.sse import encode_event, nested_error
 from proxy.errors import ConfigError, UpstreamClosed
+from proxy.handoff import HANDED_OFF, Handoff, HandoffOutcome, arrived_by_handoff
 from proxy.identity import Identity
-from proxy.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, OWNER_MISSES
+from proxy.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
 from proxy.passthrough import HOP_BY_HOP
 from proxy.streaming import Record, json_body
 
@@ -144,6 +145,8 @@ class WorkerPlacement:
     """This worker (0..count-1)."""
     sockets: tuple[str, ...]
     """Private API socket of every worker (unix paths; a leading NUL is an abstract name)."""
+    handoffs: tuple[str, ...] = ()
+    """Private handoff socket of every worker (:mod:`proxy.handoff`; empty: no handoffs)."""
 
     @property
     def count(self) -> int:
@@ -252,6 +255,7 @@ class Cluster:
         self._worker_names: tuple[str, ...] = ()
         self._refresh: asyncio.Task[None] | None = None
         self._websocket = settings.mode == "websocket"
+        self._handoff: Handoff | None = None
         if c.peers:
             self.set_members(peer_urls(c.peers))
         if worker is not None and worker.count > 1:
@@ -259,6 +263,8 @@ class Cluster:
             for i, path in enumerate(worker.sockets):
                 if i != worker.index:
                     self._workers[f"worker-{i}"] = _worker_peer(i, path, self._limit)
+            if c.handoff and len(worker.handoffs) == worker.count:
+                self._handoff = Handoff(worker.handoffs, self._limit, self._timeout)
         self._gauges()
 
     def _gauges(self) -> None:
@@ -373,6 +379,8 @@ class Cluster:
         ``None`` when this process serves it (it owns it, or the owner cannot be reached)."""
         if not self.enabled:
             return None
+        if arrived_by_handoff(request):
+            return None  # its connection was handed here because this worker owns it
         if arrived_privately(request):
             FORWARDS_RECEIVED.labels(Level.WORKER, "unsigned").inc()
             return None
@@ -412,6 +420,20 @@ class Cluster:
             peer = peers.get(name)
             if peer is None or peer.down_until > now:
                 continue
+            if level is Level.WORKER and self._handoff is not None:
+                handed = await self._handoff.offer(int(name.removeprefix("worker-")), request, body)
+                HANDOFFS.labels(handed).inc()
+                if handed is HandoffOutcome.ADOPTED:
+                    rec.mode, rec.reason = "forwarded", "handoff"
+                    return HANDED_OFF()
+                if handed in (HandoffOutcome.OWNER_DOWN, HandoffOutcome.TIMEOUT):
+                    # What a forward to this owner would have found: skip it, as a forward does.
+                    self._mark_down(peer, f"handoff: {handed}")
+                    failed = Outcome.OWNER_DOWN if handed is HandoffOutcome.OWNER_DOWN else Outcome.CONNECT_TIMEOUT
+                    attempts += 1
+                    if attempts >= 2:
+                        break
+                    continue
             answer, outcome = await self._forward(peer, request, body, rec)
             FORWARDS.labels(level, outcome).inc()
             if answer is not None:

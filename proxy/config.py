@@ -260,6 +260,10 @@ class ClusterSettings:
     max_forwards_per_peer: int = 64
     """Forwards in flight to one peer; more wait up to ``connect_timeout_seconds`` for a slot,
     then are served locally."""
+    handoff: bool = True
+    """With ``--workers``: a request on a worker not owning its conversation hands the app's
+    connection itself to the owner (``SCM_RIGHTS``), which then serves it and the later requests
+    on it; ``false``: every such request is forwarded as bytes (proxy/handoff.py)."""
 
 
 @dataclass(frozen=True, slots=True)

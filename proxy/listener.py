@@ -11,12 +11,16 @@ reachable by other Pods (a gateway, replicas, peers), that is a cheap way to exh
 * at most ``listener.max_connections`` are open; one more gets a ``503`` OpenAI-shaped answer
   (with ``x-upshift-refused``) and is closed at once, before anything of it is read.
 
-The protocol is aiohttp's own ``RequestHandler``; only the timer and the count are added.
+The protocol is aiohttp's own ``RequestHandler``; only the timer and the count are added, plus
+the byte accounting a connection handoff between workers needs (:mod:`proxy.handoff`): how many
+bytes the connection delivered, and where the current request's head ended, so that a handler
+can tell that nothing of a next (pipelined) request has been read yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,7 +30,10 @@ from aiohttp.web_server import Server as LowServer
 from proxy.config import ListenerSettings
 from proxy.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
 
-__all__ = ["Guard", "HardenedTCPSite", "HardenedUnixSite"]
+__all__ = ["Guard", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
+
+_HEAD_SCAN = 64 * 1024
+"""A request head not complete within this many bytes is not tracked (no handoff for it)."""
 
 _REFUSAL_BODY = (
     b'{"error":{"message":"The sidecar has too many open connections; retry shortly.",'
@@ -49,17 +56,41 @@ class Guard:
 
 
 class _Handler(RequestHandler):
-    __slots__ = ("_guard", "_header_timer", "_refused")
+    __slots__ = (
+        "_guard",
+        "_head",
+        "_head_start",
+        "_last_payload",
+        "_header_timer",
+        "_refused",
+        "adopted",
+        "head_end",
+        "received",
+        "request_line",
+    )
 
-    def __init__(self, guard: Guard, manager: LowServer, **kwargs: Any) -> None:
+    def __init__(self, guard: Guard, manager: LowServer, *, adopted: bool = False, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._guard = guard
         self._header_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self.adopted = adopted
+        """Handed over by another worker (its first request came with it): admitted past
+        ``max_connections`` (the connection left the other worker's count) and, for that first
+        request, never handed on (:mod:`proxy.handoff`)."""
+        self.received = 0
+        """Bytes this connection delivered so far."""
+        self.head_end = -1
+        """Offset (in ``received``) where the current request's head ended; -1: not known."""
+        self.request_line = b""
+        """The current request's first line, as received."""
+        self._head: bytearray | None = None
+        self._head_start = 0
+        self._last_payload: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
-        if guard.open >= guard.max_connections:
+        if guard.open >= guard.max_connections and not self.adopted:
             self._refused = True
             LISTENER_CLOSED.labels("max_connections").inc()
             assert isinstance(transport, asyncio.Transport)
@@ -82,15 +113,61 @@ class _Handler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._header_timer is None and data and not self._request_in_progress and not self._messages:
-            self._arm()  # the first byte of a later request on a kept-alive connection
+        if data:
+            if self._header_timer is None and not self._request_in_progress and not self._messages:
+                self._arm()  # the first byte of a later request on a kept-alive connection
+            # Bytes after the last request's body are a new request's (on Python 3.11 the handler
+            # task starts a loop turn after its message is dequeued: no handler state says it).
+            last = self._last_payload
+            self._account(data, last is None or last.is_eof())
         before = self._request_count
         super().data_received(data)
+        if self._messages:
+            self._last_payload = self._messages[-1][1]
         # Complete headers make a message (queued for the handler loop, which counts requests
         # later): the deadline is met. A timer left armed would fire on the idle moment after
         # this request and close the connection just as the client reuses it.
         if self._messages or self._request_count != before or self._upgraded:
             self._disarm()
+
+    def _account(self, data: bytes, idle: bool) -> None:
+        """Count ``data`` and find the end of the head of the request it starts or continues."""
+        start = self.received
+        self.received += len(data)
+        head = self._head
+        if head is None:
+            if not idle:
+                return  # a body (or a pipelined request: ``holds_only`` then says no)
+            self._head_start, self.head_end, self.request_line = start, -1, b""
+            end = data.find(b"\r\n\r\n")  # the first bytes of a request: usually its whole head
+            if end < 0:
+                self._head = bytearray(data[:_HEAD_SCAN])
+                return
+            head_bytes: bytes | bytearray = data
+        else:
+            seen = len(head)
+            head += data[: _HEAD_SCAN - seen]
+            end = head.find(b"\r\n\r\n", max(seen - 3, 0))
+            if end < 0:
+                if len(head) >= _HEAD_SCAN:
+                    self._head = None  # not tracked: head_end stays -1
+                return
+            head_bytes, self._head = head, None
+        self.head_end = self._head_start + end + 4
+        self.request_line = bytes(head_bytes[: head_bytes.find(b"\r\n")])
+
+    def holds_only(self, content_length: int) -> bool:
+        """Whether everything this connection delivered is the current request (a tracked head
+        plus ``content_length`` bytes of body) and aiohttp holds nothing of a next one."""
+        return (
+            self.head_end >= 0
+            and self.received == self.head_end + content_length
+            and not self._messages
+            and not self._message_tail
+            and not self._upgraded
+            and not self._reading_paused
+            and not self._buffer_paused
+        )
 
     def _arm(self) -> None:
         if self._header_timer is None and self._guard.header_timeout > 0:
@@ -108,14 +185,19 @@ class _Handler(RequestHandler):
             self.force_close()
 
 
-def _factory(runner: web.BaseRunner, guard: Guard) -> Any:
+def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = False) -> Callable[[], _Handler]:
+    """The protocol factory of the listener sites of ``runner`` (``adopted``: for connections
+    handed over by another worker, :mod:`proxy.handoff`)."""
     server = runner.server
     assert server is not None, "runner.setup() not called"
 
     def make() -> _Handler:
-        return _Handler(guard, server, loop=server._loop, **server._kwargs)
+        return _Handler(guard, server, adopted=adopted, loop=server._loop, **server._kwargs)
 
     return make
+
+
+_factory = protocol_factory
 
 
 class HardenedTCPSite(web.TCPSite):

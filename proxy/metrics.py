@@ -19,6 +19,7 @@ __all__ = [
     "ERRORS",
     "FORWARDS",
     "FORWARDS_RECEIVED",
+    "HANDOFFS",
     "HELD_LIFECYCLE",
     "HYDRATED",
     "INFLIGHT",
@@ -275,6 +276,14 @@ OWNER_MISSES = Counter(
 )
 """reason: the forward outcome that made it local (owner_down, connect_timeout, busy, refused,
 failed_before_answer)."""
+
+HANDOFFS = Counter(
+    "upshift_handoffs",
+    "Client connections offered to the worker owning their request's conversation, by outcome.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+"""outcome: adopted | ineligible | busy | refused | owner_down | timeout (proxy/handoff.py)."""
 
 CLUSTER_PEERS = Gauge(
     "upshift_cluster_peers",

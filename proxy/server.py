@@ -25,9 +25,10 @@ from proxy.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.handlers import SERVICES, Services, cut_stream, post_responses
+from proxy.handoff import Receiver
 from proxy.health import Lifecycle, make_admin_app
 from proxy.keys import KeySource
-from proxy.listener import Guard, HardenedTCPSite, HardenedUnixSite
+from proxy.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
 from proxy.log import setup_logging
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
@@ -229,6 +230,7 @@ class Server:
         """Bound (host, port) of the API listener."""
         self.admin_address: tuple[str, int] = ("", 0)
         """Bound (host, port) of the admin listener."""
+        self._handoffs: Receiver | None = None
 
     async def _mark_owner(self, request: web.Request, response: web.StreamResponse) -> None:
         self.cluster.on_prepare(request, response)
@@ -250,6 +252,16 @@ class Server:
         self.api_address = _bound(self._api)
         if self.worker is not None:
             await HardenedUnixSite(self._api, self.worker.sockets[self.worker.index], self.guard).start()
+            if self.settings.cluster.handoff and self.worker.handoffs:
+                self._handoffs = Receiver(
+                    self.worker.handoffs[self.worker.index],
+                    protocol_factory(self._api, self.guard, adopted=True),
+                    self.guard,
+                    max_prefix=self.settings.limits.max_body_bytes,
+                    sessions=self.settings.cluster.max_forwards_per_peer * max(self.worker.count - 1, 1),
+                    timeout=2 * self.settings.cluster.connect_timeout_seconds + 1.0,
+                )
+                await self._handoffs.start()
         self.lifecycle.mark_ready()
         if self.worker is not None:
             log.info("upshift worker %d listening on %s:%d", self.worker.index, *self.api_address)
@@ -261,6 +273,8 @@ class Server:
         grace period, relays and upstream sockets close with 1001, then the admin listener stops.
         """
         self.lifecycle.mark_draining()
+        if self._handoffs is not None:
+            await self._handoffs.close()  # senders fall back to forwarding or serve locally
         cutter = asyncio.create_task(self._cut_streams_at_grace())
         try:
             await self._api.cleanup()

@@ -63,17 +63,19 @@ _WATCHDOG_FAILURES = 3
 _BACKOFF_MAX = 10.0
 
 
-def _socket_names(count: int) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
-    """Private API and admin socket names of every worker (abstract on Linux)."""
+def _socket_names(count: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str | None]:
+    """Private API, admin and handoff socket names of every worker (abstract on Linux)."""
     tag = f"upshift-{os.getpid()}-{os.urandom(4).hex()}"
     if sys.platform.startswith("linux"):
         api = tuple(f"\0{tag}-api-{i}" for i in range(count))
         admin = tuple(f"\0{tag}-admin-{i}" for i in range(count))
-        return api, admin, None
+        handoff = tuple(f"\0{tag}-handoff-{i}" for i in range(count))
+        return api, admin, handoff, None
     folder = tempfile.mkdtemp(prefix="upshift-")
     api = tuple(os.path.join(folder, f"api-{i}.sock") for i in range(count))
     admin = tuple(os.path.join(folder, f"admin-{i}.sock") for i in range(count))
-    return api, admin, folder
+    handoff = tuple(os.path.join(folder, f"handoff-{i}.sock") for i in range(count))
+    return api, admin, handoff, folder
 
 
 def _reserve(listen: str) -> tuple[socket.socket, str]:
@@ -161,7 +163,7 @@ class _Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.count = settings.workers
-        self.api, self.admin, self.folder = _socket_names(self.count)
+        self.api, self.admin, self.handoff, self.folder = _socket_names(self.count)
         self.lifecycle = Lifecycle()
         self.workers = [_Worker(i) for i in range(self.count)]
         self.stopping = False
@@ -172,7 +174,7 @@ class _Supervisor:
         argv = (sys.executable, "-m", "proxy.workers")
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
         assert proc.stdin is not None
-        spec = pickle.dumps((self.worker_settings, worker.index, self.api, self.admin[worker.index]))
+        spec = pickle.dumps((self.worker_settings, worker.index, self.api, self.handoff, self.admin[worker.index]))
         proc.stdin.write(struct.pack(">Q", len(spec)) + spec)
         await proc.stdin.drain()  # stdin stays open: the worker drains when it closes
         worker.proc, worker.started = proc, time.monotonic()
@@ -340,11 +342,13 @@ def supervise(settings: Settings) -> int:
 # -- the worker side -------------------------------------------------------------------------------
 
 
-async def _serve_worker(settings: Settings, index: int, sockets: tuple[str, ...], admin: str) -> int:
+async def _serve_worker(
+    settings: Settings, index: int, sockets: tuple[str, ...], handoffs: tuple[str, ...], admin: str
+) -> int:
     from proxy.cluster import WorkerPlacement
     from proxy.server import Server
 
-    server = Server(settings, worker=WorkerPlacement(index, sockets), admin_path=admin)
+    server = Server(settings, worker=WorkerPlacement(index, sockets, handoffs), admin_path=admin)
     try:
         await server.start()
     except OSError as exc:
@@ -382,13 +386,13 @@ def _read_exactly(fd: int, size: int) -> bytes:
 def _worker_main() -> int:
     (size,) = struct.unpack(">Q", _read_exactly(0, 8))
     spec: Any = pickle.loads(_read_exactly(0, size))  # from our own supervisor, over a pipe
-    settings, index, sockets, admin = spec
+    settings, index, sockets, handoffs, admin = spec
     setup_logging(settings.logging)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve_worker(settings, index, sockets, admin))
-    result: int = uvloop.run(_serve_worker(settings, index, sockets, admin))
+        return asyncio.run(_serve_worker(settings, index, sockets, handoffs, admin))
+    result: int = uvloop.run(_serve_worker(settings, index, sockets, handoffs, admin))
     return result
 
 
