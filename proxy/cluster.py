@@ -222,10 +222,13 @@ def _worker_peer(index: int, path: str, limit: int) -> _Peer:
 
 def arrived_privately(request: web.BaseRequest) -> bool:
     """Whether the request came in on a worker's private unix socket."""
+    known = getattr(request.protocol, "private", None)  # the listener's, found once per connection
+    if isinstance(known, bool):
+        return known
     transport = request.transport
     if transport is None:
         return False
-    return isinstance(transport.get_extra_info("sockname"), (str, bytes))
+    return isinstance(transport.get_extra_info("sockname"), str | bytes)
 
 
 class Cluster:

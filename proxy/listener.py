@@ -65,6 +65,7 @@ class _Handler(RequestHandler):
         "_refused",
         "adopted",
         "head_end",
+        "private",
         "received",
         "request_line",
     )
@@ -78,6 +79,8 @@ class _Handler(RequestHandler):
         """Handed over by another worker (its first request came with it): admitted past
         ``max_connections`` (the connection left the other worker's count) and, for that first
         request, never handed on (:mod:`proxy.handoff`)."""
+        self.private = False
+        """The connection came in on a unix socket (a worker's private listener, :mod:`proxy.cluster`)."""
         self.received = 0
         """Bytes this connection delivered so far."""
         self.head_end = -1
@@ -99,6 +102,8 @@ class _Handler(RequestHandler):
             return
         guard.open += 1
         LISTENER_CONNECTIONS.inc()
+        # Once per connection (a syscall under uvloop), not per request.
+        self.private = isinstance(transport.get_extra_info("sockname"), str | bytes)
         super().connection_made(transport)
         self._arm()
 

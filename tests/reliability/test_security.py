@@ -28,6 +28,7 @@ from proxy.core.budget import Kind
 from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
+from proxy.handoff import HandoffOutcome
 from proxy.log import setup_logging
 from proxy.server import Server, split_hostport
 from tests.conftest import SidecarFactory
@@ -263,6 +264,7 @@ _LABEL_VALUES: dict[str, set[str]] = {
 _VERSION_LABELS = frozenset({"version", "python"})
 _LABEL_VALUES["mode"] |= {"forwarded"}
 _LABEL_VALUES["outcome"] |= {"cut", "owner_down", "connect_timeout", "busy", "refused", "failed_before_answer"}
+_LABEL_VALUES["outcome"] |= set(HandoffOutcome)  # upshift_handoffs_total (proxy/handoff.py)
 _LABEL_VALUES["reason"] |= {"header_timeout", "max_connections"} | _LABEL_VALUES["outcome"]
 _LABEL_VALUES["state"] |= {"up", "down"}
 
