@@ -117,18 +117,21 @@ async def test_close_maps_to_upstream_closed_with_code(emulator: Any) -> None:
         await sock.send(b"{}", None)
 
 
-async def _upgrade_then_close_without_fin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """A raw upstream: accepts the upgrade, answers the first frame with a close frame (1011),
-    then keeps the TCP connection open (a slow closing handshake)."""
+async def _accept_upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer a WebSocket upgrade with 101 (a raw upstream: nothing else of the protocol)."""
     request = await reader.readuntil(b"\r\n\r\n")
     key = next(
-        line.split(b":", 1)[1].strip()
-        for line in request.split(b"\r\n")
-        if line.lower().startswith(b"sec-websocket-key:")
+        v.split(b":", 1)[1].strip() for v in request.split(b"\r\n") if v.lower().startswith(b"sec-websocket-key:")
     )
     accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
     writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                  b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")  # fmt: skip
+
+
+async def _upgrade_then_close_without_fin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A raw upstream: accepts the upgrade, answers the first frame with a close frame (1011),
+    then keeps the TCP connection open (a slow closing handshake)."""
+    await _accept_upgrade(reader, writer)
     await reader.read(1)  # the create frame
     writer.write(b"\x88\x02\x03\xf3")  # close, 1011
     try:
@@ -182,13 +185,7 @@ async def test_keepalive_pings_are_answered(emulator: Any) -> None:
 
 async def test_unanswered_keepalive_ping_drops_the_socket() -> None:
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = await reader.readuntil(b"\r\n\r\n")
-        key = next(
-            v.split(b":", 1)[1].strip() for v in request.split(b"\r\n") if v.lower().startswith(b"sec-websocket-key:")
-        )
-        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")  # fmt: skip
+        await _accept_upgrade(reader, writer)
         try:
             await reader.read()  # reads pings, never answers
         finally:

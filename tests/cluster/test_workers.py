@@ -34,11 +34,13 @@ from .support import (
 CONVERSATIONS = 200
 
 
-async def start_workers(spawn: Callable[..., SidecarProcess], upstream: str, count: int = 3) -> SidecarProcess:
+async def start_workers(
+    spawn: Callable[..., SidecarProcess], upstream: str, count: int = 3, env: dict[str, str] | None = None
+) -> SidecarProcess:
     api, admin = free_ports(2)
     # 200 concurrent conversations of one key need 200 sockets between the workers (and the
     # default 64 per worker would not do for one process holding them all either).
-    env = {"UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "256"}
+    env = {"UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "256", **(env or {})}
     listen = ("--listen", f"127.0.0.1:{api}", "--admin-listen", f"127.0.0.1:{admin}")
     proc = spawn(upstream, "--workers", str(count), *listen, env=env)
     proc.api, proc.admin = f"http://127.0.0.1:{api}", f"http://127.0.0.1:{admin}"
