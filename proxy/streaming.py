@@ -325,10 +325,12 @@ async def read_body(request: web.Request, limit: int, lease: Lease | None = None
         if length > limit:
             raise BodyTooLarge(message)
         # One buffer of the declared size, filled chunk by chunk as they arrive (aiohttp's
-        # readexactly keeps every chunk and joins them: twice the body at the end).
+        # readexactly keeps every chunk and joins them: twice the body at the end). readany()
+        # hands over one received chunk as it is (read(n) joins what is buffered: a copy); the
+        # payload parser never lets more than the declared length into the stream.
         buffer = BodyBuffer(length)
         while not buffer.full:
-            chunk = await content.read(buffer.missing)
+            chunk = await content.readany()
             if not chunk:
                 raise InvalidRequest("The request body ended before its Content-Length.")
             buffer.write(chunk)

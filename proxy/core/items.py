@@ -63,10 +63,11 @@ def canonical(value: Any) -> Any:
                     # equals a clean item.
                     out["async_conflict"] = canonical(item)
                     continue
-            out[key] = canonical(item)
+            # Strings (most leaves) are their own canonical form: no call for them.
+            out[key] = item if item.__class__ is str else canonical(item)
         return out
     if isinstance(value, list):
-        return [canonical(item) for item in value]
+        return [item if item.__class__ is str else canonical(item) for item in value]
     if isinstance(value, float):
         if value.is_integer() and abs(value) < 2**53:
             return int(value)
