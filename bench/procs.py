@@ -98,6 +98,8 @@ class Managed:
         self.log_path = log_dir / f"{name}.log"
         self.popen: subprocess.Popen[bytes] | None = None
         self.ps: psutil.Process | None = None
+        self.cwd = Path(__file__).resolve().parent.parent
+        """Where the process runs: ``python -m`` imports the package of this checkout."""
 
     def start(self, cpus: list[int] | None = None) -> None:
         """Spawn the process (optionally pinned to ``cpus``)."""
@@ -105,7 +107,7 @@ class Managed:
         log = self.log_path.open("ab")
         self.popen = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.env, start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+            env=self.env, start_new_session=True, cwd=self.cwd,
         )  # fmt: skip
         log.close()
         _LIVE.append(self)

@@ -12,7 +12,8 @@ Lane choice for a request that needs a new head (a new conversation, a miss):
 1. while the identity has fewer than ``spread_sockets`` sockets and no idle one, a new socket
    (conversations spread over a few sockets before they share one);
 2. a free lane (idle, no head) of the identity's least active socket below
-   ``max_active_per_socket``;
+   ``max_active_per_socket`` (the limit places new heads; a head's own next turn goes on its lane
+   whatever the socket's count, and the upstream queues it beyond 16);
 3. a new socket, under ``max_sockets_per_identity`` and ``max_sockets_total`` (at the total, the
    least recently used socket with nothing in flight, of any identity, is closed);
 4. the least recently used idle lane that holds a head (that head is let go: detached and still
@@ -236,12 +237,15 @@ class Planner:
         return sock.active == 0 and now - sock.used_at >= lim.idle_close_seconds
 
     def _idle_lane(self, key: LaneKey) -> Lane | None:
-        """The lane ``key`` if a turn can start on it now (idle, socket open and fresh)."""
+        """The lane ``key`` if its head's next turn can start on it now (idle, socket open and
+        fresh). The socket's active limit does not apply: beyond it the upstream queues the
+        response until one of the socket's others ends, which costs far less than the full send
+        elsewhere (the whole history rebuilt upstream, maybe a new socket) that refusing would take."""
         sock = self._sockets.get(key[0])
         if sock is None or sock.state is not SocketState.OPEN or self._stale(sock, self._now):
             return None
         lane = sock.lanes.get(key[1])
-        if lane is None or lane.state is not LaneState.IDLE or sock.active >= self.limits.max_active_per_socket:
+        if lane is None or lane.state is not LaneState.IDLE:
             return None
         return lane
 

@@ -136,6 +136,20 @@ def test_the_active_limit_per_socket_opens_another() -> None:
     assert [pl.lane for pl in plans] == [(1, None), (1, "u1"), (2, None)]
 
 
+def test_a_head_continues_on_its_lane_when_its_socket_is_at_the_active_limit() -> None:
+    # The upstream queues a response beyond the socket's limit: cheaper than a full send elsewhere.
+    p = planner(max_active_per_socket=2, spread_sockets=1)
+    r = req([user("a")])
+    first = opened(p, p.plan("id", r, 0.0))
+    complete(p, first, r, "resp_a", 1.0, call(1))
+    busy = [p.plan("id", req([user(f"other{i}")]), 1.0) for i in range(2)]
+    assert all(b.lane is not None and b.lane[0] == first.lane[0] for b in busy)  # socket 1 at its limit
+    cont = p.plan("id", req([user("a"), call(1), result(1)]), 2.0)
+    assert (cont.kind, cont.lane, cont.response_id) == (PlanKind.CONTINUE, first.lane, "resp_a")
+    new = p.plan("id", req([user("new")]), 2.0)
+    assert new.lane is not None and new.lane[0] != first.lane[0]  # a new head is placed elsewhere
+
+
 def test_at_every_limit_the_plan_is_to_wait_then_http() -> None:
     p = planner(max_active_per_socket=1, max_sockets_per_identity=1, max_sockets_total=1)
     opened(p, p.plan("id", req([user("a")]), 0.0))

@@ -1,0 +1,111 @@
+"""Before/after on a machine whose speed drifts: two sidecars, two commits, interleaved turn sets.
+
+    python -m bench.ab --base fc58807                 # base commit vs this working tree
+    python -m bench.ab --base main~3 --sizes 1k,200k,1m --rounds 8 --reps 150 --json out.json
+
+One emulator (zero latency) serves two sidecar processes: **A** runs the code of ``--base``
+(a detached ``git worktree`` in a temporary directory, removed afterwards), **B** this checkout's
+working tree. Each round runs the added-latency phase (:func:`bench.overhead.run_overhead`:
+the reasoning agent's event stream, continuation turns) against A and against B, in alternating
+order, so both see the same machine within seconds of each other. Reported per history size:
+the median over rounds of each side's CPU per turn and added p50, and B/A of those medians. A
+single run of ``python -m bench`` cannot tell a 10 % change from the machine's own drift (it
+moved by a quarter between runs of one afternoon); this can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .overhead import run_overhead
+from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
+from .stats import percentile
+
+JSON = Any
+ROOT = Path(__file__).resolve().parent.parent
+ZERO = {"overhead_ms": 0.0, "rebuild_ms_per_kb": 0.0, "ttft_ms": 0.0, "tokens_per_second": 0.0}
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="the commit to compare against (A)")
+    p.add_argument("--sizes", default="1k,200k", help="history sizes (default: 1k,200k)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds; each runs A and B once (default: 8)")
+    p.add_argument("--reps", type=int, default=150, help="continuation turns per size per run (default: 150)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    return p.parse_args(argv)
+
+
+async def _compare(base_dir: Path, sizes: list[str], rounds: int, reps: int) -> JSON:
+    logs = Path(tempfile.mkdtemp(prefix="upshift-ab-"))
+    emu = EmulatorProc(logs, ZERO)
+    emu.start()
+    await emu.ready()
+    sides = {"A": SidecarProc(logs / "a", emu.base_url), "B": SidecarProc(logs / "b", emu.base_url)}
+    sides["A"].cwd = base_dir
+    for side in sides.values():
+        side.start()
+        await side.ready()
+    samples: dict[str, dict[str, list[tuple[float, float]]]] = {n: {z: [] for z in sizes} for n in sides}
+    for r in range(rounds):
+        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            found = await run_overhead(emu, sides[name], sizes, reps=reps, seed=100 + r, warmup=3, log=lambda _: None)
+            for size, res in zip(sizes, found, strict=True):
+                samples[name][size].append((res.cpu_ms_per_request, percentile(res.added_total, 50)))
+        print(f"[ab] round {r + 1}/{rounds} done", flush=True)
+    for proc in (*sides.values(), emu):
+        proc.stop()
+    out: JSON = {"sizes": {}, "logs": str(logs)}
+    for size in sizes:
+        row: JSON = {}
+        for name in sides:
+            cpu = [c for c, _ in samples[name][size]]
+            added = [a for _, a in samples[name][size]]
+            row[name] = {
+                "cpu_ms_per_turn": round(statistics.median(cpu), 3),
+                "added_p50_ms": round(statistics.median(added), 3),
+                "cpu_rounds": [round(c, 3) for c in cpu],
+                "added_rounds": [round(a, 3) for a in added],
+            }
+        row["B_over_A_cpu"] = round(row["B"]["cpu_ms_per_turn"] / row["A"]["cpu_ms_per_turn"], 3)
+        row["B_over_A_added"] = round(row["B"]["added_p50_ms"] / row["A"]["added_p50_ms"], 3)
+        out["sizes"][size] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison and print one line per size."""
+    args = _args(argv)
+    install_signal_handlers()
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory(prefix="upshift-ab-base-") as tmp:
+        base_dir = Path(tmp) / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_dir), args.base],
+                       check=True, capture_output=True)  # fmt: skip
+        try:
+            out = asyncio.run(_compare(base_dir, sizes, args.rounds, args.reps))
+        finally:
+            stop_all()
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], check=False)
+    out["base"] = args.base
+    for size, row in out["sizes"].items():
+        print(
+            f"{size}: CPU/turn A {row['A']['cpu_ms_per_turn']:.2f} ms, B {row['B']['cpu_ms_per_turn']:.2f} ms "
+            f"(B/A {row['B_over_A_cpu']:.3f}); added p50 A {row['A']['added_p50_ms']:.2f} ms, "
+            f"B {row['B']['added_p50_ms']:.2f} ms (B/A {row['B_over_A_added']:.3f}); medians of {args.rounds} rounds"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
