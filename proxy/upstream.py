@@ -284,6 +284,8 @@ class UpstreamSocket(asyncio.Protocol):
         self._loop = loop
         self._lost: asyncio.Future[None] = loop.create_future()
         self._writable: asyncio.Future[None] | None = None
+        self._sending = asyncio.Lock()
+        """Held while a message goes out in fragments (or waits for the transport's room)."""
         self._ping_interval = ping_interval
         self._ping_timeout = ping_timeout
         self._ping: bytes | None = None
@@ -324,9 +326,11 @@ class UpstreamSocket(asyncio.Protocol):
     async def send(self, frame: bytes, lane: str | None) -> None:
         """Send one ``response.create`` for ``lane`` as a text frame (UTF-8 JSON already).
 
-        A frame of up to 1 MiB is written at once (no await); a larger one goes as one
-        message in 1 MiB fragments, each written when the transport has room, shielded: a
-        cancelled caller never leaves half a message on a socket that other lanes share.
+        A frame of up to 1 MiB is written at once (no await) when nothing else is being sent; a
+        larger one goes as one message in 1 MiB fragments, each written when the transport has
+        room, while other lanes' frames wait their turn (fragments of two messages never
+        interleave), shielded: a cancelled caller never leaves half a message on a socket that
+        other lanes share.
 
         Raises:
             UpstreamClosed: the connection is closed.
@@ -336,27 +340,39 @@ class UpstreamSocket(asyncio.Protocol):
         if self.protocol.state is not State.OPEN:
             raise closed_error(self.protocol.close_rcvd, self.protocol.close_sent)
         self._first.append(lane)
-        if len(frame) <= _FRAGMENT and self._writable is None:
+        if len(frame) <= _FRAGMENT and self._writable is None and not self._sending.locked():
             self.protocol.send_text(frame)
             self._flush()
             return
-        await asyncio.shield(self._send_fragments(frame))
+        await asyncio.shield(self._send_in_turn(frame))
 
-    async def _send_fragments(self, frame: bytes) -> None:
-        # issue 12: a large frame goes as one message in 1 MiB fragments, so the masked copy
-        # and the write buffer hold one fragment at a time, not the whole frame.
-        view = memoryview(frame)
-        for at in range(0, len(frame), _FRAGMENT):
-            await self._drain()
+    async def _send_in_turn(self, frame: bytes) -> None:
+        """Send ``frame`` once no other message is being sent: the fragments of one message are
+        never interleaved with another lane's frames."""
+        async with self._sending:
             if self.error is not None:
                 raise self.error
-            chunk, fin = view[at : at + _FRAGMENT], at + _FRAGMENT >= len(frame)
-            if at == 0:
-                self.protocol.send_text(chunk, fin=fin)
-            else:
-                self.protocol.send_continuation(chunk, fin=fin)
-            self._flush()
-        await self._drain()
+            if len(frame) <= _FRAGMENT:
+                await self._drain()
+                if self.error is not None:
+                    raise self.error
+                self.protocol.send_text(frame)
+                self._flush()
+                return
+            # issue 12: a large frame goes as one message in 1 MiB fragments, so the masked
+            # copy and the write buffer hold one fragment at a time, not the whole frame.
+            view = memoryview(frame)
+            for at in range(0, len(frame), _FRAGMENT):
+                await self._drain()
+                if self.error is not None:
+                    raise self.error
+                chunk, fin = view[at : at + _FRAGMENT], at + _FRAGMENT >= len(frame)
+                if at == 0:
+                    self.protocol.send_text(chunk, fin=fin)
+                else:
+                    self.protocol.send_continuation(chunk, fin=fin)
+                self._flush()
+            await self._drain()
 
     async def _drain(self) -> None:
         while self._writable is not None:

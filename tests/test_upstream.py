@@ -12,8 +12,9 @@ from typing import Any
 import orjson
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.frames import Frame
 from websockets.http11 import Request
-from websockets.protocol import State
+from websockets.protocol import Protocol, Side, State
 
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
@@ -266,3 +267,61 @@ def test_strip_stream_id_leaves_the_rest_of_the_event_unchanged(raw: bytes) -> N
     stripped = strip_stream_id(raw, sid, event, b'"stream_id":"s1"')
     assert orjson.loads(stripped) == event and b'"stream_id":"s1"' not in stripped.replace(b'\\"', b"")
     assert strip_stream_id(raw, sid, event) == stripped
+
+
+async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> None:
+    """Two lanes send 8 MB creates at once to an upstream that reads slowly (the transport pauses
+    between fragments): each goes out as one message in 1 MiB fragments, one after the other.
+    Interleaved fragments are a protocol error (found by the cgroup load test)."""
+    received = bytearray()
+    done = asyncio.Event()
+
+    async def slow_reader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _accept_upgrade(reader, writer)
+        await asyncio.sleep(0.5)  # the kernel buffers fill: the sender's transport pauses
+        while len(received) < 2 * 8_000_000 + 40:  # both payloads and the small one, at least
+            chunk = await reader.read(1 << 20)
+            if not chunk:
+                break
+            received.extend(chunk)
+        done.set()
+        try:
+            await asyncio.sleep(10)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(slow_reader, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    sock = await open_socket(settings_for(f"http://127.0.0.1:{port}/v1"))
+    frames = {lane: orjson.dumps({"type": "response.create", "input": lane + "x" * 8_000_000}) for lane in ("u1", "u2")}
+    small = b'{"type":"response.create","input":"small"}'
+    # The moment that broke: the transport resumes, and before u1's next fragment another lane
+    # starts its send (a task that runs first). Here that lane starts exactly then.
+    later: list[asyncio.Task[None]] = []
+    resume = sock.resume_writing
+
+    def resume_then_send() -> None:
+        resume()
+        if not later and sock.protocol.expect_continuation_frame:  # u1 is mid-message
+            loop = asyncio.get_running_loop()
+            later.extend([loop.create_task(sock.send(frames["u2"], "u2")), loop.create_task(sock.send(small, "u3"))])
+
+    sock.resume_writing = resume_then_send  # type: ignore[method-assign]
+    await sock.send(frames["u1"], "u1")
+    assert later, "the transport never paused mid-message: the test did not reach its moment"
+    await asyncio.gather(*later)
+    await asyncio.wait_for(done.wait(), 20)
+    upstream = Protocol(Side.SERVER, max_size=None)
+    upstream.receive_data(bytes(received))
+    texts, message = [], b""
+    for frame in upstream.events_received():
+        assert isinstance(frame, Frame)
+        message += frame.data
+        if frame.fin:
+            texts.append(message)
+            message = b""
+    assert upstream.parser_exc is None
+    assert sorted(texts) == sorted([*frames.values(), small])
+    await sock.close()
+    server.close()
+    await server.wait_closed()
