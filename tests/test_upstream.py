@@ -129,16 +129,27 @@ async def _accept_upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWr
                  b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")  # fmt: skip
 
 
+async def _raw_upstream(handler: Any) -> tuple[asyncio.Server, str]:
+    """A raw TCP upstream on 127.0.0.1 running ``handler``, and its base URL."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+
+async def _hold_open(writer: asyncio.StreamWriter, seconds: float = 10.0) -> None:
+    """Keep the connection open (answering nothing) until cancelled or ``seconds`` pass."""
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        writer.close()
+
+
 async def _upgrade_then_close_without_fin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """A raw upstream: accepts the upgrade, answers the first frame with a close frame (1011),
     then keeps the TCP connection open (a slow closing handshake)."""
     await _accept_upgrade(reader, writer)
     await reader.read(1)  # the create frame
     writer.write(b"\x88\x02\x03\xf3")  # close, 1011
-    try:
-        await asyncio.sleep(10)
-    finally:
-        writer.close()
+    await _hold_open(writer)
 
 
 async def test_send_while_the_upstream_closes_is_upstream_closed() -> None:
@@ -150,9 +161,8 @@ async def test_send_while_the_upstream_closes_is_upstream_closed() -> None:
         handlers.append(task)
         await _upgrade_then_close_without_fin(reader, writer)
 
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    sock = await open_socket(settings_for(f"http://127.0.0.1:{port}/v1"))
+    server, url = await _raw_upstream(handler)
+    sock = await open_socket(settings_for(url))
     inbox = sock.open_inbox(None)
     await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
     with pytest.raises(UpstreamClosed) as info:
@@ -192,9 +202,8 @@ async def test_unanswered_keepalive_ping_drops_the_socket() -> None:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(mute, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    settings = settings_for(f"http://127.0.0.1:{port}/v1")
+    server, url = await _raw_upstream(mute)
+    settings = settings_for(url)
     identity = identify({"Authorization": f"Bearer {KEY}"}, upstream=settings.upstream, authorization=f"Bearer {KEY}")
     ws = await open_websocket(settings.ws_url, identity.headers, settings)
     sock = UpstreamSocket(1, ws, 0.0, ping_interval=0.05, ping_timeout=0.1)
@@ -216,14 +225,10 @@ async def test_silence_maps_to_upstream_timeout(emulator: Any) -> None:
 
 async def test_handshake_timeout_is_unavailable() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await asyncio.sleep(5)
-        finally:
-            writer.close()
+        await _hold_open(writer, 5)
 
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", timeouts=TimeoutSettings(connect_seconds=0.1))
+    server, url = await _raw_upstream(silent)
+    settings = Settings(upstream=url, timeouts=TimeoutSettings(connect_seconds=0.1))
     with pytest.raises(UpstreamUnavailable):
         await open_socket(settings)
     server.close()
@@ -285,14 +290,10 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
                 break
             received.extend(chunk)
         done.set()
-        try:
-            await asyncio.sleep(10)
-        finally:
-            writer.close()
+        await _hold_open(writer)
 
-    server = await asyncio.start_server(slow_reader, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    sock = await open_socket(settings_for(f"http://127.0.0.1:{port}/v1"))
+    server, url = await _raw_upstream(slow_reader)
+    sock = await open_socket(settings_for(url))
     frames = {lane: orjson.dumps({"type": "response.create", "input": lane + "x" * 8_000_000}) for lane in ("u1", "u2")}
     small = b'{"type":"response.create","input":"small"}'
     # The moment that broke: the transport resumes, and before u1's next fragment another lane
