@@ -297,21 +297,24 @@ def _bound(runner: web.AppRunner) -> tuple[str, int]:
     return str(address[0]), int(address[1])
 
 
-async def _serve(settings: Settings) -> int:
-    server = Server(settings)
+async def serve(server: Server, *, name: str = "", stop: asyncio.Event | None = None) -> int:
+    """Start ``server``, serve until SIGTERM or SIGINT (or until ``stop`` is set), then drain.
+
+    Returns the exit code: 1 when it cannot listen (said plainly, as ``name`` if given), else 0.
+    """
     try:
         await server.start()
     except OSError as exc:  # e.g. the port is taken: say so plainly, exit 1
-        log.error("cannot listen: %s", exc)
+        log.error("%scannot listen: %s", f"{name} " if name else "", exc)
         await server.stop()
         return 1
-    stop = asyncio.Event()
+    stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("signal received, draining for up to %g s", settings.shutdown.grace_seconds)
+    log.info("signal received, draining for up to %g s", server.settings.shutdown.grace_seconds)
     await server.stop()
     return 0
 
@@ -330,7 +333,7 @@ def run(settings: Settings) -> int:
 
         return supervise(settings)
     BUILD_INFO.labels(_version(), loop_name(), platform.python_version()).set(1)
-    return run_loop(_serve(settings))
+    return run_loop(serve(Server(settings)))
 
 
 def _version() -> str:

@@ -346,30 +346,21 @@ async def _serve_worker(
     settings: Settings, index: int, sockets: tuple[str, ...], handoffs: tuple[str, ...], admin: str
 ) -> int:
     from proxy.cluster import WorkerPlacement
-    from proxy.server import Server
+    from proxy.server import Server, serve
 
     server = Server(settings, worker=WorkerPlacement(index, sockets, handoffs), admin_path=admin)
-    try:
-        await server.start()
-    except OSError as exc:
-        log.error("worker %d cannot listen: %s", index, exc)
-        await server.stop()
-        return 1
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
 
     class Orphaned(asyncio.Protocol):  # the supervisor's end of stdin closed: it is gone
         def connection_lost(self, exc: Exception | None) -> None:
             stop.set()
 
+    loop = asyncio.get_running_loop()
     transport, _ = await loop.connect_read_pipe(Orphaned, os.fdopen(0, "rb", buffering=0, closefd=False))
-    await stop.wait()
-    transport.close()
-    await server.stop()
-    return 0
+    try:
+        return await serve(server, name=f"worker {index}", stop=stop)
+    finally:
+        transport.close()
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
