@@ -21,14 +21,14 @@ def req(items: list[Any], **fields: Any) -> ParsedRequest:
     return parse_request(orjson.dumps(body))
 
 
-def call(n: int) -> dict[str, Any]:
+def call(n: int, arguments: str | None = None) -> dict[str, Any]:
     return {
         "id": f"fc_{n}",
         "type": "function_call",
         "status": "completed",
         "call_id": f"call_{n}",
         "name": "read",
-        "arguments": f'{{"step":{n}}}',
+        "arguments": arguments if arguments is not None else f'{{"step":{n}}}',
     }
 
 

@@ -5,45 +5,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import orjson
-
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, echo_fields, first_field_diff
-from proxy.core.request import ParsedRequest, parse_request
+from tests.core.test_conversation import call, reasoning, req, response, result
 
-BASE = {"model": "gpt-5", "tools": [{"type": "function", "name": "read"}], "store": False}
 IDLE = lambda anchor: True  # noqa: E731
 SYSTEM = {"role": "system", "content": "You are helpful. Today is 2026-12-01T10:00."}
 USER = {"role": "user", "content": "do 3 steps"}
-
-
-def req(items: list[Any], **fields: Any) -> ParsedRequest:
-    body = dict(BASE, **fields)
-    body["input"] = items
-    return parse_request(orjson.dumps(body))
-
-
-def call(n: int, arguments: str | None = None) -> dict[str, Any]:
-    return {
-        "id": f"fc_{n}",
-        "type": "function_call",
-        "status": "completed",
-        "call_id": f"call_{n}",
-        "name": "read",
-        "arguments": arguments if arguments is not None else f'{{"step":{n}}}',
-    }
-
-
-def result(n: int) -> dict[str, Any]:
-    return {"type": "function_call_output", "call_id": f"call_{n}", "output": f"out {n}"}
-
-
-def reasoning(n: int) -> dict[str, Any]:
-    return {"id": f"rs_{n}", "type": "reasoning", "summary": [], "encrypted_content": f"enc{n}"}
-
-
-def response(rid: str, *output: dict[str, Any]) -> dict[str, Any]:
-    return {"id": rid, "object": "response", "status": "completed", "output": list(output)}
 
 
 def three_turns(heads: HeadTable, first: list[Any]) -> list[Any]:
