@@ -79,22 +79,31 @@ CASES = [
 ]
 
 
+async def _load_within(
+    emulator: Emulator, limited: LimitedFactory, budget: int, conversations: int, size_mb: float, turns: int
+) -> LimitedSidecar:
+    """A sidecar with ``limits.memory_bytes = budget`` under the load: its peak RSS stays within
+    the budget and its RSS settles afterwards."""
+    side = limited(emulator.base_url, UPSHIFT_LIMITS_MEMORY_BYTES=str(budget))
+    async with aiohttp.ClientSession() as session:
+        await side.wait_ready(session)
+    idle = side.rss()
+    await run_load(emulator, side, conversations, size_mb, turns)
+    assert side.high_water() <= budget, f"peak RSS {side.high_water() / MIB:.1f} MiB over the budget"
+    await assert_settles(side, idle)
+    return side
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("conversations", "size_mb", "turns"), CASES)
 async def test_the_budget_holds_under_many_large_histories(
     emulator: Emulator, limited: LimitedFactory, conversations: int, size_mb: float, turns: int
 ) -> None:
     budget = 128 * MIB
-    side = limited(emulator.base_url, UPSHIFT_LIMITS_MEMORY_BYTES=str(budget))
-    async with aiohttp.ClientSession() as session:
-        await side.wait_ready(session)
-    idle = side.rss()
-    await run_load(emulator, side, conversations, size_mb, turns)
+    side = await _load_within(emulator, limited, budget, conversations, size_mb, turns)
     text = await scrape(side.admin)
     assert metric(text, "upshift_memory_budget_bytes") == budget
     assert metric(text, "upshift_memory_waits_total") > 0, "the load never had to wait: not a test of the budget"
-    assert side.high_water() <= budget, f"peak RSS {side.high_water() / MIB:.1f} MiB over the budget"
-    await assert_settles(side, idle)
 
 
 _FULL = os.environ.get("UPSHIFT_MEMORY_FULL") == "1"
@@ -114,12 +123,5 @@ _ALL = pytest.mark.skipif(not _FULL, reason="UPSHIFT_MEMORY_FULL=1 runs it (benc
 async def test_the_issue_workloads_at_full_scale(
     emulator: Emulator, limited: LimitedFactory, conversations: int, size_mb: float, turns: int
 ) -> None:
-    budget = 256 * MIB
     # One app key for all: 200 conversations share its 32 sockets through lanes.
-    side = limited(emulator.base_url, UPSHIFT_LIMITS_MEMORY_BYTES=str(budget))
-    async with aiohttp.ClientSession() as session:
-        await side.wait_ready(session)
-    idle = side.rss()
-    await run_load(emulator, side, conversations, size_mb, turns)
-    assert side.high_water() <= budget, f"peak RSS {side.high_water() / MIB:.1f} MiB over the budget"
-    await assert_settles(side, idle)
+    await _load_within(emulator, limited, 256 * MIB, conversations, size_mb, turns)
