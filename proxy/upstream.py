@@ -431,8 +431,6 @@ class UpstreamSocket(asyncio.Protocol):
         if protocol.close_rcvd is not None:
             # The upstream is closing: nothing more comes, and nothing may be sent any more.
             self._fail(closed_error(protocol.close_rcvd, protocol.close_sent))
-        if protocol.state is not State.OPEN:
-            self._flush()
 
     def _message(self, raw: bytes) -> bool:
         try:
