@@ -204,15 +204,19 @@ async def pump(
                 continue
             down.upstream_wait += clock() - waited
         now = clock()
+        # Events that arrived together leave together: one write (one wakeup of the app) per
+        # burst of up to _MAX_BATCH instead of one per event; never held back while upstream
+        # is silent. After the terminal event the loop ends and the last batch goes below.
         for raw, event in events:
             outs = channel.feed(raw, event, now)
             if outs and stream:
                 batch += outs
+                if len(batch) >= _MAX_BATCH:
+                    await down.write(batch)
+                    batch = []
             if channel.done:
                 break  # anything after the terminal event is not this response's
-        # Events that arrived together leave together: one write (one wakeup of the app)
-        # per burst instead of one per event; never held back while upstream is silent.
-        if batch and (len(batch) >= _MAX_BATCH or channel.done or not lane.pending()):
+        if batch and not channel.done and not lane.pending():
             await down.write(batch)
             batch = []
     if batch:
