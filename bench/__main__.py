@@ -28,11 +28,12 @@ import psutil
 
 from . import report as rpt
 from .capacity import run_capacity
+from .floor import FloorProc
 from .memory import WORKLOADS, run_budget, run_memory
 from .network import DEFAULT_FLAGS, run_network
 from .overhead import parse_size, run_overhead, slopes
 from .phases import LoadMonitor, meta, profile_pass, pyinstrument_pass, quiet_stderr, rollouts_phase, wait_quiet
-from .procs import EmulatorProc, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
+from .procs import EmulatorProc, Managed, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
 from .stall import run_stall
 from .summary import targets
 from .workload import RolloutSpec
@@ -112,6 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-repeats", type=int, default=3, help="rounds of each stall scenario (medians reported)")
     p.add_argument("--no-sidecar", action="store_true", help="setups A and C only")
     p.add_argument("--no-profile", action="store_true", help="skip the profile of the sidecar")
+    p.add_argument("--no-floor", action="store_true",
+                   help="added-latency phase: skip the bare relay (bench.floor) beside the sidecar")  # fmt: skip
     p.add_argument("--profiler", choices=["pyinstrument", "py-spy"], default="pyinstrument",
                    help="pyinstrument: a second sidecar run under it; py-spy: samples the timed one")  # fmt: skip
     p.add_argument("--pin", action="store_true", help="pin the sidecar to CPU 0, emulator and bench to CPU 1")
@@ -188,11 +191,15 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
         psutil.Process().cpu_affinity([1])
     emu = EmulatorProc(logs, {})
     side: SidecarProc | None = None
+    extra_roles: dict[str, Managed] = {}
 
     def roles() -> dict[str, int]:
         found = {"bench": os.getpid(), "emulator": emu.pid if emu.alive() else 0}
         if side is not None and side.alive():
             found["sidecar"] = side.pid
+        for name, proc in extra_roles.items():
+            if proc.alive():
+                found[name] = proc.pid
         return {k: v for k, v in found.items() if v}
 
     monitor = LoadMonitor(roles)
@@ -208,8 +215,19 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             monitor.phase()
             log("phase overhead: added latency per history size (zero latency)")
             sizes = [s for s in args.sizes.split(",") if s]
-            found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log,
-                                       light=args.light_settings)  # fmt: skip
+            floor = None
+            if not args.no_floor:
+                floor = FloorProc(logs, emu.base_url)
+                floor.start([0] if args.pin else None)
+                await floor.ready()
+                extra_roles["floor"] = floor
+            try:
+                found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log,
+                                           light=args.light_settings, floor=floor)  # fmt: skip
+            finally:
+                if floor is not None:
+                    floor.stop()
+                    extra_roles.pop("floor", None)
             report["overhead"] = [r.report() for r in found]
             report["overhead_slopes"] = slopes(found)
             load["overhead"] = monitor.phase()

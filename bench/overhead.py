@@ -36,7 +36,8 @@ import orjson
 import websockets
 
 from .clients import API_KEY, READ_TIMEOUT, echo_items, post_sse, sdk_headers, ws_turn
-from .procs import EmulatorProc, SidecarProc
+from .floor import FloorProc
+from .procs import EmulatorProc, Managed, SidecarProc
 from .stats import percentile, summary
 from .workload import AgentHistory, body_fields
 
@@ -75,6 +76,8 @@ class SizeResult:
     emulator_cpu_ms_per_ws_turn: float = 0.0
     emulator_cpu_ms_per_sidecar_turn: float = 0.0
     emulator_cpu_ms_per_http_turn: float = 0.0
+    floor: SizeResult | None = None
+    """The same size through :mod:`bench.floor` (the least a Python relay does), if measured."""
 
     def report(self) -> dict[str, JSON]:
         """Summaries for the JSON report."""
@@ -101,6 +104,24 @@ class SizeResult:
             "emulator_cpu_ms_per_http_turn": round(self.emulator_cpu_ms_per_http_turn, 3),
             "cpu_ratio_sidecar_over_emulator_ws": round(self.cpu_ms_per_request / self.emulator_cpu_ms_per_ws_turn, 3)
             if self.emulator_cpu_ms_per_ws_turn
+            else None,
+            "floor": self._floor_report(),
+        }
+
+    def _floor_report(self) -> JSON:
+        floor = self.floor
+        if floor is None or not floor.added_total:
+            return None
+        return {
+            "turns": len(floor.added_total),
+            "added_ms": summary(floor.added_total),
+            "cpu_ms_per_request": round(floor.cpu_ms_per_request, 3),
+            "emulator_cpu_ms_per_ws_turn": round(floor.emulator_cpu_ms_per_ws_turn, 3),
+            "cpu_ratio_floor_over_emulator_ws": round(floor.cpu_ms_per_request / floor.emulator_cpu_ms_per_ws_turn, 3)
+            if floor.emulator_cpu_ms_per_ws_turn
+            else None,
+            "cpu_ratio_sidecar_over_floor": round(self.cpu_ms_per_request / floor.cpu_ms_per_request, 3)
+            if floor.cpu_ms_per_request
             else None,
         }
 
@@ -136,8 +157,8 @@ def _calls(response: JSON) -> list[JSON]:
 class _Cpu:
     """CPU seconds of the sidecar and the emulator, attributed to the request that ran between reads."""
 
-    def __init__(self, emu: EmulatorProc, side: SidecarProc) -> None:
-        self.procs = {"s": side, "e": emu}
+    def __init__(self, emu: EmulatorProc, side: SidecarProc | FloorProc) -> None:
+        self.procs: dict[str, Managed] = {"s": side, "e": emu}
         self.spent: dict[tuple[str, str], float] = {}
         self.count: dict[str, int] = {}
 
@@ -160,7 +181,7 @@ async def _measure_size(
     reps: int,
     per_chain: int,
     emu: EmulatorProc,
-    side: SidecarProc,
+    side: SidecarProc | FloorProc,
     seed: int,
     light: bool = False,
 ) -> SizeResult:
@@ -273,11 +294,14 @@ async def run_overhead(
     log: Any = print,
     per_chain: int | None = None,
     light: bool = False,
+    floor: FloorProc | None = None,
 ) -> list[SizeResult]:
     """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency.
 
     ``light``: one tool and a one-line instruction instead of the agent's 3.3 KB of instructions
     and five tools (the history sizes count the input only, the settings come on top).
+    ``floor``: also run half as many turns of each size through :mod:`bench.floor`, right after
+    the sidecar's, for the sidecar's CPU and added latency as ratios to a bare Python relay's.
     """
     await emu.set_latency({})
     await _measure_size("warmup", 20_000, warmup, 3, emu, side, seed, light)
@@ -288,6 +312,8 @@ async def run_overhead(
         n = reps if size < 2_000_000 else max(10, reps // 2)
         started = time.perf_counter()
         res = await _measure_size(label, size, n, turns, emu, side, seed, light)
+        if floor is not None:
+            res.floor = await _measure_size(label, size, max(20, n // 2), turns, emu, floor, seed + 1, light)
         rep = res.report()
         log(
             f"  overhead {label}: added p50 {rep['added_ms']['p50']:.2f} ms p99 {rep['added_ms']['p99']:.2f} ms "
@@ -297,6 +323,13 @@ async def run_overhead(
             f"{rep['emulator_cpu_ms_per_ws_turn']:.2f} ms; {rep['events_per_turn'].get('p50', 0):.0f} events/turn "
             f"in {time.perf_counter() - started:.0f} s"
         )
+        if rep["floor"]:
+            f = rep["floor"]
+            log(
+                f"  floor relay {label}: added p50 {f['added_ms']['p50']:.2f} ms, CPU/turn "
+                f"{f['cpu_ms_per_request']:.2f} ms (floor/emulator {f['cpu_ratio_floor_over_emulator_ws']}; "
+                f"sidecar/floor {f['cpu_ratio_sidecar_over_floor']})"
+            )
         results.append(res)
         await emu.reset()
         await asyncio.sleep(0.2)

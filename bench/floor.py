@@ -1,0 +1,237 @@
+"""The floor of a Python relay: the least work that turns an HTTP Responses turn into a WebSocket
+mode one, measured beside the sidecar so that "a turn costs no more than a Python relay must"
+(issue 14) is a ratio in one run, not a guess.
+
+``python -m bench.floor PORT UPSTREAM`` serves ``POST /v1/responses`` (SSE, ``Content-Length``
+bodies, keep-alive) on 127.0.0.1:PORT with uvloop and bare asyncio protocols, and relays each
+turn over one upstream WebSocket per app connection: ``orjson.loads`` of the body, the input
+past the last turn's items plus ``previous_response_id`` in one masked frame, then each event
+frame parsed (``orjson.loads``: a relay has to know its type and its end) and written to the
+app as SSE, one write per burst of frames.
+
+It is a lower bound, not a product: no aiohttp, no websockets state machine, no matching beyond
+"the same first item and more items than last time" (nothing verifies the prefix), no settings
+check, no metrics, no log, no memory accounting, no error handling. Any correct relay does at
+least this much per turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import orjson
+from websockets.speedups import apply_mask
+
+from .procs import Managed, free_port
+
+__all__ = ["FloorProc", "main"]
+
+_TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
+_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
+_MAX_CHAINS = 10_000
+
+
+class _Upstream(asyncio.Protocol):
+    """One upstream WebSocket (client side): a hand-written upgrade, unfragmented frames."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.sink: Callable[[list[bytes]], None] | None = None
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+        self._handshake = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buffer + data
+        if self._handshake:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self.buffer = buf
+                return
+            buf, self._handshake = buf[end + 4 :], False
+            self.ready.set_result(None)
+        pos, frames, size = 0, [], len(buf)
+        while size - pos >= 2:
+            length, header = buf[pos + 1] & 0x7F, 2
+            if length == 126:
+                if size - pos < 4:
+                    break
+                (length,), header = struct.unpack_from("!H", buf, pos + 2), 4
+            elif length == 127:
+                if size - pos < 10:
+                    break
+                (length,), header = struct.unpack_from("!Q", buf, pos + 2), 10
+            if size - pos < header + length:
+                break
+            frames.append(buf[pos + header : pos + header + length])
+            pos += header + length
+        self.buffer = buf[pos:]
+        if frames and self.sink is not None:
+            self.sink(frames)
+
+    def send(self, payload: bytes) -> None:
+        assert self.transport is not None
+        size, mask = len(payload), os.urandom(4)
+        if size < 126:
+            header = struct.pack("!BB", 0x81, 0x80 | size)
+        elif size < 65536:
+            header = struct.pack("!BBH", 0x81, 0xFE, size)
+        else:
+            header = struct.pack("!BBQ", 0x81, 0xFF, size)
+        self.transport.writelines([header, mask, apply_mask(payload, mask)])
+
+
+class _App(asyncio.Protocol):
+    """One app connection: requests in order, one upstream socket."""
+
+    def __init__(self, upstream: tuple[str, int], chains: OrderedDict[bytes, tuple[int, str | None]]) -> None:
+        self.upstream_address = upstream
+        self.chains = chains
+        self.buffer = b""
+        self.busy = False
+        self.up: _Upstream | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.up is not None and self.up.transport is not None:
+            self.up.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buffer[:end].lower() + b"\r\n"
+        at = head.find(b"content-length:")
+        length = int(head[at + 15 : head.find(b"\r\n", at)]) if at >= 0 else 0
+        total = end + 4 + length
+        if len(self.buffer) < total:
+            return
+        body, self.buffer, self.busy = self.buffer[end + 4 : total], self.buffer[total:], True
+        asyncio.get_running_loop().create_task(self._turn(body))
+
+    async def _connect(self) -> _Upstream:
+        host, port = self.upstream_address
+        _, up = await asyncio.get_running_loop().create_connection(_Upstream, host, port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        request = (
+            f"GET /v1/responses HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer sk-test\r\n\r\n"
+        )
+        assert up.transport is not None
+        up.transport.write(request.encode())
+        await up.ready
+        return up
+
+    async def _turn(self, body: bytes) -> None:
+        if self.up is None:
+            self.up = await self._connect()
+        request: dict[str, Any] = orjson.loads(body)
+        items = request.pop("input")
+        request.pop("stream", None)
+        key = orjson.dumps(items[0])
+        known = self.chains.get(key)
+        new, previous = (items[known[0] :], known[1]) if known and len(items) > known[0] else (items, None)
+        frame = orjson.dumps({"type": "response.create", **request, "input": new, "previous_response_id": previous})
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        started = [False]
+        transport = self.transport
+        assert transport is not None
+
+        def sink(frames: list[bytes]) -> None:
+            parts, end = [], False
+            for raw in frames:
+                event = orjson.loads(raw)
+                kind = event["type"]
+                parts.append(b"event: " + kind.encode() + b"\ndata: " + raw + b"\n\n")
+                if kind in _TERMINAL:
+                    response = event.get("response") or {}
+                    self.chains[key] = (len(items) + len(response.get("output") or []), response.get("id"))
+                    while len(self.chains) > _MAX_CHAINS:
+                        self.chains.popitem(last=False)
+                    end = True
+                    break
+            data = b"".join(parts)
+            out = [_HEAD] if not started[0] else []
+            started[0] = True
+            out.append(b"%x\r\n%s\r\n" % (len(data), data))
+            if end:
+                out.append(b"0\r\n\r\n")
+            transport.writelines(out)
+            if end and not done.done():
+                done.set_result(None)
+
+        self.up.sink = sink
+        self.up.send(frame)
+        await done
+        self.busy = False
+        if self.buffer:
+            self._next()
+
+
+async def _serve(port: int, upstream: str) -> None:
+    parts = urlsplit(upstream)
+    address = (parts.hostname or "127.0.0.1", parts.port or 80)
+    chains: OrderedDict[bytes, tuple[int, str | None]] = OrderedDict()
+    server = await asyncio.get_running_loop().create_server(lambda: _App(address, chains), "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.floor PORT UPSTREAM`` (uvloop where it is installed)."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        import uvloop
+
+        uvloop.run(_serve(int(args[0]), args[1]))
+    except ImportError:
+        asyncio.run(_serve(int(args[0]), args[1]))
+
+
+class FloorProc(Managed):
+    """The floor relay as a process beside the sidecar (same interface as :class:`SidecarProc`)."""
+
+    def __init__(self, log_dir: Any, upstream: str) -> None:
+        self.port = free_port()
+        super().__init__("floor", [sys.executable, "-m", "bench.floor", str(self.port), upstream], log_dir)
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT/v1``."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def ready(self, timeout: float = 20.0) -> None:
+        """Wait until the port accepts connections."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.close()
+                return
+            except OSError:
+                if asyncio.get_running_loop().time() > deadline or not self.alive():
+                    raise RuntimeError(f"the floor relay did not start: {self.log_tail()}") from None
+                await asyncio.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()
