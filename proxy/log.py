@@ -9,6 +9,7 @@ a bearer token, an ``sk-`` key or an ``Authorization:`` header become ``[redacte
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
@@ -20,7 +21,16 @@ import orjson
 
 from proxy.config import LoggingSettings
 
-__all__ = ["ACCESS_LOGGER", "REDACTED", "JsonFormatter", "access_log", "redact", "setup_logging"]
+__all__ = [
+    "ACCESS_LOGGER",
+    "FLUSH_DELAY",
+    "REDACTED",
+    "BatchedHandler",
+    "JsonFormatter",
+    "access_log",
+    "redact",
+    "setup_logging",
+]
 
 ACCESS_LOGGER = "upshift.access"
 """Logger name of the one-line-per-request access log."""
@@ -47,6 +57,8 @@ in them, so no regex runs over them. Numbers and booleans never need one either.
 
 _access_enabled = True
 _access_logger = logging.getLogger(ACCESS_LOGGER)
+_ROOT = logging.getLogger()
+_UPSHIFT = logging.getLogger("upshift")
 _INFO = logging.INFO
 _second = -1
 _second_text = ""
@@ -61,13 +73,13 @@ def _timestamp(created: float) -> str:
     return f"{_second_text}.{int((created - whole) * 1000):03d}Z"
 
 
-def _access_line(record: logging.LogRecord, fields: Mapping[str, object]) -> dict[str, Any]:
+def _access_line(created: float, fields: Mapping[str, object]) -> dict[str, Any]:
     """An access line: the fixed keys, then ``fields``; a regex runs only over strings that did
     not come from the sidecar itself."""
     line: dict[str, Any] = {
-        "ts": _timestamp(record.created),
+        "ts": _timestamp(created),
         "level": "info",
-        "logger": record.name,
+        "logger": ACCESS_LOGGER,
         "msg": "access",
     }
     for key, value in fields.items():
@@ -101,7 +113,7 @@ class JsonFormatter(logging.Formatter):
         """Render ``record`` as ``{"ts", "level", "logger", "msg", ...extra}``, redacted."""
         fields = record.__dict__.get(_ACCESS_ATTR)
         if fields is not None:
-            return orjson.dumps(_access_line(record, fields), default=str).decode()
+            return orjson.dumps(_access_line(record.created, fields), default=str).decode()
         line: dict[str, Any] = {
             "ts": _timestamp(record.created),
             "level": record.levelname.lower(),
@@ -117,6 +129,70 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(redact(line), default=str).decode()
 
 
+FLUSH_DELAY = 0.02
+"""Seconds a line may wait for the lines after it, so that a busy sidecar writes its log in one
+syscall per burst instead of one per request (a warning or error is written at once)."""
+
+
+class BatchedHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A ``StreamHandler`` that writes the lines of one burst together: on the event loop, a line
+    waits at most :data:`FLUSH_DELAY` (a warning or worse flushes at once, with everything
+    before it, so the order of lines never changes); elsewhere it is written at once.
+    ``flush()`` (and ``logging.shutdown()`` at exit) writes whatever waits.
+    """
+
+    def __init__(self, stream: IO[str]) -> None:
+        super().__init__(stream)
+        self._pending: list[str] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - as logging's own handlers: report, never raise
+            self.handleError(record)
+            return
+        self.add(line, urgent=record.levelno >= logging.WARNING)
+
+    def add(self, line: str, *, urgent: bool = False) -> None:
+        """Queue one formatted line (the caller holds the handler's lock, as ``emit``'s does)."""
+        self._pending.append(line)
+        if urgent:
+            self._write()
+            return
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop in this thread: nothing would flush later
+                self._write()
+                return
+            self._timer = loop.call_later(FLUSH_DELAY, self.flush)
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            self._write()
+        finally:
+            self.release()
+
+    def _write(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._pending:
+            text = "\n".join(self._pending) + "\n"
+            self._pending.clear()
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or full stream must not break a request
+                pass
+
+
+_batched: BatchedHandler | None = None
+"""The handler :func:`setup_logging` installed (the access log's fast path writes to it)."""
+
+
 def setup_logging(s: LoggingSettings, *, stream: IO[str] | None = None) -> None:
     """Send every log record to ``stream`` (default: stdout) as a JSON line.
 
@@ -126,12 +202,13 @@ def setup_logging(s: LoggingSettings, *, stream: IO[str] | None = None) -> None:
         s: Level and access-log switch.
         stream: Where lines go; tests pass a buffer.
     """
-    global _access_enabled
+    global _access_enabled, _batched
     _access_enabled = s.access_log
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
-        root.removeHandler(handler)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stdout)
+    for old in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
+        old.flush()
+        root.removeHandler(old)
+    handler = _batched = BatchedHandler(stream if stream is not None else sys.stdout)
     setattr(handler, _HANDLER_MARK, True)
     handler.setFormatter(JsonFormatter())
     root.addHandler(handler)
@@ -151,6 +228,23 @@ def access_log(fields: Mapping[str, object]) -> None:
             Keys that collide with LogRecord attributes (e.g. ``msg``) are prefixed ``f_``.
     """
     if not _access_enabled or not _access_logger.isEnabledFor(_INFO):
+        return
+    handler = _batched
+    if (
+        handler is not None
+        and _ROOT.handlers == [handler]
+        and not (_access_logger.handlers or _access_logger.filters or _UPSHIFT.handlers or _ROOT.filters)
+        and _access_logger.propagate
+        and _UPSHIFT.propagate
+    ):
+        # The usual case (only the handler setup_logging installed): the line is formatted
+        # straight from ``fields``, with no LogRecord and no logging dispatch.
+        line = orjson.dumps(_access_line(time.time(), fields), default=str).decode()
+        handler.acquire()
+        try:
+            handler.add(line)
+        finally:
+            handler.release()
         return
     # One record built directly (no caller lookup: the line names no source location). The
     # fields are record attributes as with ``extra=`` (for filters and handlers), and kept as

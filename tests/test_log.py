@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import re
@@ -12,7 +13,7 @@ import orjson
 import pytest
 
 from proxy.config import LoggingSettings
-from proxy.log import ACCESS_LOGGER, REDACTED, access_log, redact, setup_logging
+from proxy.log import ACCESS_LOGGER, FLUSH_DELAY, REDACTED, BatchedHandler, access_log, redact, setup_logging
 
 BEARER = "Bearer abc.DEF-123_xyz"
 SK_KEY = "sk-proj-AbCdEf0123456789_-xyz"
@@ -165,3 +166,62 @@ def test_access_line_redacts_only_what_could_hold_a_secret(stream: io.StringIO) 
     assert (line["request_id"], line["mode"], line["items_in"], line["added_ms"]) == ("req_1", "full", 3, 0.5)
     assert line["note"] == f"got {REDACTED}" and "authorization" not in line and line["nested"] == {"ok": 1}
     assert TS.match(line["ts"]) and line["msg"] == "access" and line["level"] == "info"
+
+
+FIELDS = {"request_id": "req_7", "mode": "full", "items_in": 3, "note": f"got {BEARER}", "msg": "x"}
+
+
+def test_access_fast_path_writes_the_same_line_as_the_logging_path(stream: io.StringIO) -> None:
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if isinstance(h, BatchedHandler)]
+    assert len(ours) == 1
+    access_log(FIELDS)  # pytest's own handlers are on the root logger: the logging path
+    others = [h for h in root.handlers if h not in ours]
+    root.handlers[:] = ours  # as in the sidecar: only setup_logging's handler, the fast path
+    try:
+        access_log(FIELDS)
+    finally:
+        root.handlers[:] = ours + others
+    logged, fast = _lines(stream)
+    assert {k: v for k, v in fast.items() if k != "ts"} == {k: v for k, v in logged.items() if k != "ts"}
+    assert fast["note"] == f"got {REDACTED}" and fast["f_msg"] == "x" and TS.match(fast["ts"])
+
+
+async def test_lines_of_a_burst_are_written_together_and_a_warning_at_once() -> None:
+    class Counting(io.StringIO):
+        writes = 0
+
+        def write(self, text: str) -> int:
+            self.writes += 1
+            return super().write(text)
+
+    buffer = Counting()
+    handler = BatchedHandler(buffer)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("upshift.test.batched")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    try:
+        log.info("one")
+        log.info("two")
+        assert buffer.getvalue() == ""  # waiting for the rest of the burst
+        await asyncio.sleep(FLUSH_DELAY * 3)
+        assert (buffer.getvalue(), buffer.writes) == ("one\ntwo\n", 1)
+        log.info("three")
+        log.warning("four")  # at once, after what waited: the order of lines never changes
+        assert (buffer.getvalue(), buffer.writes) == ("one\ntwo\nthree\nfour\n", 2)
+        log.info("five")
+        handler.flush()  # as logging.shutdown() at exit
+        assert buffer.getvalue().endswith("four\nfive\n")
+    finally:
+        log.removeHandler(handler)
+        log.propagate = True
+
+
+def test_without_an_event_loop_a_line_is_written_at_once() -> None:
+    buffer = io.StringIO()
+    handler = BatchedHandler(buffer)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.handle(logging.LogRecord("x", logging.INFO, "", 0, "now", None, None))
+    assert buffer.getvalue() == "now\n"
