@@ -26,9 +26,10 @@ from websockets.exceptions import (
     InvalidProxyStatus,
     InvalidStatus,
     InvalidURI,
+    ProtocolError,
     ProxyError,
 )
-from websockets.frames import Close, Frame, Opcode
+from websockets.frames import Close, CloseCode, Frame, Opcode
 from websockets.protocol import State
 
 from proxy.config import Settings
@@ -59,6 +60,11 @@ MAX_RECEIVED_FRAME = 64 * 1024 * 1024
 _CLOSE_TIMEOUT = 2.0
 """Seconds to wait for the closing handshake before dropping the TCP connection."""
 
+
+_CONT, _TEXT, _BINARY = int(Opcode.CONT), int(Opcode.TEXT), int(Opcode.BINARY)
+_CLOSE, _PING, _PONG = int(Opcode.CLOSE), int(Opcode.PING), int(Opcode.PONG)
+_UNSENDABLE = frozenset({CloseCode.NO_STATUS_RCVD, CloseCode.ABNORMAL_CLOSURE, CloseCode.TLS_HANDSHAKE})
+"""Close codes that may be received but never sent: such a close is echoed without a code."""
 
 _FRAGMENT = 1024 * 1024
 """Frames above this go as a fragmented message (issue 12: memory per byte sent)."""
@@ -280,6 +286,13 @@ class UpstreamSocket(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self._fragments: list[bytes] = []
         self._fragment_size = 0
+        self._fast = not self.protocol.extensions and not self.protocol.reader.buffer
+        """Frames parsed by :meth:`_parse` (no extension such as compression was negotiated and
+        the library holds no bytes after the handshake); else by websockets' protocol."""
+        self._partial: list[bytes] = []
+        self._partial_size = 0
+        self._partial_need = 0
+        self._close_rcvd: Close | None = None
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._lost: asyncio.Future[None] = loop.create_future()
@@ -298,6 +311,11 @@ class UpstreamSocket(asyncio.Protocol):
 
     def __repr__(self) -> str:
         return f"<UpstreamSocket #{self.key} {self.protocol.state.name.lower()} lanes={len(self.inboxes)}>"
+
+    @property
+    def close_rcvd(self) -> Close | None:
+        """The close frame the upstream sent, if one came."""
+        return self._close_rcvd or self.protocol.close_rcvd
 
     @property
     def closed(self) -> bool:
@@ -338,7 +356,7 @@ class UpstreamSocket(asyncio.Protocol):
         if self.error is not None:
             raise self.error
         if self.protocol.state is not State.OPEN:
-            raise closed_error(self.protocol.close_rcvd, self.protocol.close_sent)
+            raise closed_error(self.close_rcvd, self.protocol.close_sent)
         self._first.append(lane)
         if len(frame) <= _FRAGMENT and self._writable is None and not self._sending.locked():
             self.protocol.send_text(frame)
@@ -402,6 +420,9 @@ class UpstreamSocket(asyncio.Protocol):
     # -- receiving -----------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._fast:
+            self._parse(data)
+            return
         protocol = self.protocol
         protocol.receive_data(data)
         frames = protocol.events_received()
@@ -409,28 +430,117 @@ class UpstreamSocket(asyncio.Protocol):
         for frame in frames:
             if not isinstance(frame, Frame):
                 continue  # handshake events come before the socket takes over: never here
-            opcode = frame.opcode
-            if opcode is Opcode.TEXT or opcode is Opcode.BINARY or opcode is Opcode.CONT:
-                if not frame.fin or self._fragments:
-                    self._fragments.append(bytes(frame.data))
-                    self._fragment_size += len(frame.data)
-                    if self._fragment_size > MAX_RECEIVED_FRAME:
-                        self._protocol_error(f"The upstream sent a message over {MAX_RECEIVED_FRAME} bytes.")
-                        return
-                    if not frame.fin:
-                        continue
-                    raw = b"".join(self._fragments)
-                    self._fragments, self._fragment_size = [], 0
-                else:
-                    raw = bytes(frame.data)
-                if not self._message(raw):
-                    return
-            elif opcode is Opcode.PONG:
-                if self._ping is not None and frame.data == self._ping:
-                    self._pong()
+            if not self._frame(frame.opcode, frame.fin, frame.data):
+                return
         if protocol.close_rcvd is not None:
             # The upstream is closing: nothing more comes, and nothing may be sent any more.
             self._fail(closed_error(protocol.close_rcvd, protocol.close_sent))
+
+    def _parse(self, data: bytes) -> None:
+        """Frames out of ``data`` (RFC 6455 §5.2), for a connection without extensions.
+
+        websockets' parser is a generator per frame (a few µs each, on every one of a turn's
+        ~20 events); this one slices complete frames out of the received bytes and keeps an
+        incomplete one's chunks until its declared length is there, joined once. Control
+        frames follow the library's rules: a ping gets its pong, a close its echo.
+        """
+        if self._close_rcvd is not None or self.error is not None:
+            return  # after a close or a failure nothing more is processed (§7.1.7)
+        if self._partial:
+            self._partial.append(data)
+            self._partial_size += len(data)
+            if self._partial_size < self._partial_need:
+                return
+            data = b"".join(self._partial)
+            self._partial, self._partial_size = [], 0
+        pos, size, need = 0, len(data), 2
+        while size - pos >= 2:
+            first, second = data[pos], data[pos + 1]
+            length, header = second & 0x7F, 2
+            if length == 126:
+                if size - pos < 4:
+                    need = 4
+                    break
+                length, header = int.from_bytes(data[pos + 2 : pos + 4], "big"), 4
+            elif length == 127:
+                if size - pos < 10:
+                    need = 10
+                    break
+                length, header = int.from_bytes(data[pos + 2 : pos + 10], "big"), 10
+            if second & 0x80 or first & 0x70 or length > MAX_RECEIVED_FRAME:
+                self._protocol_error(
+                    "The upstream sent a masked frame."
+                    if second & 0x80
+                    else "The upstream sent a frame with reserved bits set."
+                    if first & 0x70
+                    else f"The upstream sent a message over {MAX_RECEIVED_FRAME} bytes."
+                )
+                return
+            end = pos + header + length
+            if end > size:
+                need = end - pos
+                break
+            payload = data[pos + header : end]
+            pos = end
+            if not self._frame(first & 0x0F, bool(first & 0x80), payload) or self._close_rcvd is not None:
+                return
+        if pos < size:
+            rest = data[pos:] if pos else data
+            self._partial, self._partial_size, self._partial_need = [rest], len(rest), need
+
+    def _frame(self, opcode: int, fin: bool, payload: bytes | bytearray | memoryview) -> bool:
+        """One frame; False once the socket failed (stop processing)."""
+        if opcode == _TEXT or opcode == _BINARY or opcode == _CONT:
+            if self._fragments or not fin:
+                if (opcode == _CONT) != bool(self._fragments):
+                    self._protocol_error("The upstream sent a fragment out of order.")
+                    return False
+                self._fragments.append(bytes(payload))
+                self._fragment_size += len(payload)
+                if self._fragment_size > MAX_RECEIVED_FRAME:
+                    self._protocol_error(f"The upstream sent a message over {MAX_RECEIVED_FRAME} bytes.")
+                    return False
+                if not fin:
+                    return True
+                raw = b"".join(self._fragments)
+                self._fragments, self._fragment_size = [], 0
+            elif opcode == _CONT:
+                self._protocol_error("The upstream sent a fragment out of order.")
+                return False
+            else:
+                raw = payload if isinstance(payload, bytes) else bytes(payload)
+            return self._message(raw)
+        if not self._fast:
+            if opcode == _PONG and self._ping is not None and payload == self._ping:
+                self._pong()
+            return True  # the protocol answered pings and closes itself
+        if opcode < _CLOSE or opcode > _PONG or not fin or len(payload) > 125:
+            self._protocol_error("The upstream sent an invalid control frame.")
+            return False
+        if opcode == _PING:
+            if self.protocol.state is State.OPEN:
+                self.protocol.send_pong(payload)
+                self._flush()
+        elif opcode == _PONG:
+            if self._ping is not None and payload == self._ping:
+                self._pong()
+        else:
+            try:
+                rcvd = Close.parse(bytes(payload))
+            except (ProtocolError, UnicodeDecodeError):
+                self._protocol_error("The upstream sent an invalid close frame.")
+                return False
+            self._close_rcvd = rcvd
+            if self.protocol.state is State.OPEN:  # echo it (§5.5.1); the upstream then closes TCP
+                with contextlib.suppress(ProtocolError):
+                    if rcvd.code in _UNSENDABLE:
+                        self.protocol.send_close()
+                    else:
+                        self.protocol.send_close(rcvd.code, rcvd.reason)
+                self._flush()
+            # The upstream is closing: nothing more comes, and nothing may be sent any more.
+            self._fail(closed_error(rcvd, self.protocol.close_sent))
+        return True
 
     def _message(self, raw: bytes) -> bool:
         try:
@@ -460,10 +570,10 @@ class UpstreamSocket(asyncio.Protocol):
         self._keepalive = self._closer = None
         self.resume_writing()
         _LIVE.discard(self)
-        if exc is not None and self.protocol.close_rcvd is None:
+        if exc is not None and self.close_rcvd is None:
             self._fail(UpstreamClosed(f"Receiving from the upstream failed: {exc}"))
         else:
-            self._fail(closed_error(self.protocol.close_rcvd, self.protocol.close_sent))
+            self._fail(closed_error(self.close_rcvd, self.protocol.close_sent))
         if not self._lost.done():
             self._lost.set_result(None)
 

@@ -12,12 +12,12 @@ from typing import Any
 import orjson
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.frames import Frame
+from websockets.frames import Close, Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import Protocol, Side, State
 
 from proxy.config import PoolSettings, Settings, TimeoutSettings
-from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
+from proxy.errors import UpstreamClosed, UpstreamProtocolError, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
 from proxy.identity import USER_AGENT, identify
 from proxy.upstream import UpstreamSocket, open_websocket, strip_stream_id
 
@@ -326,3 +326,120 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
     await sock.close()
     server.close()
     await server.wait_closed()
+
+
+# -- the frame parser of the receive path (RFC 6455 §5) ------------------------------------------
+
+_EVENTS = [
+    {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
+    {"type": "response.output_text.delta", "delta": "x" * 300},  # a 16-bit length
+    {"type": "response.output_text.delta", "delta": "y" * 70_000},  # a 64-bit length
+    {"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "output": []}},
+]
+
+
+def _server_frame(opcode: int, data: bytes, fin: bool = True, *, rsv1: bool = False, mask: bool = False) -> bytes:
+    """A frame's bytes as RFC 6455 §5.2 lays them out, valid or not (built by hand on purpose)."""
+    first = (0x80 if fin else 0) | (0x40 if rsv1 else 0) | opcode
+    size = len(data)
+    length = (
+        bytes([size])
+        if size < 126
+        else b"\x7e" + size.to_bytes(2, "big")
+        if size < 65536
+        else b"\x7f" + size.to_bytes(8, "big")
+    )
+    header = bytes([first]) + bytes([length[0] | (0x80 if mask else 0)]) + length[1:]
+    if not mask:
+        return header + data
+    key = b"\x01\x02\x03\x04"
+    return header + key + bytes(b ^ key[i % 4] for i, b in enumerate(data))
+
+
+async def _scripted(script: bytes, *, step: int = 0) -> tuple[UpstreamSocket, asyncio.Server, list[Frame]]:
+    """A raw upstream that answers the first frame with ``script`` (``step`` bytes per write, 0:
+    at once) and collects what the socket sends afterwards; the socket, the server, those frames."""
+    sent: list[Frame] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _accept_upgrade(reader, writer)
+        upstream = Protocol(Side.SERVER, max_size=None)
+        upstream.receive_data(await reader.read(65536))  # the create
+        upstream.events_received()
+        for at in range(0, len(script), step or len(script)):
+            writer.write(script[at : at + (step or len(script))])
+            await writer.drain()
+        try:
+            while chunk := await reader.read(65536):
+                upstream.receive_data(chunk)
+                sent.extend(e for e in upstream.events_received() if isinstance(e, Frame))
+        finally:
+            writer.close()
+
+    server, url = await _raw_upstream(handler)
+    sock = await open_socket(settings_for(url))
+    assert sock._fast  # no extension negotiated: our parser, not the library's
+    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    return sock, server, sent
+
+
+async def _drain(inbox: Any, n: int) -> list[dict[str, Any]]:
+    return [(await inbox.get(5))[1] for _ in range(n)]
+
+
+@pytest.mark.parametrize("step", [0, 1, 7])
+async def test_frames_split_anywhere_arrive_whole_and_a_ping_mid_message_gets_its_pong(step: int) -> None:
+    raws = [orjson.dumps(e) for e in _EVENTS]
+    script = b"".join(_server_frame(Opcode.TEXT, r) for r in raws[:2])
+    half = len(raws[2]) // 2  # a fragmented message with a ping between its fragments (§5.4)
+    script += _server_frame(Opcode.TEXT, raws[2][:half], fin=False) + _server_frame(Opcode.PING, b"are you there")
+    script += _server_frame(Opcode.CONT, raws[2][half:]) + _server_frame(Opcode.TEXT, raws[3])
+    sock, server, sent = await _scripted(script, step=step)
+    inbox = sock.open_inbox(None)
+    assert await _drain(inbox, 4) == _EVENTS
+    await asyncio.sleep(0.05)
+    assert [(f.opcode, f.data) for f in sent] == [(Opcode.PONG, b"are you there")]
+    await sock.close()
+    server.close()
+
+
+async def test_a_close_frame_is_echoed_and_fails_the_lanes_with_its_code() -> None:
+    close = _server_frame(Opcode.CLOSE, Close(1013, "try again later").serialize())
+    sock, server, sent = await _scripted(_server_frame(Opcode.TEXT, orjson.dumps(_EVENTS[0])) + close)
+    inbox = sock.open_inbox(None)
+    assert (await inbox.get(5))[1] == _EVENTS[0]
+    with pytest.raises(UpstreamClosed) as info:
+        await inbox.get(5)
+    assert (info.value.close_code, info.value.reason) == (1013, "try again later")
+    assert sock.closed and sock.close_rcvd == Close(1013, "try again later")
+    await asyncio.sleep(0.05)
+    assert [(f.opcode, Close.parse(f.data).code) for f in sent] == [(Opcode.CLOSE, 1013)]
+    with pytest.raises(UpstreamClosed):
+        await sock.send(b"{}", None)
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("frame", "said"),
+    [
+        (_server_frame(Opcode.TEXT, b'{"type":"x"}', mask=True), "masked"),  # servers never mask
+        (_server_frame(Opcode.TEXT, b'{"type":"x"}', rsv1=True), "reserved bits"),  # no extension
+        (_server_frame(Opcode.CONT, b'{"type":"x"}'), "out of order"),  # a continuation of nothing
+        (_server_frame(Opcode.TEXT, b'{"type":', fin=False) + _server_frame(Opcode.TEXT, b'"x"}'), "out of order"),
+        (_server_frame(Opcode.PING, b"x", fin=False), "control frame"),  # a fragmented control frame
+        (_server_frame(Opcode.PING, b"x" * 126), "control frame"),  # over 125 bytes
+        (b"\x83\x00", "control frame"),  # opcode 3: reserved
+        (_server_frame(Opcode.CLOSE, b"\x03"), "close frame"),  # a one-byte close payload
+        (_server_frame(Opcode.TEXT, b"\xff\xfe"), "not JSON"),  # not UTF-8
+    ],
+    ids=["masked", "rsv1", "lone-cont", "text-in-message", "fragmented-ping", "long-ping", "reserved-opcode",
+         "bad-close", "not-utf8"],
+)  # fmt: skip
+async def test_a_frame_against_the_protocol_fails_the_socket(frame: bytes, said: str) -> None:
+    sock, server, _ = await _scripted(frame)
+    inbox = sock.open_inbox(None)
+    with pytest.raises(UpstreamProtocolError) as info:
+        await inbox.get(5)
+    assert said in info.value.message
+    await asyncio.wait_for(sock.wait_closed(), 5)  # dropped
+    server.close()
