@@ -206,7 +206,7 @@ async def _websocket(
     while True:
         plan, _waited = await svc.pool.plan(identity, req, replay=attempt > 0)
         if attempt == 0 and plan.kind is PlanKind.FULL:  # where the miss departs (never content)
-            rec.explain(svc.heads.explain(identity.digest, req, plan.reason), plan.reason)
+            rec.explain(svc.heads.explain_later(identity.digest, req, plan.reason), plan.reason)
         if plan.kind is PlanKind.HTTP:
             rec.upstream_s = down.upstream_wait
             return await _passthrough(svc, request, req, rec, headers, started, plan.reason)

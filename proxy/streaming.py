@@ -14,8 +14,11 @@ response. A failed first attempt that is replayed counts as the sidecar's time, 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +40,8 @@ from proxy.metrics import (
     REQUESTS,
 )
 from proxy.misses import RECENT
+
+log = logging.getLogger("upshift.streaming")
 
 __all__ = ["Downstream", "Lane", "Record", "count_hold_back", "json_body", "new_request_id", "pump", "read_body"]
 
@@ -261,18 +266,52 @@ class Record:
     """Where a miss departed from its best candidate head (issue 11), set by :meth:`explain`."""
     explained: str = ""
     """The matcher's verdict the explanation was computed for."""
+    explainer: Callable[[], Explanation | None] | None = None
+    """Computes :attr:`explanation` (:meth:`~proxy.core.conversation.HeadTable.explain_later`)."""
 
-    def explain(self, explanation: Explanation | None, reason: str) -> None:
-        """Attach the explanation of the matcher's miss ``reason`` (never content).
+    def explain(self, explanation: Explanation | Callable[[], Explanation | None] | None, reason: str) -> None:
+        """Attach the explanation of the matcher's miss ``reason`` (never content), or the
+        callable that computes it: then :meth:`finish` runs it after the answer, and only if
+        the verdict stood.
 
         If the request still goes out in full for that reason, the line carries ``miss_item``,
         ``miss_type``, ``miss_field``, ``miss_detail`` and ``candidate_items``, and the reason
         becomes the explanation's (a ``no_head`` that edited an early item is ``diverged``).
         """
-        self.explanation, self.explained = explanation, reason
+        if callable(explanation):
+            self.explanation, self.explainer = None, explanation
+        else:
+            self.explanation, self.explainer = explanation, None
+        self.explained = reason
 
     def finish(self) -> None:
-        """Emit the metrics and the access line."""
+        """Emit the metrics and the access line.
+
+        With an explanation still to compute, that happens in the event loop's next round: the
+        app's answer is written first (a first turn's explanation compares it with up to eight
+        recent heads, a fraction of a millisecond the app need not wait for).
+        """
+        if self.explainer is not None:
+            if self.mode != "full" or self.reason != self.explained:
+                self.explainer = None  # the verdict did not stand: nothing to explain
+            else:
+                try:
+                    asyncio.get_running_loop().call_soon(self._explain_then_finish)
+                    return
+                except RuntimeError:  # no loop: explain now
+                    self._explain_then_finish()
+                    return
+        self._emit()
+
+    def _explain_then_finish(self) -> None:
+        explainer, self.explainer = self.explainer, None
+        try:
+            self.explanation = explainer() if explainer is not None else None
+        except Exception:  # noqa: BLE001 - a diagnostic must never cost the request's line
+            log.exception("explaining a miss failed")
+        self._emit()
+
+    def _emit(self) -> None:
         if not self.outcome:
             self.outcome = "ok" if self.status < 400 else "client_error" if self.status < 500 else "upstream_error"
         exp = self.explanation

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Protocol
 
 from proxy.core.explain import (
@@ -341,16 +342,37 @@ class HeadTable:
         ``diverged`` at that item. Nothing here touches the continuation path, and nothing of
         the request's content is returned.
         """
+        later = self.explain_later(identity, req, reason)
+        return later() if later is not None else None
+
+    def explain_later(self, identity: str, req: ParsedRequest, reason: str) -> Callable[[], Explanation | None] | None:
+        """:meth:`explain` in two steps: the recent heads of ``identity`` are taken now (no
+        comparison: cheap), and compared when the returned callable runs, after the answer,
+        off the request's path. Heads recorded in between (this request's own among them) are
+        not candidates, and a head this request replaces still is (with its raw prefix, which
+        a replaced head gives up).
+        """
         if req.previous_response_id is not None or reason not in _EXPLAINED:
             return None
+        heads: list[tuple[Head, bytes | None]] = []
+        for seen, anchor in enumerate(reversed(self._heads)):
+            if seen >= self.EXPLAIN_SCAN:
+                break
+            head = self._heads[anchor]
+            if head.identity == identity and not head.chained and head.items is not None:
+                heads.append((head, head.raw.body if head.raw is not None else None))
+        return partial(self._explain, identity, req, reason, heads)
+
+    def _explain(
+        self, identity: str, req: ParsedRequest, reason: str, heads: list[tuple[Head, bytes | None]]
+    ) -> Explanation | None:
         keys, items = req.item_keys(), req.all_items()
         wanted = settings_fields(req.fields)
         found: list[tuple[tuple[int, int, int], Candidate, int]] = []
-        for seen, anchor in enumerate(reversed(self._heads)):
-            if seen >= self.EXPLAIN_SCAN or len(found) >= self.EXPLAIN_CANDIDATES:
+        for head, body in heads:
+            if len(found) >= self.EXPLAIN_CANDIDATES:
                 break
-            head = self._heads[anchor]
-            if head.identity != identity or head.chained or head.items is None:
+            if head.items is None:
                 continue
             cand = Candidate(
                 n_input=head.n_input,
@@ -359,7 +381,7 @@ class HeadTable:
                 echo=head.echo,
                 same_settings=head.settings == req.settings_digest,
                 settings=self._settings_fields.get(head.settings),
-                body=head.raw.body if head.raw is not None else None,
+                body=body,
             )
             sc = score(cand, keys, items)
             if sc.agree == 0 or not (sc.full_prefix or sc.after):

@@ -164,3 +164,49 @@ def test_same_task_again_is_no_head_with_where_it_stops() -> None:
     assert reason == MissReason.NO_HEAD
     assert exp is not None and exp.reason == MissReason.NO_HEAD
     assert (exp.miss_item, exp.detail, exp.candidate_items) == (2, Detail.MISSING, 7)
+
+
+def test_explained_later_sees_the_heads_of_the_miss_not_those_recorded_since() -> None:
+    """The shell computes the explanation after the answer: by then the request's own head is
+    in the table (it replaced its lane's previous head); the verdict is the one at the miss."""
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    history = three_turns(heads, [SYSTEM, USER])
+    edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
+    r = req(edited)
+    found = heads.lookup("id", r, 10, IDLE)
+    at_miss = heads.explain("id", r, found.reason)
+    later = heads.explain_later("id", r, found.reason)
+    assert later is not None and at_miss is not None
+    heads.record("id", "s1", r, response("resp_9", call(9)), 11)  # the full send's own head, on s1
+    assert later() == at_miss and (at_miss.reason, at_miss.miss_item) == (MissReason.DIVERGED, 0)
+    # Asked now, the request's own head (identical to it) is the best candidate instead.
+    assert heads.explain("id", r, found.reason) != at_miss
+
+
+async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_stood(
+    access_log: tuple[Any, Any],
+) -> None:
+    import asyncio
+
+    from proxy.core.explain import Explanation
+    from proxy.streaming import Record
+
+    lines, _ = access_log
+    calls: list[str] = []
+
+    def explainer() -> Explanation:
+        calls.append("explained")
+        return Explanation(MissReason.DIVERGED, miss_item=0, identity="id")
+
+    rec = Record("req_1", mode="full", reason=MissReason.NO_HEAD, status=200)
+    rec.explain(explainer, MissReason.NO_HEAD)
+    rec.finish()
+    assert calls == [] and lines() == []  # not on the request's path
+    await asyncio.sleep(0)
+    assert calls == ["explained"]
+    (line,) = lines()
+    assert (line["reason"], line["miss_item"]) == (MissReason.DIVERGED, 0)
+    replayed = Record("req_2", mode="continuation", reason="continuation", status=200)
+    replayed.explain(explainer, MissReason.NO_HEAD)
+    replayed.finish()  # the verdict did not stand: nothing computed, the line at once
+    assert calls == ["explained"] and len(lines()) == 2
