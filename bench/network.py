@@ -114,6 +114,7 @@ async def _measure(
     timeout = aiohttp.ClientTimeout(total=None, sock_read=READ_TIMEOUT)
     per_turn: dict[str, list[list[float]]] = {k: [[] for _ in range(later_turns + 1)] for k in urls}
     first_event: dict[str, list[float]] = {k: [] for k in urls}
+    own_first: list[float] = []  # the sidecar's own time on first turns (x-upshift-overhead-ms)
     async with (
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as up,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as direct,
@@ -134,6 +135,9 @@ async def _measure(
                     per_turn[name][turn].append(res.total * 1000)
                     if turn == 0:
                         first_event[name].append(res.ttfb * 1000)
+                        own = res.headers.get("x-upshift-overhead-ms")
+                        if name == "upshift" and own is not None:
+                            own_first.append(float(own))
                     calls = _calls(res.response)
                     if calls:
                         inputs[name] += echo_items(res.response.get("output") or [])
@@ -150,6 +154,7 @@ async def _measure(
         "first_turn_bytes": first_bytes,
         "first_turn_ms": {name: summary(per_turn[name][0]) for name in urls},
         "first_event_ms": {name: summary(first_event[name]) for name in urls},
+        "first_turn_sidecar_own_ms": summary(own_first),
         "later_turn_ms": {name: summary([v for t in per_turn[name][1:] for v in t]) for name in urls},
         "median_per_turn_ms": medians,
         "first_turn_no_slower": medians["upshift"][0] <= medians["direct"][0],
