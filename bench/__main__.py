@@ -215,19 +215,20 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             monitor.phase()
             log("phase overhead: added latency per history size (zero latency)")
             sizes = [s for s in args.sizes.split(",") if s]
-            floor = None
+            floors: dict[str, FloorProc] = {}
             if not args.no_floor:
-                floor = FloorProc(logs, emu.base_url)
-                floor.start([0] if args.pin else None)
-                await floor.ready()
-                extra_roles["floor"] = floor
+                for name, with_aiohttp in (("floor", False), ("floor_aiohttp", True)):
+                    floor = floors[name] = FloorProc(logs, emu.base_url, with_aiohttp=with_aiohttp)
+                    floor.start([0] if args.pin else None)
+                    await floor.ready()
+                    extra_roles[name] = floor
             try:
                 found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log,
-                                           light=args.light_settings, floor=floor)  # fmt: skip
+                                           light=args.light_settings, floors=floors)  # fmt: skip
             finally:
-                if floor is not None:
+                for name, floor in floors.items():
                     floor.stop()
-                    extra_roles.pop("floor", None)
+                    extra_roles.pop(name, None)
             report["overhead"] = [r.report() for r in found]
             report["overhead_slopes"] = slopes(found)
             load["overhead"] = monitor.phase()

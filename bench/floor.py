@@ -92,6 +92,51 @@ class _Upstream(asyncio.Protocol):
         self.transport.writelines([header, mask, apply_mask(payload, mask)])
 
 
+Chains = OrderedDict[bytes, tuple[int, str | None]]
+
+
+def _create(body: bytes, chains: Chains) -> tuple[bytes, bytes, int]:
+    """The ``response.create`` frame for a full-history body, its chain key and input length."""
+    request: dict[str, Any] = orjson.loads(body)
+    items = request.pop("input")
+    request.pop("stream", None)
+    key = orjson.dumps(items[0])
+    known = chains.get(key)
+    new, previous = (items[known[0] :], known[1]) if known and len(items) > known[0] else (items, None)
+    frame = orjson.dumps({"type": "response.create", **request, "input": new, "previous_response_id": previous})
+    return frame, key, len(items)
+
+
+def _sse(frames: list[bytes], chains: Chains, key: bytes, n_input: int) -> tuple[bytes, bool]:
+    """The SSE bytes of ``frames`` (up to the terminal one) and whether it came."""
+    parts = []
+    for raw in frames:
+        event = orjson.loads(raw)
+        kind = event["type"]
+        parts.append(b"event: " + kind.encode() + b"\ndata: " + raw + b"\n\n")
+        if kind in _TERMINAL:
+            response = event.get("response") or {}
+            chains[key] = (n_input + len(response.get("output") or []), response.get("id"))
+            while len(chains) > _MAX_CHAINS:
+                chains.popitem(last=False)
+            return b"".join(parts), True
+    return b"".join(parts), False
+
+
+async def _connect(address: tuple[str, int]) -> _Upstream:
+    host, port = address
+    _, up = await asyncio.get_running_loop().create_connection(_Upstream, host, port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    request = (
+        f"GET /v1/responses HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer sk-test\r\n\r\n"
+    )
+    assert up.transport is not None
+    up.transport.write(request.encode())
+    await up.ready
+    return up
+
+
 class _App(asyncio.Protocol):
     """One app connection: requests in order, one upstream socket."""
 
@@ -128,48 +173,17 @@ class _App(asyncio.Protocol):
         body, self.buffer, self.busy = self.buffer[end + 4 : total], self.buffer[total:], True
         asyncio.get_running_loop().create_task(self._turn(body))
 
-    async def _connect(self) -> _Upstream:
-        host, port = self.upstream_address
-        _, up = await asyncio.get_running_loop().create_connection(_Upstream, host, port)
-        key = base64.b64encode(os.urandom(16)).decode()
-        request = (
-            f"GET /v1/responses HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer sk-test\r\n\r\n"
-        )
-        assert up.transport is not None
-        up.transport.write(request.encode())
-        await up.ready
-        return up
-
     async def _turn(self, body: bytes) -> None:
         if self.up is None:
-            self.up = await self._connect()
-        request: dict[str, Any] = orjson.loads(body)
-        items = request.pop("input")
-        request.pop("stream", None)
-        key = orjson.dumps(items[0])
-        known = self.chains.get(key)
-        new, previous = (items[known[0] :], known[1]) if known and len(items) > known[0] else (items, None)
-        frame = orjson.dumps({"type": "response.create", **request, "input": new, "previous_response_id": previous})
+            self.up = await _connect(self.upstream_address)
+        frame, key, n_input = _create(body, self.chains)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         started = [False]
         transport = self.transport
         assert transport is not None
 
         def sink(frames: list[bytes]) -> None:
-            parts, end = [], False
-            for raw in frames:
-                event = orjson.loads(raw)
-                kind = event["type"]
-                parts.append(b"event: " + kind.encode() + b"\ndata: " + raw + b"\n\n")
-                if kind in _TERMINAL:
-                    response = event.get("response") or {}
-                    self.chains[key] = (len(items) + len(response.get("output") or []), response.get("id"))
-                    while len(self.chains) > _MAX_CHAINS:
-                        self.chains.popitem(last=False)
-                    end = True
-                    break
-            data = b"".join(parts)
+            data, end = _sse(frames, self.chains, key, n_input)
             out = [_HEAD] if not started[0] else []
             started[0] = True
             out.append(b"%x\r\n%s\r\n" % (len(data), data))
@@ -187,32 +201,84 @@ class _App(asyncio.Protocol):
             self._next()
 
 
-async def _serve(port: int, upstream: str) -> None:
+def _aiohttp_app(address: tuple[str, int], chains: Chains) -> Any:
+    """The same relay with aiohttp serving the app side, as the sidecar does (``--aiohttp``): what
+    aiohttp's request and response machinery adds to the floor."""
+    from aiohttp import web
+
+    ups: dict[int, _Upstream] = {}
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        conn = id(request.protocol)
+        up = ups.get(conn)
+        if up is None or up.transport is None or up.transport.is_closing():
+            up = ups[conn] = await _connect(address)
+        frame, key, n_input = _create(body, chains)
+        frames: list[bytes] = []
+        wake: list[asyncio.Future[None]] = []
+
+        def sink(more: list[bytes]) -> None:
+            frames.extend(more)
+            if wake and not wake[0].done():
+                wake[0].set_result(None)
+
+        up.sink = sink
+        up.send(frame)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        response._send_headers_immediately = False  # headers go with the first events, as the sidecar's
+        await response.prepare(request)
+        while True:
+            if not frames:
+                wake[:] = [asyncio.get_running_loop().create_future()]
+                await wake[0]
+            batch, frames[:] = list(frames), []
+            data, end = _sse(batch, chains, key, n_input)
+            if end:
+                await response.write_eof(data)
+                return response
+            await response.write(data)
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    return app
+
+
+async def _serve(port: int, upstream: str, with_aiohttp: bool) -> None:
     parts = urlsplit(upstream)
     address = (parts.hostname or "127.0.0.1", parts.port or 80)
-    chains: OrderedDict[bytes, tuple[int, str | None]] = OrderedDict()
+    chains: Chains = OrderedDict()
+    if with_aiohttp:
+        from aiohttp import web
+
+        runner = web.AppRunner(_aiohttp_app(address, chains), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
     server = await asyncio.get_running_loop().create_server(lambda: _App(address, chains), "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.floor PORT UPSTREAM`` (uvloop where it is installed)."""
+    """``python -m bench.floor PORT UPSTREAM [--aiohttp]`` (uvloop where it is installed)."""
     args = sys.argv[1:] if argv is None else argv
+    serve = _serve(int(args[0]), args[1], "--aiohttp" in args[2:])
     try:
         import uvloop
 
-        uvloop.run(_serve(int(args[0]), args[1]))
+        uvloop.run(serve)
     except ImportError:
-        asyncio.run(_serve(int(args[0]), args[1]))
+        asyncio.run(serve)
 
 
 class FloorProc(Managed):
     """The floor relay as a process beside the sidecar (same interface as :class:`SidecarProc`)."""
 
-    def __init__(self, log_dir: Any, upstream: str) -> None:
+    def __init__(self, log_dir: Any, upstream: str, *, with_aiohttp: bool = False) -> None:
         self.port = free_port()
-        super().__init__("floor", [sys.executable, "-m", "bench.floor", str(self.port), upstream], log_dir)
+        argv = [sys.executable, "-m", "bench.floor", str(self.port), upstream, *(["--aiohttp"] if with_aiohttp else [])]
+        super().__init__("floor-aiohttp" if with_aiohttp else "floor", argv, log_dir)
 
     @property
     def base_url(self) -> str:

@@ -76,8 +76,9 @@ class SizeResult:
     emulator_cpu_ms_per_ws_turn: float = 0.0
     emulator_cpu_ms_per_sidecar_turn: float = 0.0
     emulator_cpu_ms_per_http_turn: float = 0.0
-    floor: SizeResult | None = None
-    """The same size through :mod:`bench.floor` (the least a Python relay does), if measured."""
+    floors: dict[str, SizeResult] = field(default_factory=dict)
+    """The same size through :mod:`bench.floor` (the least a Python relay does: ``floor`` bare,
+    ``floor_aiohttp`` with aiohttp serving the app side), if measured."""
 
     def report(self) -> dict[str, JSON]:
         """Summaries for the JSON report."""
@@ -105,12 +106,12 @@ class SizeResult:
             "cpu_ratio_sidecar_over_emulator_ws": round(self.cpu_ms_per_request / self.emulator_cpu_ms_per_ws_turn, 3)
             if self.emulator_cpu_ms_per_ws_turn
             else None,
-            "floor": self._floor_report(),
+            **{name: self._floor_report(name) for name in self.floors},
         }
 
-    def _floor_report(self) -> JSON:
-        floor = self.floor
-        if floor is None or not floor.added_total:
+    def _floor_report(self, name: str) -> JSON:
+        floor = self.floors[name]
+        if not floor.added_total:
             return None
         return {
             "turns": len(floor.added_total),
@@ -294,14 +295,14 @@ async def run_overhead(
     log: Any = print,
     per_chain: int | None = None,
     light: bool = False,
-    floor: FloorProc | None = None,
+    floors: dict[str, FloorProc] | None = None,
 ) -> list[SizeResult]:
     """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency.
 
     ``light``: one tool and a one-line instruction instead of the agent's 3.3 KB of instructions
     and five tools (the history sizes count the input only, the settings come on top).
-    ``floor``: also run half as many turns of each size through :mod:`bench.floor`, right after
-    the sidecar's, for the sidecar's CPU and added latency as ratios to a bare Python relay's.
+    ``floors``: also run half as many turns of each size through each :mod:`bench.floor` relay,
+    right after the sidecar's, for the sidecar's CPU and added latency as ratios to theirs.
     """
     await emu.set_latency({})
     await _measure_size("warmup", 20_000, warmup, 3, emu, side, seed, light)
@@ -312,8 +313,8 @@ async def run_overhead(
         n = reps if size < 2_000_000 else max(10, reps // 2)
         started = time.perf_counter()
         res = await _measure_size(label, size, n, turns, emu, side, seed, light)
-        if floor is not None:
-            res.floor = await _measure_size(label, size, max(20, n // 2), turns, emu, floor, seed + 1, light)
+        for name, proc in (floors or {}).items():
+            res.floors[name] = await _measure_size(label, size, max(20, n // 2), turns, emu, proc, seed + 1, light)
         rep = res.report()
         log(
             f"  overhead {label}: added p50 {rep['added_ms']['p50']:.2f} ms p99 {rep['added_ms']['p99']:.2f} ms "
@@ -323,10 +324,10 @@ async def run_overhead(
             f"{rep['emulator_cpu_ms_per_ws_turn']:.2f} ms; {rep['events_per_turn'].get('p50', 0):.0f} events/turn "
             f"in {time.perf_counter() - started:.0f} s"
         )
-        if rep["floor"]:
-            f = rep["floor"]
+        for name in res.floors:
+            f = rep[name]
             log(
-                f"  floor relay {label}: added p50 {f['added_ms']['p50']:.2f} ms, CPU/turn "
+                f"  {name} relay {label}: added p50 {f['added_ms']['p50']:.2f} ms, CPU/turn "
                 f"{f['cpu_ms_per_request']:.2f} ms (floor/emulator {f['cpu_ratio_floor_over_emulator_ws']}; "
                 f"sidecar/floor {f['cpu_ratio_sidecar_over_floor']})"
             )

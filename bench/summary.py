@@ -132,13 +132,14 @@ def targets(report: JSON) -> list[JSON]:
     out.append(_target("sidecar CPU per turn at 1k", cpu, 0.5, unit=" ms"))
     ratio = one_k.get("cpu_ratio_sidecar_over_emulator_ws")
     out.append(_target("sidecar CPU / emulator CPU per native turn at 1k", ratio, 0.6))
-    floor = one_k.get("floor") or {}
-    if floor:
-        # What the two CPU targets above ask, put to a bare relay (bench.floor) in the same run.
-        out.append(_target("floor relay (bench.floor) CPU per turn at 1k", floor.get("cpu_ms_per_request"), 0.5,
-                           unit=" ms"))  # fmt: skip
-        out.append(_target("floor relay CPU / emulator CPU per native turn at 1k",
-                           floor.get("cpu_ratio_floor_over_emulator_ws"), 0.6))  # fmt: skip
+    for name, what in (("floor", "bare relay"), ("floor_aiohttp", "bare relay on aiohttp")):
+        floor = one_k.get(name) or {}
+        if floor:
+            # What the two CPU targets above ask, put to a bare relay (bench.floor) in the same run.
+            out.append(_target(f"{what} (bench.floor) CPU per turn at 1k", floor.get("cpu_ms_per_request"), 0.5,
+                               unit=" ms"))  # fmt: skip
+            out.append(_target(f"{what} CPU / emulator CPU per native turn at 1k",
+                               floor.get("cpu_ratio_floor_over_emulator_ws"), 0.6))  # fmt: skip
     cap = report.get("capacity") or {}
     best = max((r.get("turns_per_sidecar_cpu_s") or 0 for r in cap.get("saturation", [])), default=None)
     out.append(_target("turns per second on one core at 1k (per sidecar CPU-second)", best, 1500, True))

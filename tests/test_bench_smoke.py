@@ -37,7 +37,8 @@ def test_quick_bench_runs_and_reports(tmp_path: Path) -> None:
         assert b["client_bytes_total"] == a["client_bytes_total"]  # same app, same bytes sent
     assert all(o["modes"] == {"continuation": o["turns"]} for o in report["overhead"])
     # The bare relay (bench.floor) ran the same sizes beside the sidecar, continuing its chains.
-    assert all(o["floor"]["turns"] > 0 and o["floor"]["cpu_ms_per_request"] > 0 for o in report["overhead"])
+    for name in ("floor", "floor_aiohttp"):
+        assert all(o[name]["turns"] > 0 and o[name]["cpu_ms_per_request"] > 0 for o in report["overhead"])
     assert {t["target"] for t in report["targets"]}, "targets are reported"
     # The docs are only rewritten by a full run.
     assert not (tmp_path / "benchmarks.md").exists()
