@@ -8,7 +8,8 @@ One emulator (zero latency) serves two sidecar processes: **A** runs the code of
 working tree. Each round runs the added-latency phase (:func:`bench.overhead.run_overhead`:
 the reasoning agent's event stream, continuation turns) against A and against B, in alternating
 order, so both see the same machine within seconds of each other. Reported per history size:
-the median over rounds of each side's CPU per turn and added p50, and B/A of those medians. A
+the median over rounds of each side's CPU per turn and added p50, B/A of those medians, and the
+median of each round's own CPU B/A (A and B of a size run back to back, seconds apart). A
 single run of ``python -m bench`` cannot tell a 10 % change from the machine's own drift (it
 moved by a quarter between runs of one afternoon); this can.
 """
@@ -56,9 +57,9 @@ async def _compare(base_dir: Path, sizes: list[str], rounds: int, reps: int) -> 
         await side.ready()
     samples: dict[str, dict[str, list[tuple[float, float]]]] = {n: {z: [] for z in sizes} for n in sides}
     for r in range(rounds):
-        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            found = await run_overhead(emu, sides[name], sizes, reps=reps, seed=100 + r, warmup=3, log=lambda _: None)
-            for size, res in zip(sizes, found, strict=True):
+        for size in sizes:  # A and B back to back per size: seconds apart, not a whole round
+            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                (res,) = await run_overhead(emu, sides[name], [size], reps=reps, seed=100 + r, warmup=2, log=_quiet)
                 samples[name][size].append((res.cpu_ms_per_request, percentile(res.added_total, 50)))
         print(f"[ab] round {r + 1}/{rounds} done", flush=True)
     for proc in (*sides.values(), emu):
@@ -77,8 +78,16 @@ async def _compare(base_dir: Path, sizes: list[str], rounds: int, reps: int) -> 
             }
         row["B_over_A_cpu"] = round(row["B"]["cpu_ms_per_turn"] / row["A"]["cpu_ms_per_turn"], 3)
         row["B_over_A_added"] = round(row["B"]["added_p50_ms"] / row["A"]["added_p50_ms"], 3)
+        # The median of each round's own B/A: A and B ran seconds apart, so the machine's drift
+        # over the run cancels out of each ratio.
+        pairs = zip(samples["B"][size], samples["A"][size], strict=True)
+        row["B_over_A_cpu_paired"] = round(statistics.median(b[0] / a[0] for b, a in pairs), 3)
         out["sizes"][size] = row
     return out
+
+
+def _quiet(_: str) -> None:
+    pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{size}: CPU/turn A {row['A']['cpu_ms_per_turn']:.2f} ms, B {row['B']['cpu_ms_per_turn']:.2f} ms "
             f"(B/A {row['B_over_A_cpu']:.3f}); added p50 A {row['A']['added_p50_ms']:.2f} ms, "
-            f"B {row['B']['added_p50_ms']:.2f} ms (B/A {row['B_over_A_added']:.3f}); medians of {args.rounds} rounds"
+            f"B {row['B']['added_p50_ms']:.2f} ms (B/A {row['B_over_A_added']:.3f}); medians of {args.rounds} rounds; "
+            f"CPU B/A per round, median {row['B_over_A_cpu_paired']:.3f}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
