@@ -704,6 +704,15 @@ def strip_stream_id(raw: bytes, sid: str, event: dict[str, Any], member: bytes =
     event, already without it, is written anew.
     """
     member = member or b'"stream_id":' + orjson.dumps(sid)
+    # Where upstreams put it, first or last: then it is the top-level member by position alone
+    # (the pattern cannot occur inside a JSON string, whose quotes are escaped, and a nested
+    # object's last member is followed by two braces), found without scanning the event.
+    tail = b"," + member + b"}"
+    if raw.endswith(tail):
+        return raw[: len(raw) - len(tail)] + b"}"
+    head = b"{" + member + b","
+    if raw.startswith(head):
+        return b"{" + raw[len(head) :]
     at = raw.find(member)
     if at >= 0 and raw.find(member, at + 1) < 0:
         end = at + len(member)

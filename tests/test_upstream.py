@@ -274,6 +274,23 @@ def test_strip_stream_id_leaves_the_rest_of_the_event_unchanged(raw: bytes) -> N
     assert strip_stream_id(raw, sid, event) == stripped
 
 
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        (b'{"type":"x","response":{"metadata":{"stream_id":"s1"}},"stream_id":"s1"}',
+         b'{"type":"x","response":{"metadata":{"stream_id":"s1"}}}'),
+        (b'{"stream_id":"s1","type":"x","metadata":{"stream_id":"s1"}}', b'{"type":"x","metadata":{"stream_id":"s1"}}'),
+        (b'{"type":"x","metadata":{"a":1,"stream_id":"s1"},"stream_id":"s1","b":2}',
+         b'{"type":"x","metadata":{"a":1,"stream_id":"s1"},"b":2}'),  # neither end: re-serialised
+    ],
+)  # fmt: skip
+def test_strip_stream_id_cuts_only_the_top_level_member(raw: bytes, want: bytes) -> None:
+    """An app's metadata may hold a ``stream_id`` of its own: it reaches the app unchanged."""
+    event = orjson.loads(raw)
+    sid = event.pop("stream_id")
+    assert strip_stream_id(raw, sid, event, b'"stream_id":"s1"') == want
+
+
 async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> None:
     """Two lanes send 8 MB creates at once to an upstream that reads slowly (the transport pauses
     between fragments): each goes out as one message in 1 MiB fragments, one after the other.
