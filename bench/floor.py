@@ -239,7 +239,7 @@ def _aiohttp_app(address: tuple[str, int], chains: Chains) -> Any:
                 return response
             await response.write(data)
 
-    app = web.Application()
+    app = web.Application(client_max_size=1 << 30)  # the sidecar's own body limit is its config's
     app.router.add_post("/v1/responses", responses)
     return app
 
