@@ -30,10 +30,12 @@ from functools import partial
 from typing import Any, Protocol
 
 from proxy.core.explain import (
+    DIGEST,
     Candidate,
     EchoFields,
     Explanation,
     SettingsFields,
+    agreement,
     echo_fields,
     explain_against,
     item_digests,
@@ -367,13 +369,23 @@ class HeadTable:
         self, identity: str, req: ParsedRequest, reason: str, heads: list[tuple[Head, bytes | None]]
     ) -> Explanation | None:
         keys, items = req.item_keys(), req.all_items()
-        wanted = settings_fields(req.fields)
+        mine = item_digests(keys)
         found: list[tuple[tuple[int, int, int], Candidate, int]] = []
+        m, size = len(keys), DIGEST
         for head, body in heads:
             if len(found) >= self.EXPLAIN_CANDIDATES:
                 break
             if head.items is None:
                 continue
+            # Most heads of a busy key share only a first stretch with a new conversation: told
+            # apart here from the digests alone, exactly as score() would, without building a
+            # candidate (hundreds of heads are looked at per first turn).
+            k = min(head.n_input, m)
+            ours, theirs = mine[: k * size], head.items[: k * size]
+            if ours != theirs and len(ours) == len(theirs) and not (m > head.n_input and head.output):
+                agree, first = agreement(ours, theirs)
+                if first is not None and agree == first:
+                    continue  # differs within its input, agrees nowhere after: a new conversation
             cand = Candidate(
                 n_input=head.n_input,
                 items=head.items,
@@ -383,7 +395,7 @@ class HeadTable:
                 settings=self._settings_fields.get(head.settings),
                 body=body,
             )
-            sc = score(cand, keys, items)
+            sc = score(cand, keys, items, mine)
             if sc.agree == 0 or not (sc.full_prefix or sc.after):
                 continue  # shares nothing, or only a first stretch: a new conversation
             if reason == MissReason.SETTINGS_CHANGED and cand.same_settings:
@@ -392,6 +404,9 @@ class HeadTable:
             found.append(((int(cand.same_settings), int(sc.full_prefix), sc.agree), cand, sc.after))
         prefix = identity[:8]
         results = []
+        # The request's per-setting digests, only with a candidate to compare them with (most
+        # first turns have none): from the table when a head has the same settings.
+        wanted = (self._settings_fields.get(req.settings_digest) or settings_fields(req.fields)) if found else ()
         for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
             explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED)
             if explanation is None:

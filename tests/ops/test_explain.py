@@ -210,3 +210,48 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     replayed.explain(explainer, MissReason.NO_HEAD)
     replayed.finish()  # the verdict did not stand: nothing computed, the line at once
     assert calls == ["explained"] and len(lines()) == 2
+
+
+def test_score_agrees_with_a_position_by_position_count() -> None:
+    """score() counts agreement with one XOR of the digest strings; the count, the first
+    difference and the agreement after it are those of comparing item by item."""
+    import random
+
+    from proxy.core.explain import DIGEST, Candidate, score
+
+    rng = random.Random(14)
+    for _ in range(2000):
+        n, m = rng.randint(0, 40), rng.randint(0, 40)
+        base = [rng.randbytes(DIGEST) for _ in range(max(n, m))]
+        theirs = list(base[:n])
+        keys = [d + rng.randbytes(8) for d in base[:m]]  # item keys are longer than their digest
+        for _ in range(rng.randint(0, 4)):  # edits anywhere, zero bytes included
+            if theirs:
+                theirs[rng.randrange(len(theirs))] = rng.choice([bytes(DIGEST), rng.randbytes(DIGEST)])
+        cand = Candidate(n_input=n, items=b"".join(theirs), output=(), echo=(), same_settings=True, settings=None)
+        agree, first, after = 0, None, 0
+        for i in range(min(n, m)):
+            if keys[i][:DIGEST] == theirs[i]:
+                agree, after = agree + 1, after + (first is not None)
+            elif first is None:
+                first = i
+        got = score(cand, keys, [{}] * m)
+        assert (got.agree, got.first, got.after) == (agree, first, after)
+
+
+def test_an_edit_is_explained_behind_hundreds_of_new_conversations_of_the_same_key() -> None:
+    """A busy key: 300 conversations share the system prompt after the edited one was recorded.
+    They are told apart from the digests (most share only a first stretch) and the edited
+    conversation's head, 300 heads back, is still the one that explains the miss."""
+    heads = HeadTable(max_heads=1000, ttl_seconds=600)
+    history = three_turns(heads, [SYSTEM, USER])
+    for i in range(300):
+        other = req([SYSTEM, {"role": "user", "content": f"task {i}"}])
+        heads.record("id", f"other-{i}", other, response(f"resp_o{i}", call(100 + i)), 5)
+    edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
+    reason, exp = miss(heads, edited)
+    assert reason == MissReason.NO_HEAD and exp is not None
+    assert (exp.reason, exp.miss_item, exp.candidate_items) == (MissReason.DIVERGED, 0, len(history) - 1)
+    # No longer than the head's input (no echo to compare): only the digests tell it is an edit.
+    reason, exp = miss(heads, edited[:6])
+    assert exp is not None and (exp.reason, exp.miss_item) == (MissReason.DIVERGED, 0)
