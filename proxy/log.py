@@ -145,6 +145,7 @@ class BatchedHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(stream)
         self._pending: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -160,13 +161,16 @@ class BatchedHandler(logging.StreamHandler):  # type: ignore[type-arg]
         if urgent:
             self._write()
             return
-        if self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop in this thread: nothing would flush later
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: nothing would flush later
+            self._write()
+            return
+        if self._timer is not None:
+            if self._timer_loop is not loop:  # set on a loop that is gone: it never fires
                 self._write()
-                return
-            self._timer = loop.call_later(FLUSH_DELAY, self.flush)
+            return
+        self._timer, self._timer_loop = loop.call_later(FLUSH_DELAY, self.flush), loop
 
     def flush(self) -> None:
         self.acquire()

@@ -225,3 +225,17 @@ def test_without_an_event_loop_a_line_is_written_at_once() -> None:
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.handle(logging.LogRecord("x", logging.INFO, "", 0, "now", None, None))
     assert buffer.getvalue() == "now\n"
+
+
+def test_a_line_never_waits_behind_the_timer_of_a_loop_that_is_gone() -> None:
+    buffer = io.StringIO()
+    handler = BatchedHandler(buffer)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+
+    async def log(message: str) -> None:
+        handler.handle(logging.LogRecord("x", logging.INFO, "", 0, message, None, None))
+
+    asyncio.run(log("first"))  # its loop ends before the flush timer fires
+    assert buffer.getvalue() == ""
+    asyncio.run(log("second"))  # a new loop: what waited goes out now, not never
+    assert buffer.getvalue() == "first\nsecond\n"
