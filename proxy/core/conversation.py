@@ -30,14 +30,13 @@ from functools import partial
 from typing import Any, Protocol
 
 from proxy.core.explain import (
-    DIGEST,
     Candidate,
     EchoFields,
     Explanation,
     SettingsFields,
-    agreement,
     echo_fields,
     explain_against,
+    first_stretch_only,
     item_digests,
     score,
     settings_fields,
@@ -371,21 +370,11 @@ class HeadTable:
         keys, items = req.item_keys(), req.all_items()
         mine = item_digests(keys)
         found: list[tuple[tuple[int, int, int], Candidate, int]] = []
-        m, size = len(keys), DIGEST
         for head, body in heads:
             if len(found) >= self.EXPLAIN_CANDIDATES:
                 break
-            if head.items is None:
+            if head.items is None or first_stretch_only(head.n_input, head.items, head.output, mine):
                 continue
-            # Most heads of a busy key share only a first stretch with a new conversation: told
-            # apart here from the digests alone, exactly as score() would, without building a
-            # candidate (hundreds of heads are looked at per first turn).
-            k = min(head.n_input, m)
-            ours, theirs = mine[: k * size], head.items[: k * size]
-            if ours != theirs and len(ours) == len(theirs) and not (m > head.n_input and head.output):
-                agree, first = agreement(ours, theirs)
-                if first is not None and agree == first:
-                    continue  # differs within its input, agrees nowhere after: a new conversation
             cand = Candidate(
                 n_input=head.n_input,
                 items=head.items,

@@ -58,10 +58,10 @@ __all__ = [
     "Explanation",
     "Score",
     "SettingsFields",
-    "agreement",
     "echo_fields",
     "explain_against",
     "first_field_diff",
+    "first_stretch_only",
     "input_items",
     "item_digests",
     "score",
@@ -352,7 +352,7 @@ def _type_of(item: Any) -> str | None:
     return _safe(_kind(item)) or "other"
 
 
-def agreement(mine: bytes, theirs: bytes) -> tuple[int, int | None]:
+def _agreement(mine: bytes, theirs: bytes) -> tuple[int, int | None]:
     """Positions at which two digest strings (:data:`DIGEST` bytes an item, same length) agree,
     and the first at which they differ: one XOR of the two as integers, then the zero words
     counted in C (a head of 200 items costs microseconds, not a Python loop over them)."""
@@ -363,22 +363,44 @@ def agreement(mine: bytes, theirs: bytes) -> tuple[int, int | None]:
     return memoryview(diff).cast("Q").tolist().count(0), first
 
 
+def _input_agreement(n_input: int, inputs: bytes, mine: bytes) -> tuple[int, int | None] | None:
+    """:func:`_agreement` over the positions a request (``mine``: its :func:`item_digests`) and
+    a head's input (``n_input`` items, ``inputs`` their digests) share; ``None`` if the head's
+    digests are shorter than its input (malformed: compare item by item)."""
+    size = min(n_input, len(mine) // DIGEST) * DIGEST
+    theirs = inputs[:size]
+    if len(theirs) != size:
+        return None
+    return _agreement(mine[:size], theirs)
+
+
+def first_stretch_only(n_input: int, inputs: bytes, output: Sequence[OutputFingerprint], mine: bytes) -> bool:
+    """Whether :func:`score` would find that a request (``mine``: its :func:`item_digests`)
+    departs from this head within the head's input and agrees nowhere after: a new
+    conversation, told from the digests alone before a :class:`Candidate` is built (a first
+    turn's explanation looks at hundreds of heads of a busy key). ``False`` whenever echoed
+    output could still agree, or the answer needs the full score."""
+    if len(mine) // DIGEST > n_input and output:
+        return False
+    found = _input_agreement(n_input, inputs, mine)
+    return found is not None and found[1] is not None and found[0] == found[1]
+
+
 def score(cand: Candidate, keys: Sequence[bytes], items: Sequence[Any], digests: bytes | None = None) -> Score:
     """Agreement of a request with ``cand``, position by position (input, then echo).
 
     ``digests``: :func:`item_digests` of ``keys``, when the caller scores several candidates.
     """
     n, m = cand.n_input, len(keys)
-    k = min(n, m)
-    mine = (digests if digests is not None else item_digests(keys))[: k * DIGEST]
-    theirs = cand.items[: k * DIGEST]
-    if len(mine) == len(theirs) == k * DIGEST:
-        agree, first = agreement(mine, theirs)
+    mine = digests if digests is not None else item_digests(keys)
+    found = _input_agreement(n, cand.items, mine)
+    if found is not None:
+        agree, first = found
         after = agree - first if first is not None else 0  # every position before first agrees
     else:  # a malformed candidate: compare what there is, item by item
         agree, first, after = 0, None, 0
-        for i in range(k):
-            if mine[i * DIGEST : (i + 1) * DIGEST] == theirs[i * DIGEST : (i + 1) * DIGEST]:
+        for i in range(min(n, m)):
+            if mine[i * DIGEST : (i + 1) * DIGEST] == cand.items[i * DIGEST : (i + 1) * DIGEST]:
                 agree += 1
                 after += first is not None
             elif first is None:
