@@ -263,44 +263,42 @@ class Record:
     upstream_s: float = 0.0
     added_s: float = 0.0
     explanation: Explanation | None = None
-    """Where a miss departed from its best candidate head (issue 11), set by :meth:`explain`."""
+    """Where a miss departed from its best candidate head (issue 11), as :attr:`explainer` computed it."""
     explained: str = ""
     """The matcher's verdict the explanation was computed for."""
     explainer: Callable[[], Explanation | None] | None = None
     """Computes :attr:`explanation` (:meth:`~proxy.core.conversation.HeadTable.explain_later`)."""
 
-    def explain(self, explanation: Explanation | Callable[[], Explanation | None] | None, reason: str) -> None:
-        """Attach the explanation of the matcher's miss ``reason`` (never content), or the
-        callable that computes it: then :meth:`finish` runs it after the answer, and only if
-        the verdict stood.
+    def explain(self, explainer: Callable[[], Explanation | None] | None, reason: str) -> None:
+        """Attach what computes the explanation of the matcher's miss ``reason`` (never content):
+        :meth:`finish` runs it after the answer, and only if the verdict stood.
 
         If the request still goes out in full for that reason, the line carries ``miss_item``,
         ``miss_type``, ``miss_field``, ``miss_detail`` and ``candidate_items``, and the reason
         becomes the explanation's (a ``no_head`` that edited an early item is ``diverged``).
         """
-        if callable(explanation):
-            self.explanation, self.explainer = None, explanation
-        else:
-            self.explanation, self.explainer = explanation, None
-        self.explained = reason
+        self.explanation, self.explainer, self.explained = None, explainer, reason
+
+    def _verdict_stood(self) -> bool:
+        """The request went out in full for the reason that was explained (not a continuation
+        after all, a replay or HTTP)."""
+        return self.mode == "full" and self.reason == self.explained
 
     def finish(self) -> None:
         """Emit the metrics and the access line.
 
         With an explanation still to compute, that happens in the event loop's next round: the
-        app's answer is written first (a first turn's explanation compares it with up to eight
+        app's answer is written first (a first turn's explanation compares the request with
         recent heads, a fraction of a millisecond the app need not wait for).
         """
-        if self.explainer is not None:
-            if self.mode != "full" or self.reason != self.explained:
-                self.explainer = None  # the verdict did not stand: nothing to explain
-            else:
-                try:
-                    asyncio.get_running_loop().call_soon(self._explain_then_finish)
-                    return
-                except RuntimeError:  # no loop: explain now
-                    self._explain_then_finish()
-                    return
+        if self.explainer is not None and self._verdict_stood():
+            try:
+                asyncio.get_running_loop().call_soon(self._explain_then_finish)
+                return
+            except RuntimeError:  # no loop: explain now
+                self._explain_then_finish()
+                return
+        self.explainer = None  # nothing to explain, or the verdict did not stand
         self._emit()
 
     def _explain_then_finish(self) -> None:
@@ -315,7 +313,7 @@ class Record:
         if not self.outcome:
             self.outcome = "ok" if self.status < 400 else "client_error" if self.status < 500 else "upstream_error"
         exp = self.explanation
-        if exp is None or self.mode != "full" or self.reason != self.explained:
+        if exp is None or not self._verdict_stood():
             exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
         elif exp.reason:
             self.reason = exp.reason
