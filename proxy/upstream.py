@@ -2,8 +2,8 @@
 exceptions become :mod:`proxy.errors`.
 
 websockets' client opens the connection (proxy tunnel, TLS, upgrade: :func:`open_websocket`
-maps its handshake failures); then :class:`UpstreamSocket` takes the transport over and drives
-websockets' sans-I/O protocol itself. Every send goes through :meth:`UpstreamSocket.send`, and
+maps its handshake failures); then :class:`UpstreamSocket` takes the transport over. Every send
+goes through :meth:`UpstreamSocket.send` (websockets' sans-I/O protocol builds the frames), and
 every frame is parsed once, in the transport's ``data_received``, and routed to the inbox of
 its lane: one write path, one read path, each mapping closes and OS errors once.
 """
@@ -237,10 +237,12 @@ class UpstreamSocket(asyncio.Protocol):
     """An open upstream connection, the inboxes of its lanes in flight, and its keepalive.
 
     After the handshake (websockets' client) the socket takes the transport over as its
-    protocol and drives websockets' sans-I/O :class:`~websockets.client.ClientProtocol`
-    itself: bytes in, frames out, parsed once and routed in the same callback (no reader task,
-    no message queue between them). Compression, UTF-8 and frame-size rules, control frames
-    and the closing handshake stay the library's.
+    protocol: bytes in, frames out, parsed once and routed in the same callback (no reader
+    task, no message queue between them). Without an extension the socket parses the frames
+    itself (:meth:`_parse`, with RFC 6455's rules for control frames and the closing
+    handshake); with one (compression) websockets' sans-I/O
+    :class:`~websockets.client.ClientProtocol` parses them. Sends always go through the
+    library's protocol.
 
     Every event is routed by ``stream_id`` (the ``stream_id`` is taken out of the event: the app
     sees what HTTP would have given it). Events without one belong to the default lane; until
@@ -510,20 +512,18 @@ class UpstreamSocket(asyncio.Protocol):
             else:
                 raw = payload if isinstance(payload, bytes) else bytes(payload)
             return self._message(raw)
-        if not self._fast:
-            if opcode == _PONG and self._ping is not None and payload == self._ping:
-                self._pong()
-            return True  # the protocol answered pings and closes itself
-        if opcode < _CLOSE or opcode > _PONG or not fin or len(payload) > 125:
+        if self._fast and (opcode < _CLOSE or opcode > _PONG or not fin or len(payload) > 125):
             self._protocol_error("The upstream sent an invalid control frame.")
             return False
-        if opcode == _PING:
+        if opcode == _PONG:
+            if self._ping is not None and payload == self._ping:
+                self._pong()
+        elif not self._fast:
+            pass  # websockets' protocol checked the frame and answered a ping or a close itself
+        elif opcode == _PING:
             if self.protocol.state is State.OPEN:
                 self.protocol.send_pong(payload)
                 self._flush()
-        elif opcode == _PONG:
-            if self._ping is not None and payload == self._ping:
-                self._pong()
         else:
             try:
                 rcvd = Close.parse(bytes(payload))
