@@ -103,9 +103,7 @@ class SizeResult:
             "emulator_cpu_ms_per_ws_turn": round(self.emulator_cpu_ms_per_ws_turn, 3),
             "emulator_cpu_ms_per_sidecar_turn": round(self.emulator_cpu_ms_per_sidecar_turn, 3),
             "emulator_cpu_ms_per_http_turn": round(self.emulator_cpu_ms_per_http_turn, 3),
-            "cpu_ratio_sidecar_over_emulator_ws": round(self.cpu_ms_per_request / self.emulator_cpu_ms_per_ws_turn, 3)
-            if self.emulator_cpu_ms_per_ws_turn
-            else None,
+            "cpu_ratio_sidecar_over_emulator_ws": _ratio(self.cpu_ms_per_request, self.emulator_cpu_ms_per_ws_turn),
             **{name: self._floor_report(name) for name in self.floors},
         }
 
@@ -118,13 +116,13 @@ class SizeResult:
             "added_ms": summary(floor.added_total),
             "cpu_ms_per_request": round(floor.cpu_ms_per_request, 3),
             "emulator_cpu_ms_per_ws_turn": round(floor.emulator_cpu_ms_per_ws_turn, 3),
-            "cpu_ratio_floor_over_emulator_ws": round(floor.cpu_ms_per_request / floor.emulator_cpu_ms_per_ws_turn, 3)
-            if floor.emulator_cpu_ms_per_ws_turn
-            else None,
-            "cpu_ratio_sidecar_over_floor": round(self.cpu_ms_per_request / floor.cpu_ms_per_request, 3)
-            if floor.cpu_ms_per_request
-            else None,
+            "cpu_ratio_floor_over_emulator_ws": _ratio(floor.cpu_ms_per_request, floor.emulator_cpu_ms_per_ws_turn),
+            "cpu_ratio_sidecar_over_floor": _ratio(self.cpu_ms_per_request, floor.cpu_ms_per_request),
         }
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return round(numerator / denominator, 3) if denominator else None
 
 
 class _Chain:
