@@ -155,10 +155,16 @@ async def _stream(
     await response.prepare(request)
     try:
         sink = SseSink(request, response, wants_obfuscation(turn.body, state.config.http_obfuscation))
-        outcome = await play(execution, turn, sink, latency=latency, fault=fault, hold=hold)
+        settled: list[ResponseRecord] = []  # recorded before the terminal event goes out
+
+        def settle(final: dict[str, JSON]) -> None:
+            settled.append(_settle(state, turn, final))
+
+        outcome = await play(execution, turn, sink, latency=latency, fault=fault, hold=hold, settle=settle)
     except ConnectionError:
         return response
-    _finish(state, turn, outcome)
+    if not settled:
+        _finish(state, turn, outcome)
     if outcome.status in ("dropped", "closed"):
         return response
     await response.write_eof()
@@ -166,8 +172,13 @@ async def _stream(
 
 
 def _finish(state: EmulatorState, turn: Turn, outcome: Outcome) -> ResponseRecord:
-    record = finish(state, turn, outcome.response)
-    if turn.conversation_id is not None and outcome.status in ("completed", "incomplete"):
+    return _settle(state, turn, outcome.response)
+
+
+def _settle(state: EmulatorState, turn: Turn, response: dict[str, JSON]) -> ResponseRecord:
+    """Record a finished response (and move its conversation on, if it completed)."""
+    record = finish(state, turn, response)
+    if turn.conversation_id is not None and response.get("status") in ("completed", "incomplete"):
         state.conversations[turn.conversation_id].chain = record.chain
     return record
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,13 +65,15 @@ class Hold:
     connection_id: str | None = None
 
 
-async def _hold(hold: Hold, turn: Turn, sink: Sink, index: int) -> Outcome | None:
+async def _hold(
+    hold: Hold, turn: Turn, sink: Sink, index: int, settle: Callable[[dict[str, JSON]], object] | None
+) -> Outcome | None:
     held = Held(hold.fault, hold.connection_id, turn.stream_id, index, asyncio.get_running_loop(), asyncio.Event())
     action = await hold.queue.wait_held(held)
     if action == "continue":
         return None
     cut = Fault(kind=action, close_code=hold.fault.close_code, message=hold.fault.message)
-    return await _cut(cut, turn, sink, index)
+    return await _cut(cut, turn, sink, index, settle)
 
 
 async def play(
@@ -82,11 +85,14 @@ async def play(
     fault: Fault | None = None,
     hold: Hold | None = None,
     interrupt: Interrupt | None = None,
+    settle: Callable[[dict[str, JSON]], object] | None = None,
 ) -> Outcome:
     """Send the events with pacing; a ``fail``/``drop``/``close`` fault fires after ``events_before``.
 
     ``hold`` pauses before event ``hold.fault.events_before``; ``interrupt`` (steering) may end the
-    response with ``response.incomplete`` (``steered``) at an item boundary.
+    response with ``response.incomplete`` (``steered``) at an item boundary. ``settle`` gets the
+    final response object right before its terminal event is sent, so that whatever the caller
+    records (the oracle record, the store) is there when a client sees the response end.
     """
     await _sleep(latency.overhead_ms / 1000.0)
     cut = fault.events_before if fault is not None and fault.kind in CUT_KINDS else None
@@ -98,11 +104,11 @@ async def play(
     items_done = 0
     for index in range(len(events) + 1):
         if pause is not None and index == pause and hold is not None:
-            ended = await _hold(hold, turn, sink, index)
+            ended = await _hold(hold, turn, sink, index, settle)
             if ended is not None:
                 return ended
         if cut is not None and index == cut and fault is not None:
-            return await _cut(fault, turn, sink, index)
+            return await _cut(fault, turn, sink, index, settle)
         if index == len(events):
             break
         event = events[index]
@@ -110,6 +116,8 @@ async def play(
         boundary = index >= 2 and (kind == "response.output_item.added" or index == len(events) - 1)
         if interrupt is not None and boundary and turn.generate and interrupt(index):
             steered = steered_object(turn, execution.final, items_done)
+            if settle is not None:
+                settle(steered)
             await sink.send(stamp(lifecycle("response.incomplete", steered), index, turn.stream_id))
             return Outcome("incomplete", steered, index + 1)
         if kind == "response.output_item.done":
@@ -122,13 +130,19 @@ async def play(
         if event.tokens and latency.tokens_per_second > 0:
             tokens_sent += event.tokens
             await _sleep(started + latency.token_seconds(tokens_sent) - time.monotonic())
+        if settle is not None and index == len(events) - 1:
+            settle(execution.final)
         await sink.send(stamp(event.payload, index, turn.stream_id))
     return Outcome(str(execution.final["status"]), execution.final, len(events))
 
 
-async def _cut(fault: Fault, turn: Turn, sink: Sink, index: int) -> Outcome:
+async def _cut(
+    fault: Fault, turn: Turn, sink: Sink, index: int, settle: Callable[[dict[str, JSON]], object] | None = None
+) -> Outcome:
     if fault.kind == "fail":
         failed = failed_object(turn, fault.message or "An error occurred while processing your request.")
+        if settle is not None:
+            settle(failed)
         await sink.send(stamp(lifecycle("response.failed", failed), index, turn.stream_id))
         return Outcome("failed", failed, index + 1)
     failed = failed_object(turn, "connection dropped by fault injection")

@@ -17,6 +17,7 @@ from .errors import ApiError
 from .faults import Fault
 from .oracle import Segment
 from .runner import CUT_KINDS, Hold, Outcome, play
+from .state import ResponseRecord
 from .validation import validate_body
 from .wslane import Gone, Lane, request_facts
 from .wsreplies import Miss, not_found_events
@@ -145,13 +146,15 @@ async def run_turn(
         conn.state.stats.generate_false += 1
     execution = execute(turn, conn.config)
     active = conn.steering.begin(turn, execution, lane)
+    settled: list[ResponseRecord] = []  # recorded before the terminal event goes out
     try:
         outcome = await play(
-            execution, turn, conn, latency=conn.state.latency, fault=fault, hold=hold, interrupt=active.interrupt
-        )
+            execution, turn, conn, latency=conn.state.latency, fault=fault, hold=hold, interrupt=active.interrupt,
+            settle=lambda final: settled.append(finish(conn.state, turn, final)),
+        )  # fmt: skip
     finally:
         conn.steering.end(turn)
-    record = finish(conn.state, turn, outcome.response)
+    record = settled[0] if settled else finish(conn.state, turn, outcome.response)
     if outcome.status in ("completed", "incomplete"):
         lane.latest = record
     else:

@@ -169,3 +169,39 @@ async def test_full_history_http_digest_equals_ws_chain(emulator: Emulator, clie
     assert changed_record is not None
     assert changed_record["context_digest"] == ws_record["context_digest"]
     assert changed_record["settings_digest"] != ws_record["settings_digest"]
+
+
+@pytest.mark.parametrize("fault", [None, "fail"])
+async def test_a_response_is_recorded_before_its_terminal_event_goes_out(fault: str | None) -> None:
+    """A client that reads ``response.completed`` (or ``response.failed``) and at once asks for
+    the oracle record or the stored response finds it (the sidecar, on another thread, is that
+    fast). The WebSocket and SSE paths record in ``play``'s ``settle``, before the last send."""
+    from proxy.emulator.config import EmulatorConfig, LatencyModel
+    from proxy.emulator.engine import execute, finish
+    from proxy.emulator.faults import Fault
+    from proxy.emulator.runner import play
+    from proxy.emulator.state import EmulatorState
+    from proxy.emulator.turn import prepare
+
+    config = EmulatorConfig()
+    state = EmulatorState(config)
+    body = {"model": "gpt-5", "input": "hi", "store": True}
+    turn = prepare(body, config=config, transport="ws", owner="o", base=Segment.root(),
+                   lookup_item=lambda _: None, input_bytes=40)  # fmt: skip
+    seen: list[tuple[str, bool, bool]] = []
+
+    class Client:
+        async def send(self, payload: dict[str, Any]) -> None:
+            stored = state.get(turn.id, "o") is not None
+            seen.append((payload["type"], turn.id in state.records, stored))
+
+        async def abort(self) -> None: ...
+        async def close(self, code: int) -> None: ...
+
+    cut = Fault(kind="fail", after_events=2) if fault else None
+    outcome = await play(execute(turn, config), turn, Client(), latency=LatencyModel(), fault=cut,
+                         settle=lambda final: finish(state, turn, final))  # fmt: skip
+    kind, recorded, stored = seen[-1]
+    assert kind == ("response.failed" if fault else "response.completed") == f"response.{outcome.status}"
+    assert recorded and stored == (not fault)  # a failed response is recorded, never stored
+    assert not any(r for _, r, _ in seen[:-1])  # and not before its end
