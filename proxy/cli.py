@@ -19,9 +19,9 @@ import yaml
 
 from proxy.config import CONFIG_ENV, load_settings, settings_to_dict
 from proxy.errors import ConfigError
-from proxy.keys import KeySource
-from proxy.log import setup_logging
 from proxy.loop import loop_name
+from proxy.ops.log import setup_logging
+from proxy.serve.keys import KeySource
 
 __all__ = ["main"]
 
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     args_list = sys.argv[1:] if argv is None else argv
     if args_list[:1] == ["explain"]:
         # Offline: says whether a saved request would continue the previous one (no server).
-        explain = importlib.import_module("proxy.explain_cmd")
+        explain = importlib.import_module("proxy.ops.explain_cmd")
         sys.exit(explain.main(args_list[1:]))
     if args_list[:1] == ["demo"]:
         # Imported lazily: the demo pulls in client libraries the sidecar itself never needs.
-        demo = importlib.import_module("proxy.demo")
+        demo = importlib.import_module("proxy.ops.demo")
         sys.exit(demo.main(args_list[1:]))
 
     args = _parser().parse_args(args_list)

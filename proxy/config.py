@@ -263,7 +263,7 @@ class ClusterSettings:
     handoff: bool = True
     """With ``--workers``: a request on a worker not owning its conversation hands the app's
     connection itself to the owner (``SCM_RIGHTS``), which then serves it and the later requests
-    on it; ``false``: every such request is forwarded as bytes (proxy/handoff.py)."""
+    on it; ``false``: every such request is forwarded as bytes (proxy/ingress/handoff.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,23 +21,24 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
-from proxy.handlers import SERVICES, Services, cut_stream, post_responses
-from proxy.handoff import Receiver
-from proxy.health import Lifecycle, make_admin_app
-from proxy.keys import KeySource
-from proxy.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
-from proxy.log import setup_logging
+from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
+from proxy.ingress.front import CLUSTER, post_responses
+from proxy.ingress.handoff import Receiver
+from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
-from proxy.memory import MemoryGate, effective_settings, tune_allocator
-from proxy.metrics import BUILD_INFO, ERRORS
-from proxy.passthrough import Passthrough
-from proxy.pool import Pool
-from proxy.relay import relay_websocket
-from proxy.streaming import Record, json_body, new_request_id
+from proxy.ops.health import Lifecycle, make_admin_app
+from proxy.ops.log import setup_logging
+from proxy.ops.metrics import BUILD_INFO, ERRORS
+from proxy.serve.handlers import SERVICES, Services, cut_stream
+from proxy.serve.keys import KeySource
+from proxy.serve.memory import MemoryGate, effective_settings, tune_allocator
+from proxy.serve.relay import relay_websocket
+from proxy.serve.streaming import Record, json_body, new_request_id
+from proxy.upstream.passthrough import Passthrough
+from proxy.upstream.pool import Pool
 
 __all__ = ["Server", "build_app", "run", "split_hostport"]
 
@@ -170,7 +171,7 @@ class Server:
     Args:
         settings: All settings; ``listen``/``admin_listen`` may use port 0 (tests).
         lifecycle: Shared with the admin app (a new one if omitted).
-        worker: This process's place among ``--workers`` (proxy/workers.py): the API listener
+        worker: This process's place among ``--workers`` (proxy/ingress/workers.py): the API listener
             then shares its address (``SO_REUSEPORT``) and a private unix socket takes the
             other workers' forwards; the admin app goes to ``admin_path`` instead.
         admin_path: Unix socket for the admin app (a worker's, scraped by the supervisor).
@@ -205,14 +206,13 @@ class Server:
         )
         keys = KeySource(settings.api_key)
         self.cluster = Cluster(settings, worker=worker, resolver=resolver)
-        self.services = Services(
-            settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys), cluster=self.cluster
-        )
+        self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
         limits = settings.limits
         self.services.memory = MemoryGate(
             derived, heads, wait_seconds=limits.memory_wait_seconds, max_body_bytes=limits.max_body_bytes
         )
         api_app = build_app(self.services)
+        api_app[CLUSTER] = self.cluster
         api_app.on_response_prepare.append(self._mark_owner)
         self.guard = Guard(settings.listener)
         self._api = web.AppRunner(
@@ -323,13 +323,13 @@ def run(settings: Settings) -> int:
     """Serve until SIGTERM or SIGINT, drain, and return the exit code (0).
 
     With ``workers`` above 1 this process becomes the supervisor of that many workers
-    (:mod:`proxy.workers`). On uvloop when it is installed (a default dependency on CPython
+    (:mod:`proxy.ingress.workers`). On uvloop when it is installed (a default dependency on CPython
     outside Windows), else on asyncio's own loop; the choice is logged and exported as
     ``upshift_build_info``.
     """
     setup_logging(settings.logging)
     if settings.workers > 1:
-        from proxy.workers import supervise
+        from proxy.ingress.workers import supervise
 
         return supervise(settings)
     BUILD_INFO.labels(_version(), loop_name(), platform.python_version()).set(1)

@@ -25,8 +25,8 @@ import psutil
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
-from proxy.pool import Pool
 from proxy.server import Server
+from proxy.upstream.pool import Pool
 
 __all__ = ["ROOT", "Sidecar", "SidecarProcess", "override"]
 

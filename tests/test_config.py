@@ -456,7 +456,7 @@ def test_demo_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append(argv)
         return 0
 
-    monkeypatch.setitem(sys.modules, "proxy.demo", types.SimpleNamespace(main=demo_main))
+    monkeypatch.setitem(sys.modules, "proxy.ops.demo", types.SimpleNamespace(main=demo_main))
     with pytest.raises(SystemExit) as info:
         cli.main(["demo", "--turns", "3"])
     assert info.value.code == 0

@@ -50,7 +50,7 @@ __all__ = ["Head", "HeadTable", "Keeper", "Lookup", "Match", "MissReason"]
 
 
 class Keeper(Protocol):
-    """Who else accounts for kept bodies (the memory budget, :class:`proxy.memory.MemoryGate`)."""
+    """Who else accounts for kept bodies (the memory budget, :class:`proxy.serve.memory.MemoryGate`)."""
 
     def keep(self, anchor: Hashable, size: int) -> bool:
         """Whether the head of ``anchor`` may keep a body of ``size`` bytes."""

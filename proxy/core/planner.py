@@ -5,7 +5,7 @@ continue on lane L with ``previous_response_id`` and the new items, send the ful
 L, wait for a lane, or go over HTTP, each with a reason. :meth:`Planner.finished`,
 :meth:`Planner.abandon`, :meth:`Planner.socket_lost` and :meth:`Planner.tick` are the follow-ups;
 they return the sockets to close. Nothing here does I/O or reads a clock: the pool
-(``proxy/pool.py``) executes the plans, httpcore-style.
+(``proxy/upstream/pool.py``) executes the plans, httpcore-style.
 
 Lane choice for a request that needs a new head (a new conversation, a miss):
 

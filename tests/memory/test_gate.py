@@ -1,4 +1,4 @@
-"""The memory gate (proxy/memory.py): the budget's size, one buffer per body, leases that wait."""
+"""The memory gate (proxy/serve/memory.py): the budget's size, one buffer per body, leases that wait."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import pytest
 from proxy.config import LimitsSettings, Settings
 from proxy.core.budget import AMPLIFICATION, MIN_RESERVATION, Derived, derive
 from proxy.core.conversation import HeadTable
-from proxy.memory import BodyBuffer, MemoryBusy, MemoryGate, MemoryTooLarge, cgroup_memory_limit, effective_settings
+from proxy.serve.memory import (
+    BodyBuffer,
+    MemoryBusy,
+    MemoryGate,
+    MemoryTooLarge,
+    cgroup_memory_limit,
+    effective_settings,
+)
 
 MIB = 1024 * 1024
 

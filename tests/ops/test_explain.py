@@ -189,7 +189,7 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     import asyncio
 
     from proxy.core.explain import Explanation
-    from proxy.streaming import Record
+    from proxy.serve.streaming import Record
 
     lines, _ = access_log
     calls: list[str] = []

@@ -10,9 +10,9 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.core.explain import Detail, Explanation
-from proxy.health import Lifecycle, make_admin_app
-from proxy.misses import RECENT, MissRing
-from proxy.status import Sampler, render_status, snapshot
+from proxy.ops.health import Lifecycle, make_admin_app
+from proxy.ops.misses import RECENT, MissRing
+from proxy.ops.status import Sampler, render_status, snapshot
 
 Client = TestClient[Any, Any]
 MakeClient = Callable[..., Awaitable[Client]]

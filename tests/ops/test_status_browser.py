@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.demo import run_agent_loop
 from proxy.emulator import Emulator
-from proxy.health import SAMPLER_KEY
+from proxy.ops.demo import run_agent_loop
+from proxy.ops.health import SAMPLER_KEY
 from tests.sidecar import ROOT, Sidecar
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

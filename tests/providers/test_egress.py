@@ -16,10 +16,10 @@ from openai import AsyncOpenAI
 from websockets.exceptions import InvalidStatus
 
 from proxy.config import EgressSettings, Settings
-from proxy.egress import egress_for
 from proxy.errors import ConfigError
-from proxy.keys import KeySource
-from proxy.passthrough import Passthrough
+from proxy.serve.keys import KeySource
+from proxy.upstream.egress import egress_for
+from proxy.upstream.passthrough import Passthrough
 from tests.clients.support import Capture, assert_continuations, assert_fidelity, run_loop_async, task_text
 from tests.sidecar import Sidecar
 

@@ -15,8 +15,8 @@ from multidict import CIMultiDict
 
 from proxy.config import ApiKeySettings, IdentitySettings, Settings, merge_query, upstream_ws_url
 from proxy.emulator import Emulator
-from proxy.identity import identify, request_identity
-from proxy.keys import KeySource
+from proxy.serve.identity import identify, request_identity
+from proxy.serve.keys import KeySource
 from tests.clients.support import TOOLS, Capture, task_text, tool_outputs
 from tests.sidecar import Sidecar
 

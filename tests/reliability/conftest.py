@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-import proxy.upstream
+import proxy.upstream.ws
 from proxy.emulator import Emulator, ThreadedEmulator
 from tests.sidecar import Sidecar
 
@@ -89,11 +89,11 @@ async def sidecar_for() -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
 def frames(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """Every ``response.create`` frame the in-process sidecars send upstream, in order."""
     sent: list[bytes] = []
-    original = proxy.upstream.UpstreamSocket.send
+    original = proxy.upstream.ws.UpstreamSocket.send
 
-    async def send(self: proxy.upstream.UpstreamSocket, frame: bytes, lane: str | None) -> None:
+    async def send(self: proxy.upstream.ws.UpstreamSocket, frame: bytes, lane: str | None) -> None:
         sent.append(bytes(frame))
         await original(self, frame, lane)
 
-    monkeypatch.setattr(proxy.upstream.UpstreamSocket, "send", send)
+    monkeypatch.setattr(proxy.upstream.ws.UpstreamSocket, "send", send)
     return sent

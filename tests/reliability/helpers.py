@@ -21,9 +21,9 @@ from multidict import CIMultiDictProxy
 from proxy.emulator import Emulator
 from proxy.emulator.model import ModelRequest, plan
 from proxy.emulator.oracle import Segment, context_digest
-from proxy.metrics import REGISTRY
-from proxy.pool import SocketState
-from proxy.upstream import live_sockets
+from proxy.ops.metrics import REGISTRY
+from proxy.upstream.pool import SocketState
+from proxy.upstream.ws import live_sockets
 from tests.sidecar import Sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,7 +273,7 @@ async def leaked_tasks(
     """Tasks started since ``baseline`` still pending after up to ``settle`` seconds.
 
     Tasks of websockets' own connections are expected; with ``open_sockets`` given, exactly that
-    many upstream connections must be live (:func:`proxy.upstream.live_sockets`), else the
+    many upstream connections must be live (:func:`proxy.upstream.ws.live_sockets`), else the
     mismatch is reported as a leak too.
     """
     deadline = time.monotonic() + settle

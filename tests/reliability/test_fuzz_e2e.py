@@ -1,6 +1,6 @@
 """End-to-end matcher fuzzing through the real sidecar and the emulator (docs/reliability.md §3).
 
-The core-level half lives in tests/test_fuzz_matcher.py; this half runs whole conversations over
+The core-level half lives in tests/core/test_fuzz_matcher.py; this half runs whole conversations over
 sockets: random histories (plain replies, tool calls, parallel calls, reasoning), every client echo
 style of client-echo.md, and meaning-changing mutations (an edited earlier message, an edited item
 in the echo of the last reply, a reordered item, a changed argument value, a dropped tool output).

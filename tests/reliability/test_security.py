@@ -28,8 +28,8 @@ from proxy.core.budget import Kind
 from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
-from proxy.handoff import HandoffOutcome
-from proxy.log import setup_logging
+from proxy.ingress.handoff import HandoffOutcome
+from proxy.ops.log import setup_logging
 from proxy.server import Server, split_hostport
 from tests.conftest import SidecarFactory
 from tests.reliability.helpers import (
@@ -150,7 +150,7 @@ CONTENT = "CANARY-CONTENT-4d2e"
 
 @pytest.fixture
 def log_buffer() -> Iterator[io.StringIO]:
-    """The sidecar's JSON log (proxy.log.setup_logging at debug level) into a buffer."""
+    """The sidecar's JSON log (proxy.ops.log.setup_logging at debug level) into a buffer."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     buf = io.StringIO()
@@ -252,7 +252,7 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "kind": {k.value for k in Kind},
     "transport": {"websocket", "http"},
     "accepted": {"true", "false"},
-    # cluster (proxy/cluster.py, proxy/listener.py, proxy/workers.py)
+    # cluster (proxy/ingress/cluster.py, proxy/ingress/listener.py, proxy/ingress/workers.py)
     "level": {"replica", "worker"},
     "verified": {"true", "false", "unsigned"},
     "worker": {str(i) for i in range(32)},
@@ -264,7 +264,7 @@ _LABEL_VALUES: dict[str, set[str]] = {
 _VERSION_LABELS = frozenset({"version", "python"})
 _LABEL_VALUES["mode"] |= {"forwarded"}
 _LABEL_VALUES["outcome"] |= {"cut", "owner_down", "connect_timeout", "busy", "refused", "failed_before_answer"}
-_LABEL_VALUES["outcome"] |= set(HandoffOutcome)  # upshift_handoffs_total (proxy/handoff.py)
+_LABEL_VALUES["outcome"] |= set(HandoffOutcome)  # upshift_handoffs_total (proxy/ingress/handoff.py)
 _LABEL_VALUES["reason"] |= {"header_timeout", "max_connections"} | _LABEL_VALUES["outcome"]
 _LABEL_VALUES["state"] |= {"up", "down"}
 

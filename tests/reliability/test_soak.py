@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.emulator import Emulator
 from proxy.emulator.model import ModelRequest, plan
 from proxy.emulator.oracle import Segment
-from proxy.pool import SocketState
+from proxy.upstream.pool import SocketState
 from tests.reliability.conftest import EmulatorFactory, SidecarFor, ThreadedEmulatorFactory
 from tests.reliability.helpers import (
     MODEL,

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 
 from proxy.emulator import NOT_FOUND_SHAPES, Emulator, LatencyModel
 from proxy.emulator.state import identity_of
-from proxy.pool import SocketState
+from proxy.upstream.pool import SocketState
 from tests.conftest import SidecarFactory
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
 from tests.reliability.helpers import (

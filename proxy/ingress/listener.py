@@ -1,0 +1,240 @@
+"""An API listener fit for a network: a header deadline and a bound on open connections.
+
+aiohttp has no header-read timeout: a client that opens a connection and sends half a request
+line holds it until the keep-alive timeout (an hour by default). Once the API port is
+reachable by other Pods (a gateway, replicas, peers), that is a cheap way to exhaust it. So:
+
+* a connection must deliver a request's complete headers within
+  ``listener.header_timeout_seconds`` of opening, and so must every later request on it
+  (counted from its first byte); otherwise it is closed;
+* an idle keep-alive connection is closed after ``listener.keepalive_seconds``;
+* at most ``listener.max_connections`` are open; one more gets a ``503`` OpenAI-shaped answer
+  (with ``x-upshift-refused``) and is closed at once, before anything of it is read.
+
+The protocol is aiohttp's own ``RequestHandler``; only the timer and the count are added, plus
+the byte accounting a connection handoff between workers needs (:mod:`proxy.ingress.handoff`): how many
+bytes the connection delivered, and where the current request's head ended, so that a handler
+can tell that nothing of a next (pipelined) request has been read yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server as LowServer
+
+from proxy.config import ListenerSettings
+from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
+
+__all__ = ["Guard", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
+
+_HEAD_SCAN = 64 * 1024
+"""A request head not complete within this many bytes is not tracked (no handoff for it)."""
+
+_REFUSAL_BODY = (
+    b'{"error":{"message":"The sidecar has too many open connections; retry shortly.",'
+    b'"type":"server_error","param":null,"code":"too_many_connections"}}'
+)
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Retry-After: 1\r\nx-should-retry: true\r\nx-upshift-refused: max_connections\r\n"
+    b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
+)
+
+
+class Guard:
+    """Open-connection count and limits shared by the sites of one listener."""
+
+    def __init__(self, settings: ListenerSettings) -> None:
+        self.max_connections = settings.max_connections
+        self.header_timeout = settings.header_timeout_seconds
+        self.open = 0
+
+
+class _Handler(RequestHandler):
+    __slots__ = (
+        "_guard",
+        "_head",
+        "_head_start",
+        "_last_payload",
+        "_header_timer",
+        "_refused",
+        "adopted",
+        "head_end",
+        "private",
+        "received",
+        "request_line",
+    )
+
+    def __init__(self, guard: Guard, manager: LowServer, *, adopted: bool = False, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+        self.adopted = adopted
+        """Handed over by another worker (its first request came with it): admitted past
+        ``max_connections`` (the connection left the other worker's count) and, for that first
+        request, never handed on (:mod:`proxy.ingress.handoff`)."""
+        self.private = False
+        """The connection came in on a unix socket (a worker's private listener, :mod:`proxy.ingress.cluster`)."""
+        self.received = 0
+        """Bytes this connection delivered so far."""
+        self.head_end = -1
+        """Offset (in ``received``) where the current request's head ended; -1: not known."""
+        self.request_line = b""
+        """The current request's first line, as received."""
+        self._head: bytearray | None = None
+        self._head_start = 0
+        self._last_payload: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        guard = self._guard
+        if guard.open >= guard.max_connections and not self.adopted:
+            self._refused = True
+            LISTENER_CLOSED.labels("max_connections").inc()
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(_REFUSAL)
+            transport.close()
+            return
+        guard.open += 1
+        LISTENER_CONNECTIONS.inc()
+        # Once per connection (a syscall under uvloop), not per request.
+        self.private = isinstance(transport.get_extra_info("sockname"), str | bytes)
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._refused:
+            return
+        self._guard.open -= 1
+        LISTENER_CONNECTIONS.dec()
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if data:
+            if self._header_timer is None and not self._request_in_progress and not self._messages:
+                self._arm()  # the first byte of a later request on a kept-alive connection
+            # Bytes after the last request's body are a new request's (on Python 3.11 the handler
+            # task starts a loop turn after its message is dequeued: no handler state says it).
+            last = self._last_payload
+            self._account(data, last is None or last.is_eof())
+        before = self._request_count
+        super().data_received(data)
+        if self._messages:
+            self._last_payload = self._messages[-1][1]
+        # Complete headers make a message (queued for the handler loop, which counts requests
+        # later): the deadline is met. A timer left armed would fire on the idle moment after
+        # this request and close the connection just as the client reuses it.
+        if self._messages or self._request_count != before or self._upgraded:
+            self._disarm()
+
+    def _account(self, data: bytes, idle: bool) -> None:
+        """Count ``data`` and find the end of the head of the request it starts or continues."""
+        start = self.received
+        self.received += len(data)
+        head = self._head
+        if head is None:
+            if not idle:
+                return  # a body (or a pipelined request: ``holds_only`` then says no)
+            self._head_start, self.head_end, self.request_line = start, -1, b""
+            end = data.find(b"\r\n\r\n")  # the first bytes of a request: usually its whole head
+            if end < 0:
+                self._head = bytearray(data[:_HEAD_SCAN])
+                return
+            head_bytes: bytes | bytearray = data
+        else:
+            seen = len(head)
+            head += data[: _HEAD_SCAN - seen]
+            end = head.find(b"\r\n\r\n", max(seen - 3, 0))
+            if end < 0:
+                if len(head) >= _HEAD_SCAN:
+                    self._head = None  # not tracked: head_end stays -1
+                return
+            head_bytes, self._head = head, None
+        self.head_end = self._head_start + end + 4
+        self.request_line = bytes(head_bytes[: head_bytes.find(b"\r\n")])
+
+    def holds_only(self, content_length: int) -> bool:
+        """Whether everything this connection delivered is the current request (a tracked head
+        plus ``content_length`` bytes of body) and aiohttp holds nothing of a next one."""
+        return (
+            self.head_end >= 0
+            and self.received == self.head_end + content_length
+            and not self._messages
+            and not self._message_tail
+            and not self._upgraded
+            and not self._reading_paused
+            and not self._buffer_paused
+        )
+
+    def _arm(self) -> None:
+        if self._header_timer is None and self._guard.header_timeout > 0:
+            self._header_timer = self._loop.call_later(self._guard.header_timeout, self._header_timeout)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if not self._request_in_progress and not self._messages:
+            LISTENER_CLOSED.labels("header_timeout").inc()
+            self.force_close()
+
+
+def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = False) -> Callable[[], _Handler]:
+    """The protocol factory of the listener sites of ``runner`` (``adopted``: for connections
+    handed over by another worker, :mod:`proxy.ingress.handoff`)."""
+    server = runner.server
+    assert server is not None, "runner.setup() not called"
+
+    def make() -> _Handler:
+        return _Handler(guard, server, adopted=adopted, loop=server._loop, **server._kwargs)
+
+    return make
+
+
+_factory = protocol_factory
+
+
+class HardenedTCPSite(web.TCPSite):
+    """``web.TCPSite`` whose connections go through :class:`Guard` (optionally ``SO_REUSEPORT``)."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, *, reuse_port: bool = False) -> None:
+        super().__init__(runner, host, port, reuse_port=reuse_port or None, backlog=1024)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            _factory(self._runner, self.guard),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_port=self._reuse_port,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+
+
+class HardenedUnixSite(web.UnixSite):
+    """``web.UnixSite`` (a path, or an abstract name starting with NUL) through :class:`Guard`."""
+
+    def __init__(self, runner: web.BaseRunner, path: str, guard: Guard) -> None:
+        super().__init__(runner, path, backlog=1024)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(
+            _factory(self._runner, self.guard), self._path, backlog=self._backlog
+        )

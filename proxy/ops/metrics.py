@@ -1,0 +1,339 @@
+"""Every metric, defined once. Labels are bounded: no ids, keys, models or free text.
+
+All metrics live in :data:`REGISTRY` (not the global default registry), so tests and
+several in-process sidecars do not collide.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = [
+    "ADDED_LATENCY",
+    "BUILD_INFO",
+    "CLUSTER_PEERS",
+    "CONTINUATION_MISSES",
+    "DROPPED_REASONING",
+    "ERRORS",
+    "FORWARDS",
+    "FORWARDS_RECEIVED",
+    "HANDOFFS",
+    "HELD_LIFECYCLE",
+    "HYDRATED",
+    "INFLIGHT",
+    "INPUT_ITEMS_AVOIDED",
+    "LANES",
+    "LANES_FALLBACKS",
+    "LISTENER_CLOSED",
+    "LISTENER_CONNECTIONS",
+    "MEMORY_BUDGET",
+    "MEMORY_BYTES",
+    "MEMORY_REFUSALS",
+    "MEMORY_RSS",
+    "MEMORY_WAITING",
+    "MEMORY_WAITS",
+    "OWNER_MISSES",
+    "PASSTHROUGH",
+    "POOL_WAIT",
+    "REGISTRY",
+    "REPLAYS",
+    "REQUESTS",
+    "REQUEST_BYTES",
+    "RESEEDS",
+    "SOCKETS",
+    "SOCKET_AGE_AT_ROTATION",
+    "UPSTREAM_BYTES_SENT",
+    "UPSTREAM_DURATION",
+    "WORKERS_READY",
+    "WORKER_RESTARTS",
+]
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+REQUESTS = Counter(
+    "upshift_requests",
+    "Requests by route, mode and outcome.",
+    ["route", "mode", "outcome"],
+    registry=REGISTRY,
+)
+"""route: responses | responses_ws | other; mode: continuation | full | passthrough | relay |
+forwarded (sent on to the conversation's owner, which counts it again with its own mode);
+outcome: ok | client_error | upstream_error | proxy_error | cancelled."""
+
+CONTINUATION_MISSES = Counter(
+    "upshift_continuation_misses",
+    "Full-history sends for a request that was not a continuation, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: no_head | diverged | settings_changed | head_busy | dropped_reasoning | retry |
+no_new_items | app_chained | pool_full (bounded set, see proxy.core.conversation.MissReason)."""
+
+DROPPED_REASONING = Counter(
+    "upshift_dropped_reasoning_echoes",
+    "Echoes that left out reasoning items of the previous output (client-echo.md rule 6).",
+    ["accepted"],
+    registry=REGISTRY,
+)
+
+REPLAYS = Counter(
+    "upshift_replays",
+    "Turns replayed with full input before any byte reached the app, by cause.",
+    ["cause"],
+    registry=REGISTRY,
+)
+"""cause: previous_response_not_found | connection_limit | closed_before_first_event."""
+
+ERRORS = Counter(
+    "upshift_errors",
+    "Errors raised by the sidecar itself, by code.",
+    ["code"],
+    registry=REGISTRY,
+)
+
+REQUEST_BYTES = Counter(
+    "upshift_request_bytes",
+    "Request body bytes received from apps.",
+    registry=REGISTRY,
+)
+
+UPSTREAM_BYTES_SENT = Counter(
+    "upshift_upstream_bytes_sent",
+    "Bytes sent upstream (WebSocket frames and HTTP bodies), by transport.",
+    ["transport"],
+    registry=REGISTRY,
+)
+
+INPUT_ITEMS_AVOIDED = Counter(
+    "upshift_input_items_avoided",
+    "Input items not re-sent upstream thanks to continuations.",
+    registry=REGISTRY,
+)
+
+PASSTHROUGH = Counter(
+    "upshift_passthrough",
+    "POST /v1/responses requests sent over plain HTTP instead of a WebSocket, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: mode_http | background | conversation | ws_only_field | oversize | upgrade_refused |
+ws_unavailable | pool_full | a replay cause sent over HTTP (bounded set)."""
+
+SOCKETS = Gauge(
+    "upshift_upstream_sockets",
+    "Upstream WebSocket sockets by state.",
+    ["state"],
+    registry=REGISTRY,
+)
+"""state: open | busy | idle | connecting (open = busy + idle)."""
+
+HYDRATED = Counter(
+    "upshift_hydrated_continuations",
+    "Continuations of a stored response whose lane was gone (the upstream hydrated it).",
+    registry=REGISTRY,
+)
+
+RESEEDS = Counter(
+    "upshift_reseeds",
+    "store:false heads rebuilt on a new lane with a generate:false create when their socket was rotated.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+"""outcome: ok | failed."""
+
+LANES = Gauge(
+    "upshift_upstream_lanes",
+    "Upstream lanes (socket + stream_id) by state.",
+    ["state"],
+    registry=REGISTRY,
+)
+"""state: busy | idle | draining."""
+
+LANES_FALLBACKS = Counter(
+    "upshift_lane_fallbacks",
+    "Times the upstream refused a named stream_id lane and the sidecar fell back to one lane per socket.",
+    registry=REGISTRY,
+)
+
+POOL_WAIT = Histogram(
+    "upshift_pool_wait_seconds",
+    "Time requests waited for a free lane or an HTTP connection (counted in the added latency).",
+    ["pool"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    registry=REGISTRY,
+)
+"""pool: lanes | http."""
+
+SOCKET_AGE_AT_ROTATION = Histogram(
+    "upshift_socket_age_at_rotation_seconds",
+    "Age of upstream sockets when retired by rotation.",
+    buckets=(60, 300, 900, 1800, 2700, 3300, 3600),
+    registry=REGISTRY,
+)
+
+ADDED_LATENCY = Histogram(
+    "upshift_added_latency_seconds",
+    "Time the sidecar adds to a request (its own processing, excluding upstream time).",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+    registry=REGISTRY,
+)
+
+UPSTREAM_DURATION = Histogram(
+    "upshift_upstream_duration_seconds",
+    "Upstream time per request, first frame sent to terminal event.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
+)
+
+INFLIGHT = Gauge(
+    "upshift_inflight_requests",
+    "Requests in flight.",
+    registry=REGISTRY,
+)
+
+# -- the memory budget (proxy/serve/memory.py) -------------------------------------------------------
+
+MEMORY_BUDGET = Gauge(
+    "upshift_memory_budget_bytes",
+    "The sidecar's memory budget (limits.memory_bytes, RSS).",
+    registry=REGISTRY,
+)
+
+MEMORY_BYTES = Gauge(
+    "upshift_memory_bytes",
+    "Bytes of the memory budget in use, by kind.",
+    ["kind"],
+    registry=REGISTRY,
+)
+"""kind: in_flight (requests received, parsed, sent) | kept_bodies (heads' byte-comparison
+copies) | heads (heads and their sockets) | baseline (the idle process, fixed at startup)."""
+
+MEMORY_WAITING = Gauge(
+    "upshift_memory_waiting_requests",
+    "Requests whose body is not read yet because the memory budget is taken.",
+    registry=REGISTRY,
+)
+
+MEMORY_WAITS = Counter(
+    "upshift_memory_waits",
+    "Requests that had to wait for memory before their body was read.",
+    registry=REGISTRY,
+)
+
+MEMORY_REFUSALS = Counter(
+    "upshift_memory_refusals",
+    "Requests refused for memory (429/503 with retry-after), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: too_large (would not fit an empty budget) | wait_timeout (limits.memory_wait_seconds)."""
+
+
+def _rss() -> float:
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return float(int(fh.read().split()[1]) * _PAGE)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+MEMORY_RSS = Gauge(
+    "upshift_memory_rss_bytes",
+    "Resident set size of the sidecar process, read at scrape time.",
+    registry=REGISTRY,
+)
+MEMORY_RSS.set_function(_rss)
+
+
+# -- cluster: affinity, forwarding, workers, the hardened listener ---------------------------
+
+FORWARDS = Counter(
+    "upshift_forwards",
+    "Requests forwarded (or meant to be) to the process owning their conversation, by level and outcome.",
+    ["level", "outcome"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; outcome: ok | cut | owner_down | connect_timeout | busy | refused |
+failed_before_answer (see proxy.ingress.cluster.Outcome)."""
+
+FORWARDS_RECEIVED = Counter(
+    "upshift_forwards_received",
+    "Requests received from another process that forwarded them here, by level and marker check.",
+    ["level", "verified"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; verified: true | false (bad signature) | unsigned (no secret)."""
+
+OWNER_MISSES = Counter(
+    "upshift_owner_misses",
+    "Requests served by a process that does not own their conversation (a full send), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: the forward outcome that made it local (owner_down, connect_timeout, busy, refused,
+failed_before_answer)."""
+
+HANDOFFS = Counter(
+    "upshift_handoffs",
+    "Client connections offered to the worker owning their request's conversation, by outcome.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+"""outcome: adopted | ineligible | busy | refused | owner_down | timeout (proxy/ingress/handoff.py)."""
+
+CLUSTER_PEERS = Gauge(
+    "upshift_cluster_peers",
+    "Peers known to this process (itself included), by level and state.",
+    ["level", "state"],
+    registry=REGISTRY,
+)
+"""level: replica | worker; state: up | down (skipped after a failure)."""
+
+LISTENER_CONNECTIONS = Gauge(
+    "upshift_listener_connections",
+    "Open connections on the API listener.",
+    registry=REGISTRY,
+)
+
+LISTENER_CLOSED = Counter(
+    "upshift_listener_closed_connections",
+    "Connections the API listener closed on its own, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+"""reason: header_timeout | max_connections."""
+
+WORKER_RESTARTS = Counter(
+    "upshift_worker_restarts",
+    "Worker processes restarted by the supervisor after they exited.",
+    registry=REGISTRY,
+)
+
+WORKERS_READY = Gauge(
+    "upshift_workers_ready",
+    "Worker processes answering their readiness probe (supervisor only).",
+    registry=REGISTRY,
+)
+
+
+HELD_LIFECYCLE = Counter(
+    "upshift_held_lifecycle",
+    "Streamed responses whose response.created/in_progress were held back, by how the hold ended.",
+    ["path"],
+    registry=REGISTRY,
+)
+"""path: output (first output came within streaming.hold_back_seconds) | deadline (released on
+their own) | terminal (the response ended while they were held) | discarded (replayed, or answered
+as an HTTP error); see proxy.core.channel.HoldPath."""
+
+BUILD_INFO = Gauge(
+    "upshift_build_info",
+    "Always 1; the labels say which version runs on which event loop.",
+    ["version", "loop", "python"],
+    registry=REGISTRY,
+)
+"""loop: uvloop | asyncio."""

@@ -1,0 +1,393 @@
+"""The app's side of one ``POST /v1/responses``, and the loop that feeds it from upstream.
+
+``stream: true``: an SSE ``StreamResponse``, prepared when the first event is released (so an
+error before any response event can still become an HTTP status), one write per upstream event
+(or per released batch), the upstream's JSON bytes unchanged. ``stream: false``: nothing is
+written until the terminal event; then one JSON body.
+
+``x-upshift-overhead-ms`` is the sidecar's own time up to the moment the headers go out: wall
+time since the request arrived minus the time spent waiting on the upstream (inside
+:meth:`UpstreamSocket.recv`). For a stream that is the overhead before the first byte; the
+access log and ``upshift_added_latency_seconds`` record the same measure at the end of the
+response. A failed first attempt that is replayed counts as the sidecar's time, not upstream's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from proxy.core.channel import TERMINAL, Channel, Out
+from proxy.core.explain import Explanation
+from proxy.core.sse import CONTENT_TYPE, encode_events
+from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamTimeout
+from proxy.ops.log import access_log
+from proxy.ops.metrics import (
+    ADDED_LATENCY,
+    CONTINUATION_MISSES,
+    HELD_LIFECYCLE,
+    INPUT_ITEMS_AVOIDED,
+    PASSTHROUGH,
+    REQUESTS,
+)
+from proxy.ops.misses import RECENT
+from proxy.serve.memory import BodyBuffer, Lease
+
+log = logging.getLogger("upshift.streaming")
+
+__all__ = ["Downstream", "Lane", "Record", "count_hold_back", "json_body", "new_request_id", "pump", "read_body"]
+
+_MAX_BATCH = 64
+"""Most events written to the app in one write."""
+
+
+def json_body(obj: Any) -> bytes:
+    """Compact JSON bytes (orjson)."""
+    return orjson.dumps(obj)
+
+
+_LAST = frozenset(TERMINAL) | {"response.done"}
+"""Event types after which nothing more is written: their write also ends the body."""
+
+
+def _frames(outs: list[Out]) -> bytes:
+    return encode_events((o.type, o.raw if o.raw is not None else orjson.dumps(o.obj)) for o in outs)
+
+
+class Downstream:
+    """What goes back to the app for one request.
+
+    Args:
+        request: The app's request.
+        stream: Whether the app asked for SSE.
+        headers: Headers for the answer (``x-request-id``, ``x-upshift-mode``); the caller may
+            update them until the answer starts.
+        started: ``time.perf_counter()`` when the request arrived.
+    """
+
+    def __init__(self, request: web.Request, *, stream: bool, headers: dict[str, str], started: float) -> None:
+        self.request = request
+        self.stream = stream
+        self.headers = headers
+        self.started = started
+        self.response: web.StreamResponse | None = None
+        """The SSE response once prepared."""
+        self.gone = False
+        """The app went away mid-stream; the rest of the response is drained, not written."""
+        self.upstream_wait = 0.0
+        """Seconds spent waiting on the upstream."""
+        self.bytes_out = 0
+        """SSE bytes written to the app."""
+        self._last = b""
+        """The batch that ends with the terminal event, sent by :meth:`end` with the body's end."""
+
+    @property
+    def written(self) -> bool:
+        """Whether headers (and maybe events) already went to the app."""
+        return self.response is not None
+
+    def added(self) -> float:
+        """The sidecar's own time so far, in seconds."""
+        return max(time.perf_counter() - self.started - self.upstream_wait, 0.0)
+
+    def _overhead_header(self) -> dict[str, str]:
+        return {"x-upshift-overhead-ms": f"{self.added() * 1000:.3f}"}
+
+    async def write(self, outs: list[Out]) -> None:
+        """Write released events as SSE (prepares the response on the first call).
+
+        One buffer and one socket write per call: the headers go out with the first events.
+        A batch that ends with the terminal event is kept for :meth:`end`, which sends it with
+        the end of the body (the chunked encoding's last chunk) in the same write: so a turn
+        whose events arrive together costs one write, and the app sees its response end only
+        after the shell recorded the conversation's head (its next turn cannot race that).
+        """
+        if self.gone or not outs:
+            return
+        data = _frames(outs)
+        if self._last:
+            data = self._last + data  # never happens in a well-formed stream
+            self._last = b""
+        try:
+            if self.response is None:
+                response = web.StreamResponse(
+                    status=200,
+                    headers={"Content-Type": CONTENT_TYPE, **self.headers, **self._overhead_header()},
+                )
+                # aiohttp then sends the headers with the first body bytes, in one write.
+                response._send_headers_immediately = False
+                self.response = response
+                await response.prepare(self.request)
+            self.bytes_out += len(data)
+            if outs[-1].type in _LAST:
+                self._last = data
+            else:
+                await self.response.write(data)
+        except ConnectionResetError:
+            # The app closed its connection; keep reading upstream to the terminal event so
+            # the socket stays usable (pitfall 20), but write nothing more.
+            self.gone = True
+
+    async def end(self) -> web.StreamResponse:
+        """Finish the SSE stream cleanly (no ``[DONE]``), with the terminal batch if one is kept."""
+        assert self.response is not None
+        if not self.gone:
+            last, self._last = self._last, b""
+            try:
+                await self.response.write_eof(last)
+            except ConnectionResetError:
+                self.gone = True
+        return self.response
+
+    def json(self, status: int, body: bytes, extra: dict[str, str] | None = None) -> web.Response:
+        """A JSON answer (``stream: false``, or an error before anything was written)."""
+        headers = {**(extra or {}), **self.headers, **self._overhead_header()}
+        return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+
+
+class Lane(Protocol):
+    """What :func:`pump` needs of a lane lent by the pool (:class:`proxy.upstream.pool.Turn`)."""
+
+    async def send(self, frame: bytes) -> None: ...
+    async def recv(self, timeout: float) -> tuple[bytes, dict[str, Any]]: ...
+    def take(self) -> list[tuple[bytes, dict[str, Any]]]: ...
+    def pending(self) -> bool: ...
+
+
+async def pump(
+    lane: Lane,
+    frame: bytes | list[bytes],
+    channel: Channel,
+    down: Downstream,
+    idle_timeout: float,
+    lease: Lease | None = None,
+) -> None:
+    """Send ``frame`` and move its response's events to the app until the channel is done.
+
+    ``frame`` may come as a one-element list that pump empties: then the frame is freed as
+    soon as it is sent, not when the response ends, and ``lease`` (the request's memory)
+    shrinks to the body (issue 12).
+
+    Returns when the terminal event arrived; what the app gets for it (if it was held) is the
+    caller's decision.
+
+    Raises:
+        UpstreamClosed | UpstreamTimeout | UpstreamProtocolError: from the socket or a bad frame.
+    """
+    await lane.send(frame.pop() if isinstance(frame, list) else frame)
+    del frame
+    if lease is not None:
+        lease.sent()
+    stream = down.stream
+    clock = time.perf_counter
+    batch: list[Out] = []
+    while not channel.done:
+        events = lane.take()
+        if not events:
+            # While lifecycle events are held, wait only until their deadline (the bounded
+            # hold-back): then they go to the app, and a later loss is surfaced, not replayed.
+            deadline = channel.deadline()
+            wait = idle_timeout if deadline is None else max(0.0, min(idle_timeout, deadline - clock()))
+            waited = clock()
+            try:
+                events = [await lane.recv(wait)]
+            except UpstreamTimeout:
+                down.upstream_wait += clock() - waited
+                if deadline is None or wait >= idle_timeout:
+                    raise  # a real idle timeout
+                released = channel.on_timer(clock())
+                if released and stream:
+                    await down.write(released)
+                continue
+            down.upstream_wait += clock() - waited
+        now = clock()
+        # Events that arrived together leave together: one write (one wakeup of the app) per
+        # burst of up to _MAX_BATCH instead of one per event; never held back while upstream
+        # is silent. After the terminal event the loop ends and the last batch goes below.
+        for raw, event in events:
+            outs = channel.feed(raw, event, now)
+            if outs and stream:
+                batch += outs
+                if len(batch) >= _MAX_BATCH:
+                    await down.write(batch)
+                    batch = []
+            if channel.done:
+                break  # anything after the terminal event is not this response's
+        if batch and not channel.done and not lane.pending():
+            await down.write(batch)
+            batch = []
+    if batch:
+        await down.write(batch)
+
+
+def count_hold_back(channel: Channel) -> None:
+    """Count how ``channel``'s held lifecycle events left the hold (``upshift_held_lifecycle_total``).
+
+    Call once per attempt, when the shell is done with its channel (after the answer was
+    written, or before a replay): events still held then never reached the app.
+    """
+    path = channel.hold_path
+    if path is not None:
+        HELD_LIFECYCLE.labels(path.value).inc()
+
+
+def new_request_id() -> str:
+    """``req_`` + 32 hex digits, as OpenAI's ``x-request-id``."""
+    return "req_" + os.urandom(16).hex()
+
+
+@dataclass(slots=True)
+class Record:
+    """One access-log line, filled in along the way (never content, never credentials)."""
+
+    request_id: str
+    route: str = "responses"
+    mode: str = "full"
+    reason: str = ""
+    items_in: int = 0
+    items_sent: int = 0
+    items_avoided: int = 0
+    bytes_in: int = 0
+    bytes_sent: int = 0
+    status: int = 0
+    outcome: str = ""
+    replays: int = 0
+    upstream_s: float = 0.0
+    added_s: float = 0.0
+    explanation: Explanation | None = None
+    """Where a miss departed from its best candidate head (issue 11), as :attr:`explainer` computed it."""
+    explained: str = ""
+    """The matcher's verdict the explanation was computed for."""
+    explainer: Callable[[], Explanation | None] | None = None
+    """Computes :attr:`explanation` (:meth:`~proxy.core.conversation.HeadTable.explain_later`)."""
+
+    def explain(self, explainer: Callable[[], Explanation | None] | None, reason: str) -> None:
+        """Attach what computes the explanation of the matcher's miss ``reason`` (never content):
+        :meth:`finish` runs it after the answer, and only if the verdict stood.
+
+        If the request still goes out in full for that reason, the line carries ``miss_item``,
+        ``miss_type``, ``miss_field``, ``miss_detail`` and ``candidate_items``, and the reason
+        becomes the explanation's (a ``no_head`` that edited an early item is ``diverged``).
+        """
+        self.explanation, self.explainer, self.explained = None, explainer, reason
+
+    def _verdict_stood(self) -> bool:
+        """The request went out in full for the reason that was explained (not a continuation
+        after all, a replay or HTTP)."""
+        return self.mode == "full" and self.reason == self.explained
+
+    def finish(self) -> None:
+        """Emit the metrics and the access line.
+
+        With an explanation still to compute, that happens in the event loop's next round: the
+        app's answer is written first (a first turn's explanation compares the request with
+        recent heads, a fraction of a millisecond the app need not wait for).
+        """
+        if self.explainer is not None and self._verdict_stood():
+            try:
+                asyncio.get_running_loop().call_soon(self._explain_then_finish)
+                return
+            except RuntimeError:  # no loop: explain now
+                self._explain_then_finish()
+                return
+        self.explainer = None  # nothing to explain, or the verdict did not stand
+        self._emit()
+
+    def _explain_then_finish(self) -> None:
+        explainer, self.explainer = self.explainer, None
+        try:
+            self.explanation = explainer() if explainer is not None else None
+        except Exception:  # noqa: BLE001 - a diagnostic must never cost the request's line
+            log.exception("explaining a miss failed")
+        self._emit()
+
+    def _emit(self) -> None:
+        if not self.outcome:
+            self.outcome = "ok" if self.status < 400 else "client_error" if self.status < 500 else "upstream_error"
+        exp = self.explanation
+        if exp is None or not self._verdict_stood():
+            exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
+        elif exp.reason:
+            self.reason = exp.reason
+        REQUESTS.labels(self.route, self.mode, self.outcome).inc()
+        if self.mode == "continuation":
+            INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
+        elif self.reason and not self.replays and (self.mode == "full" or self.reason == "pool_full"):
+            # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
+            CONTINUATION_MISSES.labels(self.reason).inc()
+            RECENT.add(self.reason, self.items_in, exp)
+        if self.mode == "passthrough" and self.route == "responses":
+            PASSTHROUGH.labels(self.reason or "unknown").inc()
+        ADDED_LATENCY.observe(self.added_s)
+        access_log(
+            {
+                "request_id": self.request_id,
+                "route": self.route,
+                "mode": self.mode,
+                "reason": self.reason,
+                "items_in": self.items_in,
+                "items_sent": self.items_sent,
+                "bytes_in": self.bytes_in,
+                "bytes_sent": self.bytes_sent,
+                "status": self.status,
+                "outcome": self.outcome,
+                "replays": self.replays,
+                "upstream_ms": round(self.upstream_s * 1000, 3),
+                "added_ms": round(self.added_s * 1000, 3),
+                **(exp.fields() if exp is not None else {}),
+            }
+        )
+
+
+async def read_body(request: web.Request, limit: int, lease: Lease | None = None) -> bytes:
+    """Read the body, refusing more than ``limit`` bytes while reading (never unbounded).
+
+    With a memory ``lease`` (issue 12): a body with ``Content-Length`` was reserved before
+    this call and is read into one buffer; a chunked body reserves as it is read (the rest
+    stays unread, in the kernel, while memory is short).
+
+    Raises:
+        BodyTooLarge: over the limit (declared or actual).
+        InvalidRequest: the body ended before its declared length.
+        MemoryRefused: a chunked body waited too long for memory.
+    """
+    message = f"The request body is larger than the sidecar's limit of {limit} bytes."
+    length = request.content_length
+    content = request.content
+    if length is not None:
+        if length > limit:
+            raise BodyTooLarge(message)
+        # One buffer of the declared size, filled chunk by chunk as they arrive (aiohttp's
+        # readexactly keeps every chunk and joins them: twice the body at the end). readany()
+        # hands over one received chunk as it is (read(n) joins what is buffered: a copy); the
+        # payload parser never lets more than the declared length into the stream.
+        buffer = BodyBuffer(length)
+        while not buffer.full:
+            chunk = await content.readany()
+            if not chunk:
+                raise InvalidRequest("The request body ended before its Content-Length.")
+            buffer.write(chunk)
+        if lease is not None:
+            lease.read(length)
+        return buffer.value()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(message)
+        if lease is not None:
+            await lease.grow(size)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if lease is not None:
+        lease.read(size)
+    return body

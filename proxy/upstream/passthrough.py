@@ -1,0 +1,253 @@
+"""Plain HTTP relay to the upstream: everything that does not go over a WebSocket.
+
+``background: true``, ``conversation``, oversize and ``mode: http`` requests, every other path
+under ``/v1`` (models, chat/completions, embeddings, files, ``GET``/``DELETE
+/v1/responses/{id}``, ...) and the fallback when no socket can be had. Streamed both ways: the
+request body flows from the app's stream (unless it was already read), the response body is
+written as it arrives (SSE is never buffered), and the upstream's bytes stay as they are
+(no decompression, no re-encoding). Hop-by-hop headers and cookies are dropped; the
+``Authorization`` (or ``api_key.header``) comes from :class:`~proxy.serve.keys.KeySource`. The
+connection takes the egress path of :mod:`proxy.upstream.egress` (forward proxy, TLS trust).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from proxy.config import Settings, merge_query, redact_url
+from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.ops.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.serve.keys import KeySource
+from proxy.upstream.egress import egress_for
+
+__all__ = ["HOP_BY_HOP", "Forwarded", "Passthrough", "error_response"]
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+"""RFC 9110 §7.6.1 connection-specific headers, never forwarded."""
+
+_REQUEST_DROP = HOP_BY_HOP | {"host", "authorization", "cookie", "expect", "content-length", "x-upshift-forwarded"}
+_RESPONSE_DROP = HOP_BY_HOP | {"set-cookie", "x-request-id", "content-length", "date", "server"}
+_SKIP_AUTO = frozenset({"Accept-Encoding", "User-Agent", "Content-Type", "Accept"})
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """What the access log needs of a relayed request."""
+
+    response: web.StreamResponse
+    status: int
+    bytes_sent: int
+    upstream_seconds: float
+    added_seconds: float
+
+
+def error_response(exc: ProxyError, headers: dict[str, str]) -> web.Response:
+    """An OpenAI-shaped JSON error answer for ``exc``."""
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+def _forward_headers(
+    request: web.Request, authorization: str | None, keep_length: bool, key_header: str | None = None
+) -> CIMultiDict[str]:
+    """The app's headers for the upstream: hop-by-hop, cookies and ``Host`` dropped, the
+    ``Authorization`` from the key source. With an injected key in ``key_header`` (not
+    ``Authorization``), the app's own ``Authorization`` and ``api-key`` (its placeholders) are
+    dropped and ``key_header`` carries the bare key."""
+    listed = {h.strip().lower() for h in request.headers.getall("Connection", []) for h in h.split(",")}
+    injected = {"api-key", key_header.lower()} if key_header else set()
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in request.headers.items():
+        lowered = name.lower()
+        if lowered in _REQUEST_DROP or lowered in listed or lowered in injected:
+            if not (keep_length and lowered == "content-length"):
+                continue
+        out.add(name, value)
+    if not authorization:
+        return out
+    if key_header and key_header.lower() != "authorization":
+        scheme, _, key = authorization.partition(" ")
+        out[key_header] = key.strip() if scheme.lower() == "bearer" and key else authorization
+    else:
+        out["Authorization"] = authorization
+    return out
+
+
+class Passthrough:
+    """The HTTP relay; one ``aiohttp.ClientSession`` for the sidecar's lifetime.
+
+    Args:
+        settings: ``upstream``, ``timeouts``.
+        keys: Source of the upstream ``Authorization``.
+    """
+
+    def __init__(self, settings: Settings, keys: KeySource) -> None:
+        self.settings = settings
+        self.keys = keys
+        base = urlsplit(settings.upstream)
+        self._base = urlunsplit((base.scheme, base.netloc, base.path.rstrip("/"), "", ""))
+        self._base_query = base.query
+        self._key_header = settings.api_key.header if keys.injects else None
+        self.egress = egress_for(settings)
+        """The forward proxy and TLS context (shared with the WebSocket client)."""
+        self._ssl: ssl.SSLContext | bool = self.egress.ssl if self.egress.ssl is not None else True
+        self._proxy, self._proxy_headers = self.egress.without_credentials()
+        self._session: aiohttp.ClientSession | None = None
+        self._slots = asyncio.Semaphore(settings.pool.http_connections)
+        """HTTP requests in flight to the upstream (``pool.http_connections``); a request waits
+        for a slot, and that wait is the sidecar's time (added latency), not the upstream's."""
+
+    async def start(self) -> None:
+        """Open the client session (needs a running loop)."""
+        t = self.settings.timeouts
+        log.info("upstream %s, egress %s", redact_url(self.settings.upstream), self.egress.describe())
+        self._session = aiohttp.ClientSession(
+            auto_decompress=False,  # pass the upstream's bytes through as they are
+            cookie_jar=aiohttp.DummyCookieJar(),
+            # The proxy is resolved by proxy.upstream.egress (egress.proxy, NO_PROXY) and passed per
+            # request, so aiohttp's own environment lookup stays off.
+            trust_env=False,
+            connector=aiohttp.TCPConnector(limit=0),  # bounded by self._slots, which is measured
+            timeout=aiohttp.ClientTimeout(
+                total=t.http_total_seconds, sock_connect=t.connect_seconds, sock_read=t.stream_idle_seconds
+            ),
+        )
+
+    async def close(self) -> None:
+        """Close the client session."""
+        if self._session is not None:
+            await self._session.close()
+
+    def url_for(self, raw_path: str) -> URL:
+        """The upstream URL of an app path under ``/v1``: the upstream's path prefix
+        (``/openai/v1``) and query string, then the app's query string (still encoded; a
+        parameter the upstream URL sets wins over the app's).
+
+        Raises:
+            InvalidRequest: the path has dot segments (plain or percent-encoded) or encoded
+                slashes, which an upstream or a front proxy could resolve outside ``/v1``.
+        """
+        path = raw_path.partition("?")[0]
+        for segment in path.split("/"):
+            lowered = segment.lower()
+            if unquote(segment) in (".", "..") or "%2f" in lowered or "%5c" in lowered or "\\" in segment:
+                raise InvalidRequest(f"Invalid URL ({path})")
+        tail = path[3:] if path.startswith("/v1") else path
+        query = merge_query(self._base_query, raw_path.partition("?")[2])
+        return URL(self._base + tail + ("?" + query if query else ""), encoded=True)
+
+    async def forward(
+        self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
+    ) -> Forwarded:
+        """Relay ``request`` and stream the answer back.
+
+        Args:
+            request: The app's request.
+            headers: Headers to add to the answer (``x-request-id``, ``x-upshift-mode``).
+            body: The body if already read (``POST /v1/responses``); else it streams from the app.
+            started: ``time.perf_counter()`` at arrival, for ``x-upshift-overhead-ms``.
+
+        Returns:
+            The answer, already sent; a JSON error (502 unreachable, 504 timeout) if the upstream
+            failed before its headers.
+        """
+        waited = time.perf_counter()
+        async with self._slots:
+            POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
+            return await self._forward(request, headers=headers, body=body, started=started)
+
+    async def _forward(
+        self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
+    ) -> Forwarded:
+        assert self._session is not None, "Passthrough.start() not called"
+        try:
+            url = self.url_for(request.raw_path)
+        except InvalidRequest as exc:
+            refused = error_response(exc, headers)
+            return Forwarded(refused, exc.status, 0, 0.0, time.perf_counter() - started)
+        authorization = self.keys.authorization(request.headers.get("Authorization"))
+        data: bytes | aiohttp.StreamReader | None = body
+        if body is None and request.body_exists:
+            data = request.content
+        out_headers = _forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
+        sent = len(body) if body is not None else request.content_length or 0
+        t_send = time.perf_counter()
+        try:
+            upstream = await self._session.request(
+                request.method,
+                url,
+                headers=out_headers,
+                data=data,
+                allow_redirects=False,
+                skip_auto_headers=_SKIP_AUTO,
+                proxy=self._proxy,
+                proxy_headers=self._proxy_headers or None,
+                ssl=self._ssl,
+            )
+        except TimeoutError:
+            return self._failed(UpstreamTimeout("The upstream did not answer in time."), headers, started, t_send)
+        except aiohttp.ClientHttpProxyError as exc:
+            # Never the proxy URL in the message: it may hold credentials.
+            msg = f"The egress proxy refused the connection to the upstream (HTTP {exc.status} to CONNECT)."
+            return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
+        except aiohttp.ClientProxyConnectionError as exc:
+            msg = f"The egress proxy is unreachable: {exc.os_error.strerror or exc.os_error}"
+            return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
+        except aiohttp.ClientError as exc:
+            err = UpstreamUnavailable(f"The upstream is unreachable: {exc}")
+            return self._failed(err, headers, started, t_send)
+        UPSTREAM_BYTES_SENT.labels("http").inc(sent)
+        t_headers = time.perf_counter()
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _RESPONSE_DROP:
+                    response.headers.add(name, value)
+            if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
+                response.content_length = upstream.content_length
+            response.headers.update(headers)
+            prep = time.perf_counter() - t_headers
+            added = (t_send - started) + prep
+            response.headers["x-upshift-overhead-ms"] = f"{added * 1000:.3f}"
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+            except (ConnectionResetError, aiohttp.ClientError, TimeoutError) as exc:
+                # After the headers there is no way to tell the app but to cut the connection.
+                log.info("passthrough stream ended early: %s", type(exc).__name__)
+                if request.transport is not None:
+                    request.transport.close()
+        upstream_seconds = time.perf_counter() - t_send - prep
+        return Forwarded(response, upstream.status, sent, upstream_seconds, added)
+
+    def _failed(self, exc: UpstreamError, headers: dict[str, str], started: float, t_send: float) -> Forwarded:
+        response = error_response(exc, headers)
+        added = t_send - started
+        response.headers["x-upshift-overhead-ms"] = f"{added * 1000:.3f}"
+        return Forwarded(response, exc.status, 0, time.perf_counter() - t_send, added)

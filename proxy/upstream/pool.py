@@ -1,0 +1,495 @@
+"""The pool: executes the planner's decisions on real upstream sockets.
+
+Every decision (which lane, continue or full, open a socket, wait, HTTP, what to close) is made
+synchronously by :class:`proxy.core.planner.Planner`; this module only opens and closes
+sockets and hands out lanes. A lane is lent as an ``async with`` lease (:meth:`Pool.lease`),
+httpcore-style: leaving the block ends the lane's turn on every path (completion, error,
+cancellation, app disconnect), so nothing has to remember to release. A turn left before its
+terminal event *drains*: its remaining events are read and dropped, the socket and its other
+lanes go on (pitfall 20).
+
+Opening runs in its own task (a cancelled request cannot interrupt a handshake other requests
+wait for), and so does closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from proxy.config import Settings
+from proxy.core.conversation import HeadTable
+from proxy.core.lanes import LaneKey, LaneState
+from proxy.core.lanes import SocketState as CoreSocketState
+from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
+from proxy.core.reasons import PassthroughReason
+from proxy.core.request import ParsedRequest
+from proxy.core.reseed import reseed_frame
+from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
+from proxy.ops.metrics import LANES, LANES_FALLBACKS, POOL_WAIT, RESEEDS, SOCKET_AGE_AT_ROTATION, SOCKETS
+from proxy.serve.identity import Identity
+from proxy.upstream.ws import Inbox, UpstreamSocket, open_websocket
+
+__all__ = ["Pool", "SocketState", "Turn"]
+
+
+_GAUGES = (
+    SOCKETS.labels("open"),
+    SOCKETS.labels("busy"),
+    SOCKETS.labels("idle"),
+    SOCKETS.labels("connecting"),
+    LANES.labels("busy"),
+    LANES.labels("idle"),
+    LANES.labels("draining"),
+)
+"""The pool's gauge children, in :meth:`Pool._publish`'s order (looked up once)."""
+
+
+class SocketState(enum.Enum):
+    """A socket as the pool's counts see it (``busy``: at least one lane in flight)."""
+
+    CONNECTING = "connecting"
+    BUSY = "busy"
+    IDLE = "idle"
+    CLOSED = "closed"
+
+
+class Turn:
+    """One response on one lane, lent by :meth:`Pool.lease`."""
+
+    __slots__ = ("inbox", "key", "prefix_state", "req", "response", "retire", "socket", "terminal")
+
+    def __init__(self, key: LaneKey, socket: UpstreamSocket, inbox: Inbox) -> None:
+        self.key = key
+        self.socket = socket
+        self.inbox = inbox
+        self.terminal = False
+        self.response: dict[str, Any] | None = None
+        self.req: ParsedRequest | None = None
+        self.prefix_state: Any = None
+        self.retire = False
+
+    @property
+    def stream_id(self) -> str | None:
+        """The lane's ``stream_id``."""
+        return self.key[1]
+
+    async def send(self, frame: bytes) -> None:
+        """Send the ``response.create`` frame."""
+        await self.socket.send(frame, self.key[1])
+
+    async def recv(self, timeout: float) -> tuple[bytes, dict[str, Any]]:
+        """The lane's next event ``(raw, parsed)``."""
+        return await self.inbox.get(timeout)
+
+    def pending(self) -> bool:
+        """Whether another event is already buffered."""
+        return self.inbox.pending()
+
+    def take(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every event already buffered, in order (none: empty)."""
+        return self.inbox.take()
+
+    def finish(
+        self,
+        *,
+        req: ParsedRequest | None = None,
+        response: dict[str, Any] | None = None,
+        prefix_state: Any = None,
+        retire: bool = False,
+    ) -> None:
+        """The terminal event arrived; ``response`` (completed) becomes the lane's head."""
+        self.terminal = True
+        self.req, self.response, self.prefix_state, self.retire = req, response, prefix_state, retire
+
+
+class Pool:
+    """Upstream sockets and lanes of every identity.
+
+    Args:
+        settings: ``pool`` limits and timers, ``ws_url``, ``timeouts.connect_seconds``.
+        heads: The head table (owned, through the planner).
+        clock: Monotonic clock.
+    """
+
+    def __init__(self, settings: Settings, heads: HeadTable, *, clock: Callable[[], float] = time.monotonic) -> None:
+        p = settings.pool
+        self.settings = settings
+        self.heads = heads
+        self.planner = Planner(
+            LaneLimits(
+                lanes_per_socket=p.lanes_per_socket,
+                max_active_per_socket=p.max_active_per_socket,
+                max_sockets_per_identity=p.max_sockets_per_identity,
+                max_sockets_total=p.max_sockets_total,
+                spread_sockets=p.spread_sockets,
+                idle_close_seconds=p.idle_close_seconds,
+                rotate_after_seconds=p.rotate_after_seconds,
+                reseed=p.reseed,
+                reseed_bytes=p.reseed_bytes,
+            ),
+            heads,
+        )
+        self._clock = clock
+        self._socks: dict[int, UpstreamSocket] = {}
+        self._identities: dict[str, Identity] = {}
+        """The identities seen, by digest (re-seeds open sockets with their headers)."""
+        self._ready: dict[int, asyncio.Future[None]] = {}
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._opening: set[asyncio.Task[None]] = set()
+        self._housekeeper: asyncio.Task[None] | None = None
+        self._closed = False
+        self._published: tuple[int, ...] = (0,) * len(_GAUGES)
+        """What :meth:`_publish` last added to the shared gauges."""
+        self.close_code = 1000
+        """Close code for sockets retired from now on (1001 once the sidecar drains)."""
+
+    def __repr__(self) -> str:
+        c = self.planner.lane_counts
+        return (
+            f"<Pool [Sockets: {self.count(SocketState.BUSY)} busy, {self.count(SocketState.IDLE)} idle, "
+            f"{self.count(SocketState.CONNECTING)} connecting | Lanes: {c[LaneState.BUSY]} busy, "
+            f"{c[LaneState.IDLE]} idle, {c[LaneState.DRAINING]} draining]>"
+        )
+
+    def count(self, state: SocketState | None = None, identity: Identity | None = None) -> int:
+        """Sockets in ``state`` (all if ``None``), of ``identity`` (all if ``None``)."""
+        total = 0
+        for sock in self.planner.sockets(identity.digest if identity is not None else None):
+            if sock.state is CoreSocketState.CONNECTING:
+                mine = SocketState.CONNECTING
+            else:
+                mine = SocketState.BUSY if sock.active else SocketState.IDLE
+            total += state is None or mine is state
+        return total
+
+    def sockets_per_identity(self) -> dict[str, int]:
+        """Live sockets by identity digest."""
+        counts: dict[str, int] = {}
+        for sock in self.planner.sockets():
+            counts[sock.identity] = counts.get(sock.identity, 0) + 1
+        return counts
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    async def plan(self, identity: Identity, req: ParsedRequest, *, replay: bool = False) -> tuple[Plan, float]:
+        """The next attempt of ``req``, with its lane reserved and its socket open.
+
+        Waits (at most ``pool.wait_seconds``) when every lane the identity may use is busy, and
+        for the handshake of a new socket; a refused or failed handshake never fails the
+        request: it takes another lane or goes over HTTP.
+
+        Returns:
+            The plan (``CONTINUE``/``FULL`` with a lane, or ``HTTP``), and the seconds spent
+            waiting for a lane or a handshake (the sidecar's time, not the upstream's).
+        """
+        started = self._clock()
+        self._identities[identity.digest] = identity
+        may_open = True
+        deadline: float | None = None
+        while True:
+            now = self._clock()
+            if self._closed:
+                return Plan(PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE), now - started
+            plan = self.planner.plan(identity.digest, req, now, replay=replay, may_open=may_open)
+            self._close_soon(plan.close)
+            self._publish()
+            if plan.kind is PlanKind.WAIT:
+                deadline = deadline if deadline is not None else now + self.settings.pool.wait_seconds
+                if now >= deadline:
+                    POOL_WAIT.labels("lanes").observe(now - started)
+                    return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL), now - started
+                await self._wait_change(deadline - now)
+                continue
+            if plan.warm is not None:
+                self._start_open(plan.warm, identity)
+            if plan.lane is None:
+                return plan, now - started
+            sid = plan.lane[0]
+            if plan.open_socket:
+                self._start_open(sid, identity)
+            ready = self._ready.get(sid)
+            if ready is not None:
+                try:
+                    await asyncio.shield(ready)
+                except UpstreamUnavailable:
+                    may_open = False  # the lane went with the socket; another one, or HTTP
+                    continue
+                except asyncio.CancelledError:
+                    self.planner.finished(plan.lane, self._clock())
+                    self._publish()
+                    raise
+            waited = self._clock() - started
+            if deadline is not None:
+                POOL_WAIT.labels("lanes").observe(waited)
+            return plan, waited
+
+    async def _wait_change(self, timeout: float) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(waiter)
+
+    def _wake(self) -> None:
+        """Something was freed: every waiter plans again."""
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    # -- leases --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lease(self, plan: Plan) -> AsyncIterator[Turn]:
+        """Lend the plan's lane for one response.
+
+        Raises:
+            UpstreamClosed: the socket closed between the plan and the lease.
+        """
+        key = plan.lane
+        assert key is not None, "lease of a plan without a lane"
+        sock = self._socks.get(key[0])
+        if sock is None or sock.error is not None:
+            self.planner.finished(key, self._clock())
+            self._publish()
+            raise sock.error if sock is not None and sock.error else UpstreamClosed("The upstream socket closed.")
+        inbox = sock.open_inbox(key[1])
+        turn = Turn(key, sock, inbox)
+        try:
+            yield turn
+        except UpstreamClosed:
+            if key[1] is not None and not sock.proven and not inbox.seen:
+                # Closed right after a named lane's first create on a socket that never routed
+                # a stream_id: an upstream that refuses lanes by closing (then retried later).
+                self.lanes_refused()
+            self._end(turn)
+            raise
+        except UpstreamTimeout:
+            # A stalled response makes the whole socket suspect: no new turns on it; it closes
+            # once its other lanes are done.
+            self._end(turn)
+            self.retire(key[0])
+            raise
+        except BaseException:
+            self._end(turn)
+            raise
+        self._end(turn)
+
+    def _end(self, turn: Turn) -> None:
+        """End a lease, synchronously (safe on cancellation)."""
+        sock, inbox, key = turn.socket, turn.inbox, turn.key
+        if turn.terminal or sock.error is not None:
+            sock.close_inbox(inbox)
+            close = self.planner.finished(
+                key,
+                self._clock(),
+                req=turn.req,
+                response=turn.response,
+                prefix_state=turn.prefix_state,
+                retire=turn.retire,
+            )
+            self._close_soon(close)
+        else:
+            # Left mid-response: read the rest of it and drop it; the lane is free after that.
+            inbox.draining = True
+            inbox.frames.clear()
+            inbox.on_drained = lambda: self._drained(sock, inbox, key)
+            self.planner.abandon(key)
+        self._wake()
+        self._publish()
+
+    def _drained(self, sock: UpstreamSocket, inbox: Inbox, key: LaneKey) -> None:
+        sock.close_inbox(inbox)
+        self._close_soon(self.planner.finished(key, self._clock()))
+        self._wake()
+        self._publish()
+
+    def retire(self, socket_id: int) -> None:
+        """No new turns on ``socket_id`` (a limit was reached); closed once drained."""
+        self._close_soon(self.planner.retire(socket_id))
+        self._publish()
+
+    def lanes_refused(self) -> None:
+        """The upstream does not take ``stream_id``: default lanes only for a while."""
+        if self.planner.lanes_refused(self._clock()):
+            LANES_FALLBACKS.inc()
+
+    def stream_limit(self, key: LaneKey) -> None:
+        """``websocket_stream_limit_reached`` on ``key``'s socket."""
+        self.planner.stream_limit(key)
+
+    # -- sockets -------------------------------------------------------------------------------
+
+    def _start_open(self, sid: int, identity: Identity) -> None:
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "not retrieved"
+        self._ready[sid] = ready
+        task = asyncio.get_running_loop().create_task(self._open(sid, identity, ready))
+        self._opening.add(task)
+        task.add_done_callback(self._opening.discard)
+
+    async def _open(self, sid: int, identity: Identity, ready: asyncio.Future[None]) -> None:
+        try:
+            ws = await open_websocket(identity.ws_url, identity.headers, self.settings)
+        except BaseException as exc:
+            status = exc.http_status if isinstance(exc, UpstreamRefused) else None
+            headers = exc.headers if isinstance(exc, UpstreamRefused) else {}
+            self.planner.open_failed(sid, self._clock(), status=status, headers=headers)
+            error = exc if isinstance(exc, UpstreamUnavailable) else UpstreamUnavailable("Connecting was cancelled.")
+            ready.set_exception(error)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        finally:
+            self._ready.pop(sid, None)
+            self._wake()
+            self._publish()
+        now = self._clock()
+        sock = UpstreamSocket(
+            sid,
+            ws,
+            now,
+            on_closed=self._lost,
+            on_lanes_ignored=lambda s: self.lanes_refused(),
+            ping_interval=self.settings.pool.ping_interval_seconds,
+            ping_timeout=self.settings.pool.ping_timeout_seconds,
+        )
+        if self._closed or self.planner.socket(sid) is None:  # the pool closed meanwhile
+            self._socks[sid] = sock
+            self._close_soon([sid], 1001)
+            ready.set_exception(UpstreamUnavailable("The sidecar is shutting down."))
+            return
+        self._socks[sid] = sock
+        self.planner.opened(sid, now)
+        ready.set_result(None)
+        self._publish()
+
+    def _lost(self, sock: UpstreamSocket) -> None:
+        """The reader saw the connection end: every lane of it ends too."""
+        if self._socks.get(sock.key) is sock:
+            del self._socks[sock.key]
+        self.planner.socket_lost(sock.key)
+        self._wake()
+        self._publish()
+
+    def _close_soon(self, ids: list[int] | tuple[int, ...], code: int | None = None) -> None:
+        """Close sockets in their own tasks: a cancelled request cannot interrupt the cleanup."""
+        code = code or self.close_code
+        for sid in ids:
+            sock = self._socks.pop(sid, None)
+            if sock is None:
+                continue
+            task = asyncio.get_running_loop().create_task(sock.close(code))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _publish(self) -> None:
+        """Bring the socket and lane gauges up to date (deltas: several pools share them)."""
+        planner = self.planner
+        sockets, lanes = planner.socket_counts, planner.lane_counts
+        live = sockets[CoreSocketState.OPEN] + sockets[CoreSocketState.RETIRING]
+        busy = planner.busy_sockets
+        values = (
+            live,
+            busy,
+            live - busy,
+            sockets[CoreSocketState.CONNECTING],
+            lanes[LaneState.BUSY],
+            lanes[LaneState.IDLE],
+            lanes[LaneState.DRAINING],
+        )
+        published = self._published
+        if values == published:
+            return
+        for gauge, value, before in zip(_GAUGES, values, published, strict=True):
+            if value != before:
+                gauge.inc(value - before)
+        self._published = values
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start housekeeping: idle close, rotation, head expiry."""
+        if self._housekeeper is None:
+            self._housekeeper = asyncio.get_running_loop().create_task(self._housekeep())
+
+    async def _housekeep(self) -> None:
+        pool = self.settings.pool
+        interval = min(max(min(pool.idle_close_seconds, pool.rotate_after_seconds) / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            self.sweep()
+
+    def sweep(self) -> None:
+        """One housekeeping pass (also run by tests)."""
+        tick = self.planner.tick(self._clock())
+        for age in tick.ages:
+            SOCKET_AGE_AT_ROTATION.observe(age)
+        self._close_soon(tick.close)
+        for job in tick.reseed:
+            task = asyncio.get_running_loop().create_task(self._reseed(job))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if tick.close:
+            self._wake()
+        self._publish()
+
+    async def _reseed(self, job: Reseed) -> None:
+        """Rebuild a rotated ``store: false`` head on a new lane with a ``generate: false`` create
+        (proxy/core/reseed.py): off the app's path, never a generation. Any failure only lets the
+        head go (the next turn is a full send, as without re-seeding)."""
+        identity = self._identities.get(job.identity)
+        plan = self.planner.reseed_lane(job.identity, self._clock()) if identity is not None else None
+        if plan is None or plan.lane is None or identity is None:
+            self.planner.reseeded(job.anchor, None, self._clock(), None)
+            return
+        response_id: str | None = None
+        try:
+            if plan.open_socket:
+                self._start_open(plan.lane[0], identity)
+            ready = self._ready.get(plan.lane[0])
+            if ready is not None:
+                await asyncio.shield(ready)
+            async with self.lease(plan) as turn:
+                await turn.send(reseed_frame(job.kept, plan.stream_id))
+                while True:
+                    _, event = await turn.recv(self.settings.timeouts.stream_idle_seconds)
+                    kind = event.get("type")
+                    if kind in ("response.completed", "response.failed", "response.incomplete", "error"):
+                        break
+                turn.finish()  # the lane's own head is set below, under the warm-up's id
+                response = event.get("response") if kind == "response.completed" else None
+                rid = response.get("id") if isinstance(response, dict) else None
+                response_id = rid if isinstance(rid, str) else None
+        except Exception:  # noqa: BLE001 - a re-seed is an optimisation; any failure just lets go
+            response_id = None
+        RESEEDS.labels("ok" if response_id else "failed").inc()
+        self._close_soon(self.planner.reseeded(job.anchor, plan.lane, self._clock(), response_id))
+        self._publish()
+
+    async def close(self, code: int = 1001) -> None:
+        """Close every socket (1001: going away) and stop housekeeping."""
+        self._closed = True
+        self._wake()
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeper
+        for task in list(self._opening):
+            task.cancel()
+        await asyncio.gather(*self._opening, return_exceptions=True)
+        self.planner.close_all()
+        self._close_soon(list(self._socks), code)
+        self._publish()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,197 @@
+"""The pool as executor, against the emulator: plans become open sockets and leased lanes.
+
+The decisions themselves are tested without sockets in tests/core/test_planner.py; here the
+I/O around them: handshakes, leases that end on every path, draining, gauges, close codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.config import PoolSettings, Settings, TimeoutSettings
+from proxy.core.conversation import HeadTable
+from proxy.core.planner import Plan, PlanKind
+from proxy.core.request import build_frame, parse_request
+from proxy.emulator import Emulator, LatencyModel
+from proxy.ops.metrics import REGISTRY
+from proxy.serve.identity import Identity, identify
+from proxy.upstream.pool import Pool, SocketState, Turn
+
+PoolFactory = Callable[..., Pool]
+
+
+def who(key: str, upstream: str) -> Identity:
+    return identify({"Authorization": f"Bearer {key}"}, upstream=upstream, authorization=f"Bearer {key}")
+
+
+def req(text: str) -> Any:
+    return parse_request(orjson.dumps({"model": "gpt-5", "input": [{"role": "user", "content": text}]}))
+
+
+@pytest.fixture
+async def make_pool(emulator: Emulator) -> AsyncIterator[PoolFactory]:
+    pools: list[Pool] = []
+
+    def make(**pool: Any) -> Pool:
+        settings = Settings(upstream=emulator.base_url, pool=PoolSettings(**pool))
+        created = Pool(settings, HeadTable(max_heads=100, ttl_seconds=3600))
+        created.start()
+        pools.append(created)
+        return created
+
+    yield make
+    for created in pools:
+        await created.close()
+
+
+async def run(turn: Turn, r: Any, plan: Plan) -> dict[str, Any]:
+    """One response on the leased lane, to its terminal event; the lane's head is recorded."""
+    await turn.send(build_frame(r, stream_id=plan.stream_id))
+    while True:
+        _, event = await turn.recv(5)
+        assert "stream_id" not in event  # the app never sees the lane
+        if event["type"] == "response.completed":
+            turn.finish(req=r, response=event["response"])
+            return dict(event["response"])
+
+
+def gauge(name: str, state: str) -> float:
+    return REGISTRY.get_sample_value(name, {"state": state}) or 0.0
+
+
+async def test_two_conversations_share_one_socket_in_parallel(emulator: Emulator, make_pool: PoolFactory) -> None:
+    emulator.state.latency = LatencyModel(ttft_ms=100)
+    pool = make_pool(max_sockets_per_identity=1)
+    alice = who("sk-a", emulator.base_url)
+    (a, _), (b, _) = await pool.plan(alice, req("a")), await pool.plan(alice, req("b"))
+    assert (a.lane, b.lane) == ((1, None), (1, "u1"))
+
+    async def one(plan: Plan, text: str) -> dict[str, Any]:
+        async with pool.lease(plan) as turn:
+            return await run(turn, req(text), plan)
+
+    done = await asyncio.gather(one(a, "a"), one(b, "b"))
+    assert all(r["status"] == "completed" for r in done)
+    assert emulator.stats.ws_connections["opened"] == 1
+    (conn,) = emulator.stats.connections.values()
+    assert conn.max_in_flight == 2 and conn.named_streams == 1
+    assert pool.count(SocketState.IDLE) == 1 and len(pool.heads) == 2
+
+
+async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, make_pool: PoolFactory) -> None:
+    emulator.state.latency = LatencyModel(tokens_per_second=300)
+    pool = make_pool()
+    alice = who("sk-a", emulator.base_url)
+    plan, _ = await pool.plan(alice, req("a long story"))
+
+    async def leave_early() -> None:
+        async with pool.lease(plan) as turn:
+            await turn.send(build_frame(req("a long story")))
+            await turn.recv(5)
+            raise asyncio.CancelledError  # the app went away
+
+    with pytest.raises(asyncio.CancelledError):
+        await leave_early()
+    assert "1 draining" in repr(pool)
+    for _ in range(200):
+        if "0 draining" in repr(pool):
+            break
+        await asyncio.sleep(0.02)
+    assert "Lanes: 0 busy, 1 idle, 0 draining" in repr(pool)
+    assert pool.count(SocketState.IDLE) == 1 and len(pool.heads) == 0  # drained, no head
+
+
+async def test_gauges_follow_every_transition(emulator: Emulator, make_pool: PoolFactory) -> None:
+    pool = make_pool()
+    alice = who("sk-a", emulator.base_url)
+    base = {s: gauge("upshift_upstream_sockets", s) for s in ("open", "busy", "idle")}
+
+    def delta() -> dict[str, float]:
+        return {s: gauge("upshift_upstream_sockets", s) - base[s] for s in base}
+
+    plan, _ = await pool.plan(alice, req("a"))
+    assert delta() == {"open": 1, "busy": 1, "idle": 0}
+    async with pool.lease(plan) as turn:
+        await run(turn, req("a"), plan)
+    assert delta() == {"open": 1, "busy": 0, "idle": 1}
+    await pool.close()
+    assert delta() == {"open": 0, "busy": 0, "idle": 0}
+
+
+async def test_close_uses_1001(emulator: Emulator, make_pool: PoolFactory) -> None:
+    pool = make_pool()
+    plan, _ = await pool.plan(who("sk-a", emulator.base_url), req("a"))
+    async with pool.lease(plan) as turn:
+        await run(turn, req("a"), plan)
+    await pool.close()
+    await asyncio.sleep(0.05)
+    assert [c.close_code for c in emulator.stats.connections.values()] == [1001]
+
+
+async def test_a_refused_upgrade_goes_http_only_without_a_socket(emulator: Emulator, make_pool: PoolFactory) -> None:
+    pool = make_pool()
+    alice = who("sk-a", emulator.base_url)
+    emulator.faults.arm("refuse_upgrade", status=426)
+    plan, _ = await pool.plan(alice, req("a"))
+    assert (plan.kind, plan.reason) == (PlanKind.HTTP, "upgrade_refused")
+    assert pool.planner.held_off(alice.digest, pool._clock())
+    again, _ = await pool.plan(alice, req("b"))
+    assert (again.kind, again.reason) == (PlanKind.HTTP, "upgrade_refused")
+    other, _ = await pool.plan(who("sk-b", emulator.base_url), req("c"))
+    assert other.kind is PlanKind.FULL  # another identity is not held off
+    async with pool.lease(other) as turn:
+        await run(turn, req("c"), other)
+
+
+async def test_cancelled_connect_leaves_nothing_behind() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.sleep(5)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", timeouts=TimeoutSettings(connect_seconds=5))
+    pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
+    task = asyncio.ensure_future(pool.plan(who("sk-a", settings.upstream), req("a")))
+    await asyncio.sleep(0.1)
+    assert pool.count(SocketState.CONNECTING) == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "Lanes: 0 busy" in repr(pool)
+    await pool.close()
+    assert pool.count() == 0
+    server.close()
+
+
+async def test_unreachable_upstream_plans_http() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1")
+    pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
+    plan, _ = await pool.plan(who("sk-a", settings.upstream), req("a"))
+    assert (plan.kind, plan.reason) == (PlanKind.HTTP, "ws_unavailable")
+    assert pool.count() == 0
+    await pool.close()
+
+
+async def test_idle_sockets_close_and_the_sweep_expires(emulator: Emulator, make_pool: PoolFactory) -> None:
+    pool = make_pool(idle_close_seconds=0.2)
+    plan, _ = await pool.plan(who("sk-a", emulator.base_url), req("a"))
+    async with pool.lease(plan) as turn:
+        await run(turn, req("a"), plan)
+    assert pool.count() == 1
+    for _ in range(100):
+        if pool.count() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert pool.count() == 0 and len(pool.heads) == 1  # store defaults to true: the head outlives its socket
