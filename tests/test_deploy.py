@@ -12,7 +12,6 @@ Regenerate the ConfigMap after editing config.yaml with::
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,8 @@ from urllib.parse import urlsplit
 import dockerfile  # type: ignore[import-not-found]  # ships no type information
 import pytest
 import yaml
+
+from tests.tools import tool_env, which
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -55,7 +56,7 @@ def render_configmap() -> str:
 
 def _load_kustomize(directory: str) -> list[dict[str, Any]]:
     """Rendered objects: via kubectl kustomize when present, else the plain files."""
-    kubectl = shutil.which("kubectl")
+    kubectl = which("kubectl")
     if kubectl is not None:
         out = subprocess.run(
             [kubectl, "kustomize", str(K8S / directory)],
@@ -308,10 +309,12 @@ def test_dockerfile_read_only_root_ready(instructions: list[Any]) -> None:
 
 def test_validate_deploy_script() -> None:
     needed = ("kubectl", "kubernetes-validate", "yamllint", "hadolint")
-    missing = [tool for tool in needed if shutil.which(tool) is None]
+    missing = [tool for tool in needed if which(tool) is None]
     if missing:
         pytest.skip(f"not installed: {', '.join(missing)}")
-    result = subprocess.run(["bash", str(VALIDATE)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        ["bash", str(VALIDATE)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=tool_env()
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -100,7 +100,9 @@ async def test_every_emitted_type_is_covered_and_no_lag_is_stale() -> None:
     for what, obj in await run_all():
         seen.update(validate(what, obj))
     assert set(EMITTED) <= seen, f"not covered by any scenario: {sorted(set(EMITTED) - seen)}"
-    stale = set(KNOWN_LAGS) - RELAY_ONLY - schema.used_lags()
+    # A lag of a layer that did not run (no OpenAPI file in this clone) cannot be hit.
+    checked = {pattern for pattern in KNOWN_LAGS if pattern.split(" ", 1)[0] in schema.LAYERS}
+    stale = checked - RELAY_ONLY - schema.used_lags()
     assert not stale, f"known lags no finding needs any more (remove them): {sorted(stale)}"
 
 
