@@ -92,7 +92,7 @@ def _parts(content: JSON) -> list[JSON]:
             parts.append(part)
             continue
         kind = part.get("type")
-        if kind in TEXT_PART_TYPES or (kind is None and "text" in part):
+        if (isinstance(kind, str) and kind in TEXT_PART_TYPES) or (kind is None and "text" in part):
             text: JSON = {"type": "text", "text": str(part.get("text", ""))}
             rest = {k: v for k, v in part.items() if k not in ("type", "text", "logprobs", "parsed")}
             if rest.get("annotations") == []:
@@ -144,8 +144,10 @@ def canonical_item(item: JSON) -> JSON:
     item = clean(item)
     if not isinstance(item, dict):
         return item
-    kind = item.get("type") or ("message" if "role" in item else None)
-    if kind in _KNOWN:
+    kind = item.get("type")
+    if kind is None and "role" in item:
+        kind = "message"
+    if isinstance(kind, str) and kind in _KNOWN:
         out: dict[str, JSON] = {k: v for k, v in item.items() if k not in ("id", "status")}
         out["type"] = kind
     if kind == "message":
