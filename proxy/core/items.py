@@ -9,7 +9,7 @@ Two questions are asked of items, and they get different answers on purpose:
 * *Is this the client's echo of an output item the upstream produced?* Every client rebuilds
   echoed output in its own shape, so :func:`fingerprint` keeps the upstream item's
   :func:`projection`: every field the model sees, compared as a value, and only the fields it
-  cannot see left out (the audit in docs/architecture.md, "What the model sees"). An absent
+  cannot see left out (the field-by-field audit: docs/fidelity.md). An absent
   field differs from a present one: a ``phase``-less echo of a ``commentary`` message is
   another message. :func:`echo_matches` compares an echo against it; :func:`phase_dropped`
   says whether the echo is that message minus its ``phase`` (``matching.tolerate: [phase]``).
@@ -179,8 +179,8 @@ def _part(part: Any) -> Any:
 
 
 def projection(item: Mapping[str, Any]) -> dict[str, Any]:
-    """What the model sees of an item, by kind, after rules 1-4 (docs/architecture.md,
-    "What the model sees"). Symmetric: an upstream item and its echo are projected alike.
+    """What the model sees of an item, by kind, after rules 1-4 (the audit table of
+    docs/fidelity.md). Symmetric: an upstream item and its echo are projected alike.
 
     * every field but ``id``, ``status`` and ``type`` (compared apart), as a value: ``phase``,
       ``annotations``, ``namespace``, ``caller``, reasoning ``content`` and any field this

@@ -4,7 +4,7 @@ This is the emulator's **own** implementation of client-echo.md §4; it delibera
 nothing from the sidecar, so one bug cannot hide in both.
 
 Canonical item: everything the model sees, as a value (absent differs from present), and
-nothing it cannot see (the audit table of docs/architecture.md, "What the model sees"):
+nothing it cannot see (the audit table of docs/fidelity.md):
 
 - every type: ``id`` and ``status`` left out (a handle and a record of generation), except
   where noted; any field not named here is kept as it is.
