@@ -24,6 +24,7 @@ from urllib.parse import unquote_plus, urlsplit
 
 import yaml
 
+from proxy.core.reasons import Tolerance
 from proxy.errors import ConfigError
 
 __all__ = [
@@ -189,8 +190,13 @@ class StreamingSettings:
 class MatchingSettings:
     """Conversation matching."""
 
+    tolerate: tuple[str, ...] = ()
+    """Differences the model sees that still continue the conversation (each counted in
+    ``upshift_echo_tolerances_total``): ``reasoning`` (an echo leaves out reasoning items,
+    client-echo.md rule 6), ``phase`` (an echo leaves out the ``phase`` of an assistant
+    message). Empty: every such echo is a full send, explained."""
     allow_dropped_reasoning: bool = False
-    """Accept echoes that drop reasoning items (client-echo.md rule 6) as continuations."""
+    """Deprecated: ``tolerate: [reasoning]``. Still honoured (added to ``tolerate``)."""
     max_heads: int = 10000
     """Conversation heads kept in memory across identities (LRU)."""
     head_ttl_seconds: float = 3600.0
@@ -201,6 +207,13 @@ class MatchingSettings:
     share for requests; kept bodies give way to requests first either way."""
     hot_prefix_seconds: float = 120.0
     """A kept body is let go this long after its turn (idle heads keep only digests)."""
+
+    def tolerances(self) -> frozenset[Tolerance]:
+        """``tolerate`` with the deprecated ``allow_dropped_reasoning`` folded in."""
+        found = {Tolerance(value) for value in self.tolerate}
+        if self.allow_dropped_reasoning:
+            found.add(Tolerance.REASONING)
+        return frozenset(found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,6 +557,11 @@ def _check_header_name(value: str) -> None:
 
 def _check_list(key: str, values: tuple[str, ...]) -> None:
     """Semantic checks of list settings, by key."""
+    if key == "matching.tolerate":
+        for value in values:
+            names = [t.value for t in Tolerance]
+            if value not in names:
+                raise ValueError(f"expected a list of {', '.join(names)}; got {value!r}{_suggest(value, names)}")
     if key == "identity.headers":
         seen: set[str] = set()
         for value in values:

@@ -200,7 +200,7 @@ class Server:
         heads = HeadTable(
             max_heads=m.max_heads,
             ttl_seconds=m.head_ttl_seconds,
-            allow_dropped_reasoning=m.allow_dropped_reasoning,
+            tolerate=m.tolerances(),
             hot_bytes=m.hot_prefix_bytes,
             hot_seconds=m.hot_prefix_seconds,
         )

@@ -177,6 +177,24 @@ def test_list_from_yaml_and_flag(tmp_path: Path) -> None:
     ]
 
 
+def test_matching_tolerate_and_its_deprecated_alias(tmp_path: Path) -> None:
+    from proxy.core.reasons import Tolerance
+
+    assert load_settings(None, {}, None).matching.tolerances() == frozenset()
+    env = {"UPSHIFT_MATCHING_TOLERATE": "phase, reasoning"}
+    assert load_settings(None, env, None).matching.tolerances() == {Tolerance.PHASE, Tolerance.REASONING}
+    path = tmp_path / "c.yaml"
+    path.write_text("matching:\n  allow_dropped_reasoning: true\n")  # an existing config still loads
+    assert load_settings(None, {}, str(path)).matching.tolerances() == {Tolerance.REASONING}
+    path.write_text("matching:\n  tolerate: [phase]\n  allow_dropped_reasoning: true\n")
+    assert load_settings(None, {}, str(path)).matching.tolerances() == {Tolerance.PHASE, Tolerance.REASONING}
+    path.write_text("matching:\n  tolerate: [phases]\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, {}, str(path))
+    assert "expected a list of reasoning, phase; got 'phases'" in str(info.value)
+    assert "did you mean 'phase'" in str(info.value) and info.value.param == "matching.tolerate"
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "needle"),
     [

@@ -11,7 +11,8 @@ No conversation id is needed. A request continues a head when (client-echo.md §
 
 1. its non-input fields equal the head's (settings digest),
 2. its input starts with the head's input (prefix digest), then
-3. echoes the head's output items (per-type projection), then
+3. echoes the head's output items (everything the model sees of them, :func:`~proxy.core.items.projection`;
+   a left-out reasoning item or ``phase`` only with ``matching.tolerate``), then
 4. carries at least one new item.
 
 Among all heads of the caller's identity the longest match wins, so forks and parallel
@@ -24,7 +25,7 @@ clock is passed in.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
@@ -42,8 +43,8 @@ from proxy.core.explain import (
     settings_fields,
 )
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
-from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
-from proxy.core.reasons import MissReason
+from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped
+from proxy.core.reasons import MissReason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
 
 __all__ = ["Head", "HeadTable", "Keeper", "Lookup", "Match", "MissReason"]
@@ -107,6 +108,8 @@ class Lookup:
     """``continuation`` or a :class:`MissReason` value."""
     dropped_reasoning: int = 0
     """Reasoning items of the head's output that the echo left out."""
+    dropped_phase: int = 0
+    """Assistant messages of the head's output that the echo sent without their ``phase``."""
 
 
 _Key = tuple[str, bytes, int, bytes]
@@ -125,7 +128,9 @@ class HeadTable:
     Args:
         max_heads: Upper bound on heads kept; the least recently used goes first.
         ttl_seconds: A head unused for this long is forgotten.
-        allow_dropped_reasoning: Accept echoes that leave out reasoning items.
+        tolerate: Differences the model sees that still continue (``matching.tolerate``):
+            left-out reasoning items, a left-out ``phase``. Counted either way.
+        allow_dropped_reasoning: Deprecated spelling of ``tolerate=[Tolerance.REASONING]``.
         hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
             in total (least recently recorded dropped first).
         hot_seconds: A body is dropped this long after its turn (the head then verifies the
@@ -137,6 +142,7 @@ class HeadTable:
         *,
         max_heads: int,
         ttl_seconds: float,
+        tolerate: Iterable[Tolerance] = (),
         allow_dropped_reasoning: bool = False,
         hot_bytes: int = 256 * 1024 * 1024,
         hot_seconds: float = 120.0,
@@ -149,7 +155,7 @@ class HeadTable:
         self.keeper: Keeper | None = None
         """Asked before a body is kept, told when one is let go (the memory budget)."""
         self.ttl_seconds = ttl_seconds
-        self.allow_dropped_reasoning = allow_dropped_reasoning
+        self.tolerate = frozenset(tolerate) | ({Tolerance.REASONING} if allow_dropped_reasoning else set())
         self._heads: OrderedDict[Hashable, Head] = OrderedDict()
         self._index: dict[_Key, list[Hashable]] = {}
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
@@ -228,7 +234,7 @@ class HeadTable:
                     return found
         bucket = self._buckets.get((identity, req.settings_digest))
         reason: str = MissReason.NO_HEAD
-        dropped_seen = 0
+        dropped_seen = (0, 0)
         if bucket is not None:
             n_items = req.n_items
             lengths = {n for n in bucket.lengths if n <= n_items}
@@ -239,12 +245,12 @@ class HeadTable:
                     found, why, dropped = self._try(self._heads[anchor], items, at, skipped, now, usable)
                     if found is not None:
                         return found
-                    if why == MissReason.DROPPED_REASONING:
+                    if why in (MissReason.DROPPED_REASONING, MissReason.DROPPED_PHASE):
                         dropped_seen = dropped
                     reason = _stronger(reason, why)
         if reason == MissReason.NO_HEAD and self._matches_other_settings(identity, req):
             reason = MissReason.SETTINGS_CHANGED
-        return Lookup(None, reason, dropped_seen)
+        return Lookup(None, reason, *dropped_seen)
 
     def _try(
         self,
@@ -254,44 +260,52 @@ class HeadTable:
         skipped: int,
         now: float,
         usable: Callable[[Head], bool],
-    ) -> tuple[Lookup | None, str, int]:
+    ) -> tuple[Lookup | None, str, tuple[int, int]]:
         """Continue ``head`` with ``items[n:]`` if its echo matches and the planner can use it.
 
         ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix).
-        Returns ``(the continuation, or None; the miss reason; reasoning items dropped)``.
+        Returns ``(the continuation, or None; the miss reason; (reasoning items left out,
+        phases left out))``.
         """
         found = self._continue(head, items, n)
         if isinstance(found, str):
-            return None, found, 0
-        consumed, dropped = found
-        if dropped and not self.allow_dropped_reasoning:
-            return None, MissReason.DROPPED_REASONING, dropped
+            return None, found, (0, 0)
+        consumed, reasoning, phases = found
+        drops = (reasoning, phases)
+        if reasoning and Tolerance.REASONING not in self.tolerate:
+            return None, MissReason.DROPPED_REASONING, drops
+        if phases and Tolerance.PHASE not in self.tolerate:
+            return None, MissReason.DROPPED_PHASE, drops
         if not usable(head):
-            return None, MissReason.HEAD_BUSY, dropped
+            return None, MissReason.HEAD_BUSY, drops
         head.last_used = now
         self._heads.move_to_end(head.anchor)
         match = Match(head.anchor, head.response_id, list(items[n + consumed :]), skipped + n + consumed)
-        return Lookup(match, "continuation", dropped), "continuation", dropped
+        return Lookup(match, "continuation", *drops), "continuation", drops
 
-    def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int] | str:
+    def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int, int] | str:
         """Match the echo of ``head.output`` at ``items[n:]``.
 
-        Returns ``(items consumed by the echo, reasoning items dropped)``, or a miss reason.
+        Returns ``(items consumed by the echo, reasoning items left out, messages whose
+        phase was left out)``, or a miss reason.
         """
         if n == len(items):
             return MissReason.RETRY
         position = n
-        dropped = 0
+        dropped = phases = 0
         for fp in head.output:
             if position < len(items) and echo_matches(fp, items[position]):
                 position += 1
+            elif position < len(items) and phase_dropped(fp, items[position]):
+                position += 1
+                phases += 1
             elif fp.kind == "reasoning":
                 dropped += 1
             else:
                 return MissReason.DIVERGED
         if position == len(items):
             return MissReason.NO_NEW_ITEMS
-        return position - n, dropped
+        return position - n, dropped, phases
 
     def _matches_other_settings(self, identity: str, req: ParsedRequest) -> bool:
         """Whether the input extends a head of ``identity`` whose settings differ."""
@@ -397,7 +411,7 @@ class HeadTable:
         # first turns have none): from the table when a head has the same settings.
         wanted = (self._settings_fields.get(req.settings_digest) or settings_fields(req.fields)) if found else ()
         for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
-            explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED)
+            explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED, self.tolerate)
             if explanation is None:
                 continue
             if reason == MissReason.NO_HEAD and explanation.reason == MissReason.DIVERGED and not after:
@@ -611,6 +625,7 @@ _EXPLAINED = frozenset(
         MissReason.DIVERGED,
         MissReason.SETTINGS_CHANGED,
         MissReason.DROPPED_REASONING,
+        MissReason.DROPPED_PHASE,
         MissReason.RETRY,
         MissReason.NO_NEW_ITEMS,
     }
@@ -628,6 +643,7 @@ _STRENGTH: dict[str, int] = {
     MissReason.NO_NEW_ITEMS: 2,
     MissReason.RETRY: 3,
     MissReason.DROPPED_REASONING: 4,
+    MissReason.DROPPED_PHASE: 4,
     MissReason.HEAD_BUSY: 5,
 }
 

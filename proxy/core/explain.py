@@ -38,16 +38,15 @@ import orjson
 
 from proxy.core.items import (
     OutputFingerprint,
-    _args_value,
     _is_reference,
     _kind,
-    _message_parts,
-    _optional_equal,
-    _summary_texts,
     canonical,
     echo_matches,
     input_view,
+    phase_dropped,
+    projection,
 )
+from proxy.core.reasons import MissReason, Tolerance
 from proxy.core.request import NON_SETTINGS_FIELDS
 
 __all__ = [
@@ -93,7 +92,10 @@ class Detail(enum.StrEnum):
     SETTING = "setting"
     """A setting differs: ``miss_field`` is its name (``tools``, ``instructions``, ...)."""
     REASONING_DROPPED = "reasoning_dropped"
-    """The echo leaves out a reasoning item of the candidate's output."""
+    """The echo leaves out a reasoning item of the candidate's output (tolerance ``reasoning``)."""
+    PHASE_DROPPED = "phase_dropped"
+    """The echo sends an assistant message of the candidate's output without its ``phase``
+    (``miss_field`` ``phase``; tolerance ``phase``)."""
     NO_NEW_ITEMS = "no_new_items"
     """The request is the candidate's input and output echo, with nothing new after it."""
     RETRY = "retry"
@@ -196,36 +198,24 @@ def settings_fields(fields: Mapping[str, Any]) -> SettingsFields:
     return tuple(out)
 
 
-def _projection(item: Mapping[str, Any], kind: str) -> list[tuple[str, Any]]:
-    """The per-type projection of client-echo.md rule 5, one entry per field path."""
-    if kind == "message":
-        parts = _message_parts(item)
-        if not isinstance(parts, list):
-            parts = [parts]
-        out: list[tuple[str, Any]] = [("role", item.get("role"))]
-        for index, part in enumerate(parts):
-            if not isinstance(part, dict):
-                out.append((f"content[{index}]", {"$bad": canonical(part)}))
-                continue
-            ptype = part.get("type")
-            key = "refusal" if ptype == "refusal" else "text"
-            out.append((f"content[{index}].type", ptype))
-            out.append((f"content[{index}].{key}", part.get(key)))
-        return out
-    if kind == "function_call":
-        return [
-            ("call_id", item.get("call_id")),
-            ("name", item.get("name")),
-            ("arguments", _args_value(item.get("arguments"))),
-        ]
-    if kind == "custom_tool_call":
-        return [(k, canonical(item.get(k))) for k in ("call_id", "name", "input")]
-    if kind == "reasoning":
-        return [(f"summary[{i}].text", text) for i, text in enumerate(_summary_texts(item.get("summary")))]
-    rest = canonical(item)
-    if not isinstance(rest, dict):
-        return [("item", rest)]
-    return [(k if _safe(k) else "?", v) for k, v in rest.items() if k not in ("status", "id")]
+_LISTS = ("content", "summary")
+"""Fields whose elements are named one by one (``content[0].text``, ``summary[1].text``)."""
+
+
+def _projection(item: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """:func:`~proxy.core.items.projection`, one entry per field path."""
+    out: list[tuple[str, Any]] = []
+    for key, value in projection(item).items():
+        name = _safe(key) or "?"
+        if key not in _LISTS or not isinstance(value, list) or not value:
+            out.append((name, value))
+            continue
+        for index, part in enumerate(value):
+            if isinstance(part, dict) and part:
+                out.extend((f"{name}[{index}].{_safe(k) or '?'}", v) for k, v in part.items())
+            else:
+                out.append((f"{name}[{index}]", part))
+    return out
 
 
 _PATHS: dict[tuple[str, ...], tuple[str, ...]] = {}
@@ -245,11 +235,7 @@ def _shared(paths: tuple[str, ...]) -> tuple[str, ...]:
 def echo_fields(item: Mapping[str, Any]) -> EchoFields:
     """What a head keeps of one upstream output item to name the field an echo changed."""
     kind = _kind(item)
-    out = [(path, _d(value)) for path, value in _projection(item, kind)]
-    if kind == "message":
-        parts = _message_parts(item)
-        if isinstance(parts, list) and all(isinstance(p, dict) and p.get("type") == "output_text" for p in parts):
-            out.append(("$text", _d("".join(str(p.get("text", "")) for p in parts))))
+    out = [(path, _d(value)) for path, value in _projection(item)]
     if kind == "reasoning" and item.get("encrypted_content") is not None:
         out.append(("encrypted_content", _d(item["encrypted_content"])))
     return _shared(tuple(path for path, _ in out)), b"".join(d for _, d in out)
@@ -273,30 +259,13 @@ def _echo_field(fp: OutputFingerprint, fields: EchoFields, echo: Any) -> str | N
         return "type"
     pairs = _unpack(fields)
     mine = dict(pairs)
-    if fp.kind == "message" and isinstance(echo.get("content"), str):
-        if _d(echo.get("role")) != mine.get("role"):
-            return "role"
-        if mine.get("$text") != _d(echo["content"]):
-            return "content"
-    else:
-        theirs = dict((path, _d(value)) for path, value in _projection(echo, fp.kind))
-        for path, want in pairs:
-            if path in ("$text", "encrypted_content"):
-                continue
-            if theirs.get(path) != want:
-                return path
-        for path in theirs:
-            if path not in mine:
-                return path
-    if fp.kind == "message":
-        content = echo.get("content")
-        if isinstance(content, list):
-            for index, part in enumerate(content):
-                notes = part.get("annotations") if isinstance(part, dict) else None
-                if notes is not None and not _optional_equal(fp, f"annotations.{index}", notes):
-                    return f"content[{index}].annotations"
-        if echo.get("phase") is not None and not _optional_equal(fp, "phase", echo["phase"]):
-            return "phase"
+    theirs = dict((path, _d(value)) for path, value in _projection(echo))
+    for path, want in pairs:
+        if path != "encrypted_content" and theirs.get(path) != want:
+            return path
+    for path in theirs:
+        if path not in mine:
+            return path
     if fp.kind == "reasoning":
         enc = echo.get("encrypted_content")
         if enc is not None and mine.get("encrypted_content") != _d(enc):
@@ -409,7 +378,7 @@ def score(cand: Candidate, keys: Sequence[bytes], items: Sequence[Any], digests:
         position = n + j
         if position >= m:
             break
-        if echo_matches(fp, items[position]):
+        if echo_matches(fp, items[position]) or phase_dropped(fp, items[position]):
             agree += 1
             after += first is not None
         elif first is None and fp.kind != "reasoning":
@@ -423,6 +392,7 @@ def explain_against(
     items: Sequence[Any],
     settings: SettingsFields,
     reason: str,
+    tolerate: frozenset[Tolerance] = frozenset(),
 ) -> Explanation | None:
     """Walk the request against ``cand`` as the matcher does, and say where it departs.
 
@@ -431,6 +401,8 @@ def explain_against(
         keys: The request's item keys; ``items``: its input items.
         settings: :func:`settings_fields` of the request.
         reason: What to call a departure in the input items (``diverged``).
+        tolerate: The tolerances in force (``matching.tolerate``): what they accept is no
+            departure.
 
     Returns:
         The explanation, or ``None`` if the request would continue ``cand``.
@@ -459,9 +431,16 @@ def explain_against(
         return at("retry", n, kind, Detail.RETRY)
     position = n
     dropped: int | None = None
+    phase_at: int | None = None
     for fp, fields in zip(cand.output, cand.echo, strict=False):
         if position < m and echo_matches(fp, items[position]):
             position += 1
+        elif position < m and phase_dropped(fp, items[position]):
+            if phase_at is None and Tolerance.PHASE not in tolerate:
+                phase_at = position
+            position += 1
+        elif fp.kind == "reasoning" and Tolerance.REASONING in tolerate:
+            continue
         elif fp.kind == "reasoning":
             dropped = position if dropped is None else dropped
         elif position >= m:
@@ -473,7 +452,9 @@ def explain_against(
     if position == m:
         return at("no_new_items", m, None, Detail.NO_NEW_ITEMS)
     if dropped is not None:
-        return at("dropped_reasoning", dropped, "reasoning", Detail.REASONING_DROPPED)
+        return at(MissReason.DROPPED_REASONING, dropped, "reasoning", Detail.REASONING_DROPPED)
+    if phase_at is not None:
+        return at(MissReason.DROPPED_PHASE, phase_at, "message", Detail.PHASE_DROPPED, "phase")
     return None
 
 

@@ -7,8 +7,12 @@ Two questions are asked of items, and they get different answers on purpose:
   rules 1-4 (parsed values, ``null`` = absent, ``async_`` = ``async``, client-added keys
   stripped, string content = one text part).
 * *Is this the client's echo of an output item the upstream produced?* Every client rebuilds
-  echoed output in its own shape, so :func:`fingerprint` keeps a per-type projection of the
-  upstream item (a whitelist, rule 5) and :func:`echo_matches` compares an echo against it.
+  echoed output in its own shape, so :func:`fingerprint` keeps the upstream item's
+  :func:`projection`: every field the model sees, compared as a value, and only the fields it
+  cannot see left out (the field-by-field audit: docs/fidelity.md). An absent
+  field differs from a present one: a ``phase``-less echo of a ``commentary`` message is
+  another message. :func:`echo_matches` compares an echo against it; :func:`phase_dropped`
+  says whether the echo is that message minus its ``phase`` (``matching.tolerate: [phase]``).
 
 Everything here is pure: parsed JSON values in, digests and booleans out. Digests are
 truncated SHA-256 over canonical JSON; a head keeps digests, never the text itself.
@@ -31,6 +35,8 @@ __all__ = [
     "fingerprint",
     "input_view",
     "item_key",
+    "phase_dropped",
+    "projection",
 ]
 
 _CLIENT_KEYS = frozenset({"internal_chat_message_metadata_passthrough", "parsed_arguments"})
@@ -112,23 +118,22 @@ def item_key(item: Mapping[str, Any]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class OutputFingerprint:
-    """The per-type projection of one upstream output item, kept as digests.
+    """The projection of one upstream output item, kept as digests.
 
     Attributes:
         kind: ``message``, ``function_call``, ``custom_tool_call``, ``reasoning`` or ``other``.
         id: The item's id, compared only when the echo carries one.
-        main: Digest of the fields every echo must reproduce for this kind.
-        alt: A second acceptable form: the concatenated text of a message (for echoes that
-            send ``content`` as a string), or ``None``.
-        optional: ``(field, digest)`` pairs compared only when the echo has the field
-            (message ``phase`` and per-part ``annotations``).
+        main: Digest of :func:`projection`: what every echo must reproduce.
+        alt: A reasoning item's ``encrypted_content`` digest, or ``None``.
+        phaseless: For a message with a ``phase``, the digest of its projection without it
+            (an echo that dropped the phase, accepted only as a tolerance); else ``None``.
     """
 
     kind: str
     id: str | None
     main: bytes
     alt: bytes | None = None
-    optional: tuple[tuple[str, bytes], ...] = ()
+    phaseless: bytes | None = None
 
 
 def _args_value(arguments: Any) -> Any:
@@ -143,24 +148,6 @@ def _args_value(arguments: Any) -> Any:
     return {"$raw": canonical(arguments)}
 
 
-def _message_main(role: Any, parts: list[Any]) -> bytes:
-    projected = []
-    for part in parts:
-        if not isinstance(part, dict):
-            projected.append({"$bad": canonical(part)})
-            continue
-        kind = part.get("type")
-        text = part.get("refusal") if kind == "refusal" else part.get("text")
-        projected.append({"type": kind, "text": text})
-    return digest(_dumps({"role": role, "parts": projected}))
-
-
-def _summary_texts(summary: Any) -> list[Any]:
-    if not isinstance(summary, list):
-        return [] if summary is None else [{"$bad": canonical(summary)}]
-    return [s.get("text") if isinstance(s, dict) else {"$bad": canonical(s)} for s in summary]
-
-
 def _kind(item: Mapping[str, Any]) -> str:
     kind = item.get("type")
     if kind is None and "role" in item:
@@ -173,46 +160,66 @@ def _str_id(item: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
+_UNSEEN = ("id", "status", "type")
+"""Fields of every item the model does not read: ``id`` is a handle (compared on its own, when
+the echo has it), ``status`` a record of generation (the OpenAPI description: "populated when
+items are returned via API"), ``type`` the kind (compared on its own)."""
+_UNSEEN_PART = ("logprobs", "parsed")
+"""Fields of a content part the model does not read: ``logprobs`` are the sampler's report on
+the text, ``parsed`` a client's own (rule 4)."""
+
+
+def _part(part: Any) -> Any:
+    if not isinstance(part, dict):
+        return {"$bad": part}
+    out = {k: v for k, v in part.items() if k not in _UNSEEN_PART}
+    if out.get("annotations") == []:
+        del out["annotations"]  # an empty list of annotations is none
+    return out
+
+
+def projection(item: Mapping[str, Any]) -> dict[str, Any]:
+    """What the model sees of an item, by kind, after rules 1-4 (the audit table of
+    docs/fidelity.md). Symmetric: an upstream item and its echo are projected alike.
+
+    * every field but ``id``, ``status`` and ``type`` (compared apart), as a value: ``phase``,
+      ``annotations``, ``namespace``, ``caller``, reasoning ``content`` and any field this
+      code does not know are compared, absent differing from present;
+    * message: string ``content`` = one text part (``output_text`` for the assistant);
+      per part, ``logprobs`` and ``parsed`` left out, empty ``annotations`` = none;
+    * function_call: ``arguments`` as parsed JSON (blank = ``{}``);
+    * reasoning: ``encrypted_content`` left to :func:`echo_matches` (an echo may name the item
+      by id instead); an empty ``content`` = none.
+    """
+    value = canonical(item)
+    if not isinstance(value, dict):
+        return {"$bad": value}
+    kind = _kind(item)
+    out = {k: v for k, v in value.items() if k not in _UNSEEN}
+    if kind == "message":
+        parts = _message_parts(value)
+        out["content"] = [_part(p) for p in (parts if isinstance(parts, list) else [parts])]
+    elif kind == "function_call":
+        out["arguments"] = _args_value(value.get("arguments"))
+    elif kind == "reasoning":
+        out.pop("encrypted_content", None)
+        if out.get("content") == []:
+            del out["content"]
+    else:
+        out["type"] = value.get("type")
+    return out
+
+
 def fingerprint(item: Mapping[str, Any]) -> OutputFingerprint:
     """Project an upstream output item (as in ``response.output``) for echo matching."""
     kind = _kind(item)
-    item_id = _str_id(item)
-    if kind == "message":
-        parts = _message_parts(item)
-        if not isinstance(parts, list):
-            parts = [parts]
-        alt = None
-        if all(isinstance(p, dict) and p.get("type") == "output_text" for p in parts):
-            text = "".join(str(p.get("text", "")) for p in parts)
-            alt = _message_main(item.get("role"), [{"type": "output_text", "text": text}])
-        optional: list[tuple[str, bytes]] = []
-        if item.get("phase") is not None:
-            optional.append(("phase", digest(_dumps(item["phase"]))))
-        for index, part in enumerate(parts):
-            if isinstance(part, dict):
-                notes = part.get("annotations")
-                optional.append((f"annotations.{index}", digest(_dumps(canonical(notes or [])))))
-        return OutputFingerprint(kind, item_id, _message_main(item.get("role"), parts), alt, tuple(optional))
-    if kind == "function_call":
-        main = {"call_id": item.get("call_id"), "name": item.get("name")}
-        main["arguments"] = _args_value(item.get("arguments"))
-        return OutputFingerprint(kind, item_id, digest(_dumps(main)))
-    if kind == "custom_tool_call":
-        main = {k: canonical(item.get(k)) for k in ("call_id", "name", "input")}
-        return OutputFingerprint(kind, item_id, digest(_dumps(main)))
-    if kind == "reasoning":
-        enc = item.get("encrypted_content")
-        return OutputFingerprint(
-            kind,
-            item_id,
-            digest(_dumps(_summary_texts(item.get("summary")))),
-            digest(_dumps(enc)) if enc is not None else None,
-        )
-    rest = canonical(item)
-    if isinstance(rest, dict):
-        rest.pop("status", None)
-        rest.pop("id", None)
-    return OutputFingerprint(kind, item_id, digest(_dumps(rest)))
+    seen = projection(item)
+    alt = phaseless = None
+    if kind == "reasoning" and item.get("encrypted_content") is not None:
+        alt = digest(_dumps(item["encrypted_content"]))
+    if kind == "message" and "phase" in seen:
+        phaseless = digest(_dumps({k: v for k, v in seen.items() if k != "phase"}))
+    return OutputFingerprint(kind, _str_id(item), digest(_dumps(seen)), alt, phaseless)
 
 
 def _is_reference(echo: Mapping[str, Any]) -> bool:
@@ -223,8 +230,8 @@ def _is_reference(echo: Mapping[str, Any]) -> bool:
     return kind is None and "role" not in echo and set(echo) - {"type"} == {"id"}
 
 
-def echo_matches(fp: OutputFingerprint, echo: Any) -> bool:
-    """Whether ``echo`` (an item the app sent) is an echo of the output item behind ``fp``."""
+def _same_item(fp: OutputFingerprint, echo: Any) -> bool | None:
+    """The checks before the projection: ``True``/``False`` when they decide, else ``None``."""
     if not isinstance(echo, dict):
         return False
     echo_id = echo.get("id")
@@ -234,54 +241,32 @@ def echo_matches(fp: OutputFingerprint, echo: Any) -> bool:
         return False
     if _kind(echo) != fp.kind:
         return False
-    if fp.kind == "message":
-        return _message_echo_matches(fp, echo)
-    if fp.kind == "reasoning":
-        return _reasoning_echo_matches(fp, echo)
-    if fp.kind == "function_call":
-        main = {"call_id": echo.get("call_id"), "name": echo.get("name")}
-        main["arguments"] = _args_value(echo.get("arguments"))
-        return digest(_dumps(main)) == fp.main
-    if fp.kind == "custom_tool_call":
-        main = {k: canonical(echo.get(k)) for k in ("call_id", "name", "input")}
-        return digest(_dumps(main)) == fp.main
-    rest = canonical(echo)
-    rest.pop("status", None)
-    rest.pop("id", None)
-    return digest(_dumps(rest)) == fp.main
-
-
-def _message_echo_matches(fp: OutputFingerprint, echo: Mapping[str, Any]) -> bool:
-    content = echo.get("content")
-    if isinstance(content, str):
-        if fp.alt is None:
-            return False
-        main = _message_main(echo.get("role"), [{"type": "output_text", "text": content}])
-        if main != fp.alt:
-            return False
-    else:
-        parts = content if isinstance(content, list) else [content]
-        if _message_main(echo.get("role"), parts) != fp.main:
-            return False
-        for index, part in enumerate(parts):
-            notes = part.get("annotations") if isinstance(part, dict) else None
-            if notes is not None and not _optional_equal(fp, f"annotations.{index}", notes):
-                return False
-    phase = echo.get("phase")
-    return phase is None or _optional_equal(fp, "phase", phase)
-
-
-def _optional_equal(fp: OutputFingerprint, name: str, value: Any) -> bool:
-    for field, want in fp.optional:
-        if field == name:
-            return digest(_dumps(canonical(value))) == want
-    # The upstream item has no such field: the echo added one.
-    return False
-
-
-def _reasoning_echo_matches(fp: OutputFingerprint, echo: Mapping[str, Any]) -> bool:
-    if digest(_dumps(_summary_texts(echo.get("summary")))) != fp.main:
+    if fp.kind == "reasoning" and not _reasoning_content_ok(fp, echo):
         return False
+    return None
+
+
+def echo_matches(fp: OutputFingerprint, echo: Any) -> bool:
+    """Whether ``echo`` (an item the app sent) is an echo of the output item behind ``fp``:
+    everything the model sees equal (a dropped ``phase`` is a difference: see
+    :func:`phase_dropped`)."""
+    decided = _same_item(fp, echo)
+    if decided is not None:
+        return decided
+    return digest(_dumps(projection(echo))) == fp.main
+
+
+def phase_dropped(fp: OutputFingerprint, echo: Any) -> bool:
+    """Whether ``echo`` is the message behind ``fp`` but for the ``phase`` it left out (the
+    ``phase`` tolerance: the model would see a ``phase`` the app did not send)."""
+    if fp.phaseless is None or not isinstance(echo, dict) or echo.get("phase") is not None:
+        return False
+    if _same_item(fp, echo) is not None:
+        return False
+    return digest(_dumps(projection(echo))) == fp.phaseless
+
+
+def _reasoning_content_ok(fp: OutputFingerprint, echo: Mapping[str, Any]) -> bool:
     enc = echo.get("encrypted_content")
     if enc is not None:
         return digest(_dumps(enc)) == fp.alt

@@ -144,6 +144,8 @@ class Plan:
     hydrated: bool = False
     """A continuation of a stored head whose lane is gone: the upstream hydrates it."""
     dropped_reasoning: int = 0
+    dropped_phase: int = 0
+    """Echoed assistant messages without their ``phase`` (a continuation only if tolerated)."""
     close: tuple[int, ...] = ()
     """Sockets to close first (the total limit's least recently used)."""
     warm: int | None = None
@@ -289,7 +291,7 @@ class Planner:
         match = lookup.match
         if match is None:
             plan = self._full(identity, now, lookup.reason, may_open)
-            return replace(plan, dropped_reasoning=lookup.dropped_reasoning)
+            return replace(plan, dropped_reasoning=lookup.dropped_reasoning, dropped_phase=lookup.dropped_phase)
         lane = self._idle_lane(_lane_key(match.anchor))
         if lane is not None:  # the usual case: built once (dataclasses.replace costs ~10 µs)
             self._begin(lane, now)
@@ -301,6 +303,7 @@ class Planner:
                 new_items=match.new_items,
                 items_avoided=match.items_avoided,
                 dropped_reasoning=lookup.dropped_reasoning,
+                dropped_phase=lookup.dropped_phase,
             )
         cont = Plan(
             PlanKind.CONTINUE,
@@ -309,6 +312,7 @@ class Planner:
             new_items=match.new_items,
             items_avoided=match.items_avoided,
             dropped_reasoning=lookup.dropped_reasoning,
+            dropped_phase=lookup.dropped_phase,
         )
         plan = self._full(identity, now, MissReason.NO_HEAD, may_open)
         if plan.lane is None:

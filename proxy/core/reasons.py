@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ErrorCode", "Mode", "MissReason", "Outcome", "PassthroughReason", "ReplayCause", "Route"]
+__all__ = ["ErrorCode", "Mode", "MissReason", "Outcome", "PassthroughReason", "ReplayCause", "Route", "Tolerance"]
 
 
 class MissReason(enum.StrEnum):
@@ -25,6 +25,8 @@ class MissReason(enum.StrEnum):
     """The matching lane is busy with another response (parallel branches)."""
     DROPPED_REASONING = "dropped_reasoning"
     """The echo leaves out reasoning items and that is not allowed."""
+    DROPPED_PHASE = "dropped_phase"
+    """The echo leaves out the ``phase`` of an assistant message and that is not allowed."""
     RETRY = "retry"
     """The request repeats the previous turn's input (a client retry)."""
     NO_NEW_ITEMS = "no_new_items"
@@ -33,6 +35,16 @@ class MissReason(enum.StrEnum):
     """The app sets its own ``previous_response_id``."""
     POOL_FULL = "pool_full"
     """No lane could be had within the limits and the wait bound: sent over HTTP."""
+
+
+class Tolerance(enum.StrEnum):
+    """``matching.tolerate`` values and ``upshift_echo_tolerances_total{tolerance}``: echoes that
+    differ from the previous output in a way the model sees, accepted only when opted in."""
+
+    REASONING = "reasoning"
+    """The echo leaves out reasoning items of the previous output (client-echo.md rule 6)."""
+    PHASE = "phase"
+    """The echo leaves out the ``phase`` of an assistant message that had one."""
 
 
 class ReplayCause(enum.StrEnum):

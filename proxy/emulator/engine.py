@@ -71,6 +71,8 @@ def _materialise(result: Plan, include_encrypted: bool) -> list[JSON]:
                 "content": [part],
                 "role": "assistant",
             }
+            if planned.phase is not None:
+                item["phase"] = planned.phase
         items.append(item)
     return items
 

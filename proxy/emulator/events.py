@@ -68,6 +68,8 @@ def _reasoning(item: dict[str, JSON], index: int, size: int) -> list[Event]:
 
 def _message(item: dict[str, JSON], index: int, size: int) -> list[Event]:
     added = {"id": item["id"], "type": "message", "status": "in_progress", "content": [], "role": "assistant"}
+    if "phase" in item:
+        added["phase"] = item["phase"]
     out = [Event(_event("response.output_item.added", output_index=index, item=added))]
     for c_index, part in enumerate(item.get("content", [])):
         text = str(part.get("text", ""))

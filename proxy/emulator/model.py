@@ -10,6 +10,10 @@ Prompt grammar, read from the **last user message** (case-insensitive, anywhere 
 ``parallel=K`` / ``parallel K``                   emit up to K calls per turn (default 1)
 ``tool=NAME``                                     call the function tool NAME (default: first declared)
 ``reply_bytes=N``                                 size of a plain text reply
+``preamble``                                      say what comes before each call, as newer
+                                                  models do: a ``phase: "commentary"``
+                                                  message before the calls, and the answer
+                                                  labelled ``phase: "final_answer"``
 ==========================  ==========================================================
 
 Each ``function_call_output`` after that user message counts one step done; when all N are done
@@ -38,6 +42,7 @@ _STEPS: Final = re.compile(r"steps?\s*[=:]\s*(\d+)|(\d+)\s+tool[\s_-]*(?:calls?|
 _PARALLEL: Final = re.compile(r"parallel\s*[=:]?\s*(\d+)", re.I)
 _TOOL: Final = re.compile(r"tool\s*=\s*([A-Za-z0-9_.-]+)", re.I)
 _REPLY_BYTES: Final = re.compile(r"reply_bytes\s*[=:]\s*(\d+)", re.I)
+_PREAMBLE: Final = re.compile(r"\bpreamble\b", re.I)
 _WORDS: Final = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
     "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
@@ -73,6 +78,8 @@ class PlannedItem:
     arguments: str = ""
     encrypted_content: str = ""
     status: Literal["completed", "incomplete"] = "completed"
+    phase: Literal["commentary", "final_answer"] | None = None
+    """A message's ``phase`` (only with the ``preamble`` directive)."""
 
     @property
     def tokens(self) -> int:
@@ -194,6 +201,7 @@ def _decide(request: ModelRequest, seed: bytes) -> list[PlannedItem]:
     if request.tool_choice == "none":
         steps = 0
     tag = seed.hex()[:12]
+    preamble = _PREAMBLE.search(user_text) is not None
     reply_bytes = _int(_REPLY_BYTES, user_text) or request.reply_bytes
     if steps > calls_made:
         tool = _pick_tool(request, (m.group(1) if (m := _TOOL.search(user_text)) else None))
@@ -202,17 +210,22 @@ def _decide(request: ModelRequest, seed: bytes) -> list[PlannedItem]:
         parallel = max(1, _int(_PARALLEL, user_text) or 1)
         count = min(parallel, steps - calls_made)
         name = str(tool.get("name"))
-        return [
+        calls = [
             PlannedItem("function_call", name=name, arguments=_arguments(tool, calls_made + i + 1, steps))
             for i in range(count)
         ]
+        if preamble:
+            note = f"[{tag}] Calling {name} for step {calls_made + 1} of {steps}."
+            calls.insert(0, PlannedItem("message", note, phase="commentary"))
+        return calls
+    final: Literal["final_answer"] | None = "final_answer" if preamble else None
     if outputs:
         last = outputs[-1].get("output", "")
         last_text = last if isinstance(last, str) else orjson.dumps(last).decode()
         head = f"[{tag}] Done after {calls_made} tool call(s). Last output: {_quote(last_text)}"
-        return [PlannedItem("message", head)]
+        return [PlannedItem("message", head, phase=final)]
     head = f"[{tag}] Echo: {_quote(user_text)!r}"
-    return [PlannedItem("message", _pad(head, reply_bytes, seed))]
+    return [PlannedItem("message", _pad(head, reply_bytes, seed), phase=final)]
 
 
 def _reasoning(request: ModelRequest, seed: bytes, first: PlannedItem) -> PlannedItem:
@@ -253,5 +266,6 @@ def plan(request: ModelRequest) -> Plan:
     seed = _seed(request.context)
     items = _decide(request, seed)
     if request.reasoning:
-        items.insert(0, _reasoning(request, seed, items[0]))
+        first = next((i for i in items if i.kind == "function_call"), items[0])
+        items.insert(0, _reasoning(request, seed, first))
     return _budget(items, request.max_output_tokens)

@@ -3,16 +3,23 @@
 This is the emulator's **own** implementation of client-echo.md §4; it deliberately imports
 nothing from the sidecar, so one bug cannot hide in both.
 
-Canonical item (a whitelist per type):
+Canonical item: everything the model sees, as a value (absent differs from present), and
+nothing it cannot see (the audit table of docs/fidelity.md):
 
-- ``message`` (or no ``type`` but a ``role``): ``role``, ``content`` parts, ``phase`` if present.
-  Text parts (``input_text``/``output_text``/string content) become ``{"type": "text", "text"}``;
-  adjacent text parts are concatenated, so ``"content": "hi"`` equals ``[{"type": "input_text",
-  "text": "hi"}]`` and an assistant reply echoed as a string equals its ``output_text`` parts.
-- ``function_call``: ``call_id``, ``name``, ``arguments`` parsed as JSON (blank = ``{}``).
-- ``function_call_output``: ``call_id``, ``output``.
-- ``reasoning``: ``summary`` texts plus ``encrypted_content`` (or ``id`` when there is none).
-- ``custom_tool_call(_output)``, ``compaction``: their identifying fields; any other type: exact.
+- every type: ``id`` and ``status`` left out (a handle and a record of generation), except
+  where noted; any field not named here is kept as it is.
+- ``message`` (or no ``type`` but a ``role``): ``role``, ``content`` parts, ``phase`` when
+  present (``"commentary"`` is not ``None``), any other field. Text parts
+  (``input_text``/``output_text``/``text``, string content) become ``{"type": "text", "text"}``
+  plus their ``annotations`` when not empty; ``logprobs`` and ``parsed`` go. So ``"content":
+  "hi"`` equals ``[{"type": "input_text", "text": "hi"}]``, but two parts are not their
+  concatenation (how the model sees two parts is not documented).
+- ``function_call``: ``arguments`` parsed as JSON (blank = ``{}``); ``call_id``, ``name``,
+  ``namespace``, ``caller`` and the rest as they are.
+- ``function_call_output``: ``call_id``, ``output`` (and any other field).
+- ``reasoning``: ``summary`` texts, ``content`` when not empty, ``encrypted_content`` (or
+  ``id`` when there is none: the upstream reads the item from its store).
+- ``compaction``: ``encrypted_content``; any other type (``item_reference`` aside): exact.
 
 Everywhere: parsed (not bytes), ``null`` = absent, ``async_`` = ``async``, client-added keys stripped,
 numbers by value. ``item_reference`` items are resolved by the caller before canonicalisation.
@@ -85,12 +92,12 @@ def _parts(content: JSON) -> list[JSON]:
             parts.append(part)
             continue
         kind = part.get("type")
-        if kind in TEXT_PART_TYPES or (kind is None and "text" in part):
-            text = str(part.get("text", ""))
-            if parts and isinstance(parts[-1], dict) and parts[-1].get("type") == "text":
-                parts[-1] = {"type": "text", "text": parts[-1]["text"] + text}
-            else:
-                parts.append({"type": "text", "text": text})
+        if (isinstance(kind, str) and kind in TEXT_PART_TYPES) or (kind is None and "text" in part):
+            text: JSON = {"type": "text", "text": str(part.get("text", ""))}
+            rest = {k: v for k, v in part.items() if k not in ("type", "text", "logprobs", "parsed")}
+            if rest.get("annotations") == []:
+                del rest["annotations"]
+            parts.append({**rest, **text})
         elif kind == "refusal":
             parts.append({"type": "refusal", "refusal": part.get("refusal", "")})
         elif kind == "input_image":
@@ -121,51 +128,51 @@ def _summary_texts(summary: JSON) -> list[str]:
     return [str(s.get("text", "")) if isinstance(s, dict) else str(s) for s in summary]
 
 
+_KNOWN: Final = {
+    "message",
+    "function_call",
+    "function_call_output",
+    "reasoning",
+    "custom_tool_call",
+    "custom_tool_call_output",
+}
+"""Types whose ``id`` and ``status`` the model does not see (other types stay exact)."""
+
+
 def canonical_item(item: JSON) -> JSON:
-    """The canonical projection of one input or output item (client-echo.md §4 rule 5)."""
+    """The canonical form of one input or output item: what the model sees of it."""
     item = clean(item)
     if not isinstance(item, dict):
         return item
-    kind = item.get("type") or ("message" if "role" in item else None)
+    kind = item.get("type")
+    if kind is None and "role" in item:
+        kind = "message"
+    if isinstance(kind, str) and kind in _KNOWN:
+        out: dict[str, JSON] = {k: v for k, v in item.items() if k not in ("id", "status")}
+        out["type"] = kind
     if kind == "message":
-        out: dict[str, JSON] = {
-            "type": "message",
-            "role": item.get("role"),
-            "content": _parts(item.get("content")),
-        }
-        if "phase" in item:
-            out["phase"] = item["phase"]
+        out["role"] = item.get("role")
+        out["content"] = _parts(item.get("content"))
         return out
     if kind == "function_call":
-        return {
-            "type": kind,
-            "call_id": item.get("call_id"),
-            "name": item.get("name"),
-            "arguments": _arguments(item.get("arguments")),
-        }
+        out["call_id"], out["name"] = item.get("call_id"), item.get("name")
+        out["arguments"] = _arguments(item.get("arguments"))
+        return out
     if kind == "function_call_output":
         output = item.get("output", "")
-        return {
-            "type": kind,
-            "call_id": item.get("call_id"),
-            "output": output if isinstance(output, str) else _parts(output),
-        }
+        out["call_id"] = item.get("call_id")
+        out["output"] = output if isinstance(output, str) else _parts(output)
+        return out
     if kind == "reasoning":
-        out = {"type": kind, "summary": _summary_texts(item.get("summary"))}
-        if "encrypted_content" in item:
-            out["encrypted_content"] = item["encrypted_content"]
-        elif "id" in item:
+        out["summary"] = _summary_texts(item.get("summary"))
+        if not out.get("content"):
+            out.pop("content", None)
+        if "encrypted_content" not in item and "id" in item:
             out["id"] = item["id"]
         return out
-    if kind == "custom_tool_call":
-        return {
-            "type": kind,
-            "call_id": item.get("call_id"),
-            "name": item.get("name"),
-            "input": item.get("input"),
-        }
-    if kind == "custom_tool_call_output":
-        return {"type": kind, "call_id": item.get("call_id"), "output": item.get("output")}
+    if kind in ("custom_tool_call", "custom_tool_call_output"):
+        out["call_id"] = item.get("call_id")
+        return out
     if kind == "compaction":
         return {"type": kind, "encrypted_content": item.get("encrypted_content")}
     return item

@@ -16,6 +16,7 @@ __all__ = [
     "CLUSTER_PEERS",
     "CONTINUATION_MISSES",
     "DROPPED_REASONING",
+    "ECHO_TOLERANCES",
     "ERRORS",
     "FORWARDS",
     "FORWARDS_RECEIVED",
@@ -77,6 +78,15 @@ DROPPED_REASONING = Counter(
     ["accepted"],
     registry=REGISTRY,
 )
+
+ECHO_TOLERANCES = Counter(
+    "upshift_echo_tolerances",
+    "Echoes that differ from the previous output in a way the model sees (a left-out reasoning "
+    "item or phase), by tolerance; accepted only with matching.tolerate.",
+    ["tolerance", "accepted"],
+    registry=REGISTRY,
+)
+"""tolerance: reasoning | phase (proxy.core.reasons.Tolerance); accepted: true | false."""
 
 REPLAYS = Counter(
     "upshift_replays",

@@ -26,7 +26,7 @@ from proxy.core.channel import Channel, Outcome
 from proxy.core.conversation import HeadTable
 from proxy.core.fastparse import hash_prefix, prefix_length
 from proxy.core.planner import Plan, PlanKind
-from proxy.core.reasons import Mode, PassthroughReason, ReplayCause
+from proxy.core.reasons import Mode, PassthroughReason, ReplayCause, Tolerance
 from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport
 from proxy.core.retry import Replay, classify, is_connection_limit
 from proxy.errors import (
@@ -38,6 +38,7 @@ from proxy.errors import (
 )
 from proxy.ops.metrics import (
     DROPPED_REASONING,
+    ECHO_TOLERANCES,
     ERRORS,
     HYDRATED,
     REPLAYS,
@@ -233,8 +234,13 @@ async def _websocket(
 
 def _note_plan(rec: Record, req: ParsedRequest, plan: Plan, attempt: int) -> bytes:
     """Fill the access record for this attempt and build its ``response.create`` frame."""
-    if plan.dropped_reasoning and attempt == 0:
-        DROPPED_REASONING.labels("true" if plan.kind is PlanKind.CONTINUE else "false").inc()
+    if (plan.dropped_reasoning or plan.dropped_phase) and attempt == 0:
+        accepted = "true" if plan.kind is PlanKind.CONTINUE else "false"
+        if plan.dropped_reasoning:
+            DROPPED_REASONING.labels(accepted).inc()
+            ECHO_TOLERANCES.labels(Tolerance.REASONING, accepted).inc()
+        if plan.dropped_phase:
+            ECHO_TOLERANCES.labels(Tolerance.PHASE, accepted).inc()
     if plan.kind is PlanKind.CONTINUE:
         rec.mode, rec.reason = Mode.CONTINUATION, "continuation"
         rec.items_sent, rec.items_avoided = len(plan.new_items or ()), plan.items_avoided

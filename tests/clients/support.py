@@ -67,9 +67,19 @@ WEATHER: dict[str, JSON] = {
 TOOLS = [READ_FILE]
 
 
-def task_text(steps: int, label: str = "") -> str:
-    """A user message that makes the scripted model call a tool ``steps`` times, then answer."""
-    return f"Task {label}: inspect the repository, steps={steps}, then summarise."
+def task_text(steps: int, label: str = "", *, preamble: bool = False) -> str:
+    """A user message that makes the scripted model call a tool ``steps`` times, then answer;
+    with ``preamble``, the model labels its messages with ``phase`` (a commentary before each
+    turn's calls, the answer ``final_answer``), as newer models do."""
+    ask = ", with a preamble" if preamble else ""
+    return f"Task {label}: inspect the repository, steps={steps}{ask}, then summarise."
+
+
+def assert_phases_kept(bodies: Sequence[dict[str, JSON]], steps: int) -> None:
+    """Every assistant message the app sent back carries its ``phase`` (the model gave one to each)."""
+    echoed = [i for i in normalize_input(bodies[-1].get("input")) if i.get("role") == "assistant"]
+    assert len(echoed) == steps, len(echoed)
+    assert all(i.get("phase") == "commentary" for i in echoed), [i.get("phase") for i in echoed]
 
 
 def tool_result(name: str, arguments: str) -> str:

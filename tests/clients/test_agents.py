@@ -30,6 +30,7 @@ from .support import (
     Capture,
     assert_continuations,
     assert_fidelity,
+    assert_phases_kept,
     assert_small_frames,
     summarize,
     task_text,
@@ -101,7 +102,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 async def test_agent_tool_loop(emulator: Emulator, sidecar: Sidecar, variant: str) -> None:
     streamed, settings, run_config = VARIANTS[variant]
-    task = task_text(STEPS, f"agents {variant}")
+    task = task_text(STEPS, f"agents {variant}", preamble=True)
     capture, direct_capture = Capture(), Capture()
     CALLS.clear()
     through = await run_agent(make_agent(sidecar.base_url, capture, settings), task, streamed, run_config)
@@ -132,6 +133,7 @@ async def test_agent_tool_loop(emulator: Emulator, sidecar: Sidecar, variant: st
     if settings.reasoning is not None:
         assert all(c[0][0] == "reasoning" for c in contents)
     # (b) continuations carrying only the new items
+    assert_phases_kept(bodies, STEPS)
     assert_continuations(emulator, bodies, response_ids, counts, capture.modes)
     assert_small_frames(emulator, capture.sizes, response_ids)
     # (c) fidelity

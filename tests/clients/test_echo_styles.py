@@ -11,7 +11,12 @@ HTTP, so each answer is compared with a direct full-history request of the same 
   output or assistant message) → the full history goes upstream without an anchor, and the answer
   equals the direct request's; the turn after it continues the new chain.
 * Dropped reasoning items → full history by default; a continuation only with
-  ``matching.allow_dropped_reasoning``.
+  ``matching.tolerate: [reasoning]`` (or the deprecated ``matching.allow_dropped_reasoning``).
+* The tool script asks for a ``preamble``, so the model labels its messages with ``phase``
+  (``commentary`` before each call, ``final_answer`` at the end): every faithful style keeps it
+  and continues. A style that drops ``phase`` (LangChain's chat form, llama-index, hand-built
+  ``{"role", "content"}`` histories) goes full by default and continues, counted, only with
+  ``matching.tolerate: [phase]``.
 """
 
 from __future__ import annotations
@@ -191,7 +196,10 @@ def _langchain(output: list[Item], dumps: Callable[[Any], str]) -> list[Item]:
             parts = [
                 {"type": "output_text", "text": p["text"], "annotations": p["annotations"]} for p in item["content"]
             ]
-            out.append({"type": "message", "content": parts, "role": "assistant", "id": item["id"]})
+            message = {"type": "message", "content": parts, "role": "assistant", "id": item["id"]}
+            if "phase" in item:
+                message["phase"] = item["phase"]
+            out.append(message)
         else:
             out.append({k: v for k, v in item.items() if v is not None})
     return out
@@ -228,7 +236,10 @@ def echo_vercel_store_false(output: list[Item]) -> list[Item]:
             out.append(_vercel_call(item))
         else:
             parts = [{"type": "output_text", "text": p["text"]} for p in item["content"]]
-            out.append({"role": "assistant", "content": parts, "id": item["id"]})
+            message = {"role": "assistant", "content": parts, "id": item["id"]}
+            if "phase" in item:
+                message["phase"] = item["phase"]
+            out.append(message)
     return out
 
 
@@ -268,7 +279,7 @@ def echo_codex(output: list[Item], turn: str = "") -> list[Item]:
             keys = ("type", "status", "id", "name", "arguments", "call_id")
             new = {k: item[k] for k in keys}
         else:
-            keys = ("type", "role", "content", "id", "status")
+            keys = ("type", "role", "content", "id", "status", "phase")
             new = {k: item[k] for k in keys if k in item}
         new["internal_chat_message_metadata_passthrough"] = {"turn_id": turn}
         out.append(new)
@@ -300,6 +311,11 @@ def echo_key_order(output: list[Item]) -> list[Item]:
 
 def echo_drop_reasoning(output: list[Item]) -> list[Item]:
     return [copy.deepcopy(i) for i in output if i["type"] != "reasoning"]
+
+
+def echo_drop_phase(output: list[Item]) -> list[Item]:
+    """LangChain's chat form, llama-index: assistant messages sent back without ``phase``."""
+    return [{k: v for k, v in i.items() if k != "phase"} for i in copy.deepcopy(output)]
 
 
 # -- styles --------------------------------------------------------------------------------------------
@@ -427,7 +443,7 @@ CHAT_STYLES: dict[str, Style] = {
     "chat_langchain": Style(echo_langchain_v0, user=user_langchain),
 }
 
-TOOL_SCRIPT = ("Weather report for the trip: steps=2.", "Once more for tomorrow, steps=1.")
+TOOL_SCRIPT = ("Weather report for the trip, preamble: steps=2.", "Once more for tomorrow, preamble, steps=1.")
 CHAT_SCRIPT = ("Hello there! reply_bytes=90", "Tell me more about it.", "Thanks, that is all.")
 
 
@@ -581,6 +597,13 @@ async def test_tool_loop_echo_style_continues(ctx: Ctx, name: str) -> None:
         "function_call",
         "message",
     ]
+    messages = [o for s in steps for o in s.reply.output if o["type"] == "message"]
+    assert [m["phase"] for m in messages] == ["commentary", "commentary", "final_answer", "commentary", "final_answer"]
+    # the style sends every message back with its phase (or as an item reference)
+    sent = steps[-1].body["input"]
+    assistant = [i for i in sent if i.get("role") == "assistant"]
+    refs = [i for i in sent if i.get("type") == "item_reference" and i["id"].startswith("msg_")]
+    assert len(assistant) + len(refs) == 4 and all("phase" in i for i in assistant)
     assert_full(steps, 0)
     for index in range(1, len(steps)):
         assert_continued(steps, index)
@@ -669,8 +692,7 @@ def drop_earlier_tool_output(turn: int, history: list[Item], last_echo: list[Ite
     """The app removes a tool output it had already sent."""
     if turn != 2:
         return False
-    assert history[2]["type"] == "function_call_output"
-    del history[2]
+    del history[next(i for i, item in enumerate(history) if item.get("type") == "function_call_output")]
     return True
 
 
@@ -777,10 +799,13 @@ async def test_dropped_reasoning_goes_full_by_default(ctx: Ctx) -> None:
     assert delta(before, after, "upshift_continuation_misses_total", reason="dropped_reasoning") == 4
 
 
-async def test_dropped_reasoning_continues_when_allowed(ctx: Ctx, make_sidecar: Any) -> None:
+@pytest.mark.parametrize(
+    "matching", [{"tolerate": ["reasoning"]}, {"allow_dropped_reasoning": True}], ids=["tolerate", "deprecated_alias"]
+)
+async def test_dropped_reasoning_continues_when_allowed(ctx: Ctx, make_sidecar: Any, matching: dict[str, Any]) -> None:
     """Accepted: the upstream chain keeps the reasoning the app left out (the documented,
     counted break of fidelity). The effective context is the app's input plus those items."""
-    relaxed = await make_sidecar(matching={"allow_dropped_reasoning": True})
+    relaxed = await make_sidecar(matching=matching)
     before = await metrics(relaxed.admin_url)
     steps = await converse(ctx, DROPPED_REASONING, TOOL_SCRIPT, sidecar=relaxed, fidelity=False)
     after = await metrics(relaxed.admin_url)
@@ -799,3 +824,44 @@ async def test_dropped_reasoning_continues_when_allowed(ctx: Ctx, make_sidecar: 
         direct = await post(ctx.session, ctx.emulator.base_url, {**steps[index].body, "input": full_context})
         assert [summarize(o) for o in direct.output] == [summarize(o) for o in steps[index].reply.output]
     assert delta(before, after, "upshift_dropped_reasoning_echoes_total", accepted="true") == 4
+    assert delta(before, after, "upshift_echo_tolerances_total", tolerance="reasoning", accepted="true") == 4
+
+
+# -- dropped phase -----------------------------------------------------------------------------------
+
+DROPPED_PHASE = Style(echo_drop_phase)
+
+
+async def test_dropped_phase_goes_full_by_default(ctx: Ctx) -> None:
+    """A ``phase``-less echo of a labelled message is another message for the model: full, with
+    the app's exact context (checked by ``converse``), and the same answers as a direct request."""
+    before = await metrics(ctx.sidecar.admin_url)
+    steps = await converse(ctx, DROPPED_PHASE, TOOL_SCRIPT)
+    after = await metrics(ctx.sidecar.admin_url)
+    assert len(steps) == 5
+    assert all(any("phase" in o for o in s.reply.output if o["type"] == "message") for s in steps)
+    for index in range(len(steps)):
+        assert_full(steps, index)
+    assert delta(before, after, "upshift_continuation_misses_total", reason="dropped_phase") == 4
+    assert delta(before, after, "upshift_echo_tolerances_total", tolerance="phase", accepted="false") == 4
+
+
+async def test_dropped_phase_continues_when_tolerated(ctx: Ctx, make_sidecar: Any) -> None:
+    """``matching.tolerate: [phase]``: continued and counted; the model then sees the phases the
+    app left out (the documented difference), which the oracle shows."""
+    relaxed = await make_sidecar(matching={"tolerate": ["phase"]})
+    before = await metrics(relaxed.admin_url)
+    steps = await converse(ctx, DROPPED_PHASE, TOOL_SCRIPT, sidecar=relaxed, fidelity=False)
+    after = await metrics(relaxed.admin_url)
+    assert len(steps) == 5
+    assert_full(steps, 0)
+    full_context: list[Item] = list(steps[0].body["input"])
+    for index in range(1, len(steps)):
+        assert_continued(steps, index)
+        full_context += steps[index - 1].reply.output + steps[index].body["input"][-steps[index].new_items :]
+        rec = steps[index].record
+        assert rec is not None
+        assert rec["context_digest"] == context_digest(full_context)
+        assert rec["context_digest"] != context_digest(steps[index].body["input"])
+    assert delta(before, after, "upshift_echo_tolerances_total", tolerance="phase", accepted="true") == 4
+    assert delta(before, after, "upshift_continuation_misses_total", reason="dropped_phase") == 0

@@ -21,6 +21,7 @@ from .support import (
     Run,
     assert_continuations,
     assert_fidelity,
+    assert_phases_kept,
     assert_small_frames,
     delta,
     metrics,
@@ -64,7 +65,7 @@ SYNC_CASES = [
 
 @pytest.mark.parametrize(("collect", "echo_as"), SYNC_CASES)
 async def test_sync_client_tool_loop(emulator: Emulator, sidecar: Sidecar, collect: str, echo_as: str) -> None:
-    task = task_text(STEPS, f"{collect}/{echo_as}")
+    task = task_text(STEPS, f"{collect}/{echo_as}", preamble=True)
     before = await metrics(sidecar.admin_url)
     capture, direct_capture = Capture(), Capture()
     with capture.sync_client(sidecar.base_url) as client:
@@ -73,6 +74,7 @@ async def test_sync_client_tool_loop(emulator: Emulator, sidecar: Sidecar, colle
     with direct_capture.sync_client(emulator.base_url) as client:
         direct = await asyncio.to_thread(run_loop_sync, client, task, collect=collect, echo_as=echo_as)
     check_run(emulator, through, capture, direct)
+    assert_phases_kept(capture.bodies, STEPS)
     # the app sent the same bodies either way, up to the ids the two runs got
     assert [len(b["input"]) for b in capture.bodies] == [len(b["input"]) for b in direct_capture.bodies]
     # the sidecar's own accounting agrees with the emulator's
@@ -101,13 +103,14 @@ ASYNC_CASES = [
 
 @pytest.mark.parametrize(("collect", "echo_as"), ASYNC_CASES)
 async def test_async_client_tool_loop(emulator: Emulator, sidecar: Sidecar, collect: str, echo_as: str) -> None:
-    task = task_text(STEPS, f"async {collect}/{echo_as}")
+    task = task_text(STEPS, f"async {collect}/{echo_as}", preamble=True)
     capture, direct_capture = Capture(), Capture()
     async with capture.async_client(sidecar.base_url) as client:
         through = await run_loop_async(client, task, collect=collect, echo_as=echo_as)
     async with direct_capture.async_client(emulator.base_url) as client:
         direct = await run_loop_async(client, task, collect=collect, echo_as=echo_as)
     check_run(emulator, through, capture, direct)
+    assert_phases_kept(capture.bodies, STEPS)
 
 
 async def test_upstream_socket_reused_for_the_whole_loop(emulator: Emulator, sidecar: Sidecar) -> None:

@@ -21,13 +21,21 @@ from hypothesis import strategies as st
 
 from proxy.core.conversation import HeadTable
 from proxy.emulator.oracle import context_digest
-from tests.core.test_items import ECHO_STYLES
+from tests.core.test_items import ECHO_STYLES, PHASE_DROPPING
 
 PROFILE = os.environ.get("UPSHIFT_FUZZ", "fast")
 EXAMPLES = {"fast": 150, "deep": 3000}[PROFILE]
 
-# Styles that drop nothing the oracle counts (phase is not generated; see test_items for it).
+# Styles that drop nothing the oracle counts; those that drop ``phase`` only for unlabelled messages.
 FAITHFUL = [name for name in ECHO_STYLES if name != "agents_reasoning_id_omitted"]
+KEEPS_PHASE = [name for name in FAITHFUL if name not in PHASE_DROPPING]
+PHASES = st.sampled_from([None, None, "commentary", "final_answer"])
+
+
+def styles_for(output: list[dict[str, Any]]) -> list[str]:
+    """The faithful styles for ``output``: a labelled message rules out the phase-dropping ones."""
+    return KEEPS_PHASE if any("phase" in item for item in output) else FAITHFUL
+
 
 texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 json_values = st.recursive(
@@ -51,15 +59,17 @@ def output_items(draw: st.DrawFn, turn: int) -> list[dict[str, Any]]:
             }
         )
     if draw(st.booleans()):
-        out.append(
-            {
-                "id": f"msg_{turn}",
-                "type": "message",
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": draw(texts), "annotations": [], "logprobs": []}],
-            }
-        )
+        message = {
+            "id": f"msg_{turn}",
+            "type": "message",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": draw(texts), "annotations": [], "logprobs": []}],
+        }
+        phase = draw(PHASES)
+        if phase is not None:
+            message["phase"] = phase
+        out.append(message)
     for k in range(draw(st.integers(0, 2))):
         args = draw(st.dictionaries(texts, json_values, max_size=3))
         out.append(
@@ -157,6 +167,7 @@ def test_continuation_only_when_the_context_is_identical(data: st.DataObject) ->
             if other == anchor:
                 continue
         upstream[anchor] = resolve(seen, by_id) + output
+        # any style, the phase-dropping ones included: a wrong continuation is what fails here
         style = data.draw(st.sampled_from(FAITHFUL))
         echo = [ECHO_STYLES[style](item) for item in output]
         app_items = sent + echo + new_items_for(output, data.draw(texts))
@@ -173,5 +184,5 @@ def test_faithful_echo_is_always_continued(data: st.DataObject) -> None:
         assert (found.match is not None) == (turn > 0), (turn, found.reason)
         output = data.draw(output_items(turn))
         heads.record("me", "s", req, {"id": f"resp_{turn}", "output": output}, turn)
-        style = data.draw(st.sampled_from(FAITHFUL))
+        style = data.draw(st.sampled_from(styles_for(output)))
         items = items + [ECHO_STYLES[style](i) for i in output] + new_items_for(output, "r")

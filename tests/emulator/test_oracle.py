@@ -21,10 +21,9 @@ EQUIVALENT = [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
     ),
     (
-        {"role": "assistant", "content": "ab"},
-        {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
-         "content": [{"type": "output_text", "text": "a", "annotations": [], "logprobs": []},
-                     {"type": "output_text", "text": "b", "parsed": None}]},
+        {"role": "assistant", "content": "ab", "phase": "final_answer"},
+        {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant", "phase": "final_answer",
+         "content": [{"type": "output_text", "text": "ab", "annotations": [], "logprobs": [], "parsed": None}]},
     ),
     (
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": 1.0, "b": [-1.2E-5]}'},
@@ -66,7 +65,24 @@ DIFFERENT = [
         {"type": "reasoning", "summary": [], "encrypted_content": "F"},
     ),
     ({"role": "assistant", "content": "x", "phase": "commentary"}, {"role": "assistant", "content": "x"}),
-]
+    ({"role": "assistant", "content": "x", "phase": "commentary"},
+     {"role": "assistant", "content": "x", "phase": "final_answer"}),
+    # Two parts are not their concatenation (how the model sees two parts is not documented).
+    ({"role": "assistant", "content": "ab"},
+     {"role": "assistant", "content": [{"type": "output_text", "text": "a"}, {"type": "output_text", "text": "b"}]}),
+    ({"role": "assistant", "content": [{"type": "output_text", "text": "a", "annotations": []}]},
+     {"role": "assistant",
+      "content": [{"type": "output_text", "text": "a", "annotations": [{"type": "url_citation"}]}]}),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+     {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": "crm"}),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "caller": {"type": "direct"}},
+     {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "future_field": 1},
+     {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}),
+    ({"type": "reasoning", "summary": [], "encrypted_content": "E",
+      "content": [{"type": "reasoning_text", "text": "t"}]},
+     {"type": "reasoning", "summary": [], "encrypted_content": "E"}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("a", "b"), EQUIVALENT)

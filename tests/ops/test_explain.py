@@ -7,6 +7,7 @@ from typing import Any
 
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, echo_fields, first_field_diff
+from proxy.core.reasons import Tolerance
 from tests.core.test_conversation import call, reasoning, req, response, result
 
 IDLE = lambda anchor: True  # noqa: E731
@@ -255,3 +256,43 @@ def test_an_edit_is_explained_behind_hundreds_of_new_conversations_of_the_same_k
     # No longer than the head's input (no echo to compare): only the digests tell it is an edit.
     reason, exp = miss(heads, edited[:6])
     assert exp is not None and (exp.reason, exp.miss_item) == (MissReason.DIVERGED, 0)
+
+
+COMMENTARY = {
+    "id": "msg_c1",
+    "type": "message",
+    "status": "completed",
+    "role": "assistant",
+    "phase": "commentary",
+    "content": [{"type": "output_text", "text": "Reading step 1.", "annotations": [], "logprobs": []}],
+}
+
+
+def test_dropped_phase_is_explained_at_the_message_and_names_the_field() -> None:
+    """A phase-less echo (pydantic-ai, llama-index): miss ``dropped_phase`` at the message,
+    ``miss_field`` ``phase``; a changed phase is an ordinary divergence at ``phase``; with the
+    tolerance on, the same echo continues."""
+    phaseless = {k: v for k, v in COMMENTARY.items() if k != "phase"}
+    for tolerate in ((), ("reasoning",)):
+        heads = HeadTable(max_heads=100, ttl_seconds=600, tolerate=[Tolerance(t) for t in tolerate])
+        heads.record("id", "s1", req([USER]), response("resp_1", COMMENTARY, call(1)), 0)
+        reason, exp = miss(heads, [USER, phaseless, call(1), result(1)])
+        assert reason == MissReason.DROPPED_PHASE
+        assert exp is not None
+        assert (exp.reason, exp.miss_item, exp.miss_type, exp.miss_field, exp.detail) == (
+            "dropped_phase",
+            1,
+            "message",
+            "phase",
+            Detail.PHASE_DROPPED,
+        )
+        assert exp.fields()["miss_detail"] == "phase_dropped"
+    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    heads.record("id", "s1", req([USER]), response("resp_1", COMMENTARY, call(1)), 0)
+    reason, exp = miss(heads, [USER, dict(COMMENTARY, phase="final_answer"), call(1), result(1)])
+    assert reason == MissReason.DIVERGED
+    assert exp is not None and (exp.miss_item, exp.miss_field, exp.detail) == (1, "phase", Detail.FIELD)
+    tolerant = HeadTable(max_heads=100, ttl_seconds=600, tolerate=[Tolerance.PHASE])
+    tolerant.record("id", "s1", req([USER]), response("resp_1", COMMENTARY, call(1)), 0)
+    found = tolerant.lookup("id", req([USER, phaseless, call(1), result(1)]), 10, IDLE)
+    assert found.match is not None and found.dropped_phase == 1

@@ -144,6 +144,28 @@ async def test_dropped_reasoning_is_explained_at_the_reasoning_item(
     assert line["miss_detail"] == "reasoning_dropped"
 
 
+async def test_dropped_phase_is_explained_at_the_message(
+    stack: tuple[Emulator, Sidecar], access_log: tuple[AccessLines, io.StringIO]
+) -> None:
+    """llama-index, LangChain's chat form, pydantic-ai for model ids it does not know: the
+    assistant message goes back without the ``phase`` the model gave it."""
+    _, sc = stack
+    lines, _ = access_log
+    app = client(sc)
+    first = [user(task_text(2, "phase") + " With a preamble.")]
+    output = await create(app, first)
+    assert output[0]["type"] == "message" and output[0]["phase"] == "commentary"
+    echo = [{k: v for k, v in o.items() if k != "phase"} for o in output]
+    await create(app, [*first, *echo, *outputs_for(output)])
+    line = last(lines)
+    assert line["mode"] == "full"
+    assert explained(line) == ("dropped_phase", 1, "message", "phase")
+    assert line["miss_detail"] == "phase_dropped"
+    entry = (await misses(sc))[0]
+    assert (entry["reason"], entry["miss_item"], entry["miss_type"], entry["miss_field"]) == explained(line)
+    assert entry["miss_detail"] == "phase_dropped"
+
+
 async def test_changed_tools_are_settings_changed_at_tools(
     stack: tuple[Emulator, Sidecar], access_log: tuple[AccessLines, io.StringIO]
 ) -> None:

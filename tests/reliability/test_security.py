@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import LoggingSettings, Settings, load_settings
 from proxy.core.budget import Kind
-from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
+from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route, Tolerance
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
 from proxy.ingress.handoff import HandoffOutcome
@@ -252,6 +252,7 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "kind": {k.value for k in Kind},
     "transport": {"websocket", "http"},
     "accepted": {"true", "false"},
+    "tolerance": set(Tolerance),  # upshift_echo_tolerances_total
     # cluster (proxy/ingress/cluster.py, proxy/ingress/listener.py, proxy/ingress/workers.py)
     "level": {"replica", "worker"},
     "verified": {"true", "false", "unsigned"},
