@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import LoggingSettings, Settings, load_settings
 from proxy.core.budget import Kind
-from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
+from proxy.core.reasons import ErrorCode, MissReason, Mode, PassthroughReason, ReplayCause, RequestOutcome, Route
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
 from proxy.ingress.handoff import HandoffOutcome
@@ -241,7 +241,7 @@ async def test_malformed_request_bytes_are_not_logged(
 _LABEL_VALUES: dict[str, set[str]] = {
     "route": set(Route),
     "mode": set(Mode),
-    "outcome": set(Outcome),
+    "outcome": set(RequestOutcome),
     # upshift_continuation_misses_total{reason} and upshift_passthrough_total{reason} (the HTTP
     # reasons, and replay causes sent over HTTP)
     "reason": set(MissReason) | set(PassthroughReason) | set(ReplayCause) | {"unknown", "too_large", "wait_timeout"},
