@@ -107,8 +107,8 @@ class Arrival:
 def refuse(exc: ProxyError, headers: dict[str, str], rec: Record, started: float) -> web.Response:
     """A request refused by the sidecar itself (nothing forwarded)."""
     ERRORS.labels(exc.code).inc()
-    rec.outcome = RequestOutcome.CLIENT_ERROR if isinstance(exc, RequestError) else RequestOutcome.UPSTREAM_ERROR
-    rec.added_s = time.perf_counter() - started
+    outcome = RequestOutcome.CLIENT_ERROR if isinstance(exc, RequestError) else RequestOutcome.UPSTREAM_ERROR
+    rec.answered(outcome, time.perf_counter() - started)
     headers = {**headers, "x-upshift-overhead-ms": f"{rec.added_s * 1000:.3f}"}
     return web.Response(body=json_body(exc.body()), status=exc.status, content_type="application/json", headers=headers)
 
@@ -144,9 +144,8 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
     arrival.rec.items_in = req.n_items
     down = Downstream(arrival.request, stream=req.stream, headers=headers, started=arrival.started, lease=arrival.mem)
     x = Exchange(svc, arrival, req, down)
-    transport, reason = choose_transport(
-        req, mode=svc.settings.mode, frame_budget=svc.settings.limits.ws_frame_budget_bytes
-    )
+    budget = svc.settings.limits.ws_frame_budget_bytes
+    transport, reason = choose_transport(req, mode=svc.settings.mode, frame_budget=budget)
     return await (_over_http(x, reason) if transport is Transport.HTTP else _perform(x))
 
 
@@ -192,16 +191,14 @@ def _planned(x: Exchange, plan: Plan) -> bytes:
     else:
         x.rec.planned(Mode.FULL, plan.reason if first else x.rec.reason, req.n_items, 0)
     x.down.headers["x-upshift-mode"] = x.rec.mode
-    return build_frame(
-        req, previous_response_id=plan.response_id if cont else None, items=new, stream_id=plan.stream_id
-    )
+    anchor = plan.response_id if cont else None
+    return build_frame(req, previous_response_id=anchor, items=new, stream_id=plan.stream_id)
 
 
 async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamError | None]:
     """Lease the plan's lane and pump one response on it; the lane keeps its head on the way out."""
-    channel = Channel(
-        x.req.previous_response_id, hold_back_s=x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
-    )
+    hold = x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
+    channel = Channel(x.req.previous_response_id, hold_back_s=hold)
     frames = [_planned(x, plan)]  # issue 12: pump takes the only reference, frees it once sent
     sent, failure, entry = len(frames[0]), None, (x.down, channel)
     x.svc.streams.add(entry)
@@ -261,8 +258,9 @@ async def _over_http(x: Exchange, reason: Reason | None) -> web.StreamResponse:
     if "generate" in x.req.fields:  # over HTTP a warm-up is a real, billed generation or a 400 (pitfall 18)
         exc = UnsupportedRequest("The 'generate' parameter is only supported in WebSocket mode.", param="generate")
         return refuse(exc, x.down.headers, x.rec, x.arrival.started)
+    arrival = x.arrival
     fwd = await x.svc.passthrough.forward(
-        x.arrival.request, headers=x.down.headers, body=x.req.body, started=x.arrival.started
+        arrival.request, headers=x.down.headers, body=x.req.body, started=arrival.started
     )
     x.rec.forwarded(fwd.bytes_sent, fwd.upstream_seconds, fwd.added_seconds)
     return fwd.response
