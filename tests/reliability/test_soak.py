@@ -253,5 +253,6 @@ async def test_mini_soak_in_process_leaves_no_task_socket_or_head_behind(
     # The tables behind the heads and the pool hold one entry per conversation (or key) at most.
     heads = sc.heads
     assert len(heads._by_response) == len(heads._index) == len(heads._heads) <= 24
-    assert sum(len(anchors) for by_len in heads._raw.values() for p in by_len.values() for anchors in p.values()) <= 24
+    probes = heads.prefixes._probes
+    assert sum(len(anchors) for by_len in probes.values() for p in by_len.values() for anchors in p.values()) <= 24
     assert len(sc.pool.planner.sockets()) == sc.pool.count() and len(sc.pool._tasks) == 0
