@@ -360,11 +360,10 @@ class Record:
         elif exp.reason:
             self.reason = exp.reason
         REQUESTS.labels(self.route, self.mode, self.outcome).inc()
+        missed = self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL
         if self.mode == Mode.CONTINUATION:
             INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
-        elif (
-            self.reason and not self.replays and (self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL)
-        ):
+        elif self.reason and not self.replays and missed:
             # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
             CONTINUATION_MISSES.labels(self.reason).inc()
             RECENT.add(self.reason, self.items_in, exp)
