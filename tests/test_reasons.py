@@ -8,6 +8,7 @@ from proxy.core.channel import HoldPath
 from proxy.core.reasons import (
     ErrorCode,
     ForwardOutcome,
+    MemoryRefusal,
     MissReason,
     Mode,
     PassthroughReason,
@@ -75,3 +76,7 @@ def test_request_labels_listed() -> None:
 def test_forward_and_hold_labels_listed() -> None:
     assert _label_list("upshift_forwards_total", "outcome") == set(ForwardOutcome)
     assert _label_list("upshift_held_lifecycle_total", "path") == set(HoldPath)
+
+
+def test_memory_refusals_listed() -> None:
+    assert _label_list("upshift_memory_refusals_total", "reason") == set(MemoryRefusal)

@@ -15,6 +15,7 @@ __all__ = [
     "ForwardOutcome",
     "ForwardReason",
     "Hit",
+    "MemoryRefusal",
     "MissReason",
     "Mode",
     "PassthroughReason",
@@ -104,6 +105,15 @@ class ErrorCode(enum.StrEnum):
     """The request cannot fit even into an empty memory budget: 503."""
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
+
+
+class MemoryRefusal(enum.StrEnum):
+    """``upshift_memory_refusals_total{reason}``: why a request was refused for memory."""
+
+    TOO_LARGE = "too_large"
+    """It would not fit even into an empty budget (503 ``memory_too_large``)."""
+    WAIT_TIMEOUT = "wait_timeout"
+    """The budget stayed taken for ``limits.memory_wait_seconds`` (429 ``memory_busy``)."""
 
 
 class Route(enum.StrEnum):

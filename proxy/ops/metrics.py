@@ -17,6 +17,7 @@ from proxy.core.channel import HoldPath
 from proxy.core.reasons import (
     ErrorCode,
     ForwardOutcome,
+    MemoryRefusal,
     MissReason,
     Mode,
     PassthroughReason,
@@ -241,7 +242,7 @@ MEMORY_REFUSALS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-"""reason: too_large (would not fit an empty budget) | wait_timeout (limits.memory_wait_seconds)."""
+"""reason: :class:`MemoryRefusal`."""
 
 
 def _rss() -> float:
@@ -364,8 +365,8 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "route": _values(Route),
     "mode": _values(Mode),
     "outcome": _values(RequestOutcome, ForwardOutcome) | {"failed"},  # upshift_reseeds_total: ok | failed
-    "reason": _values(MissReason, PassthroughReason, ReplayCause, ForwardOutcome)
-    | {"unknown", "too_large", "wait_timeout", "header_timeout", "max_connections"},
+    "reason": _values(MissReason, PassthroughReason, ReplayCause, ForwardOutcome, MemoryRefusal)
+    | {"unknown", "header_timeout", "max_connections"},
     "cause": _values(ReplayCause),
     "code": _values(ErrorCode),
     "state": _STATES,

@@ -49,7 +49,7 @@ from proxy.core.budget import (
     derive,
 )
 from proxy.core.conversation import PrefixCache
-from proxy.core.reasons import ErrorCode
+from proxy.core.reasons import ErrorCode, MemoryRefusal
 from proxy.errors import ProxyError
 from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
 
@@ -357,7 +357,7 @@ class MemoryGate:
         ticket, out = self.budget.ask(want, buffered)
         self._apply(out)
         if ticket.verdict is Verdict.TOO_LARGE:
-            MEMORY_REFUSALS.labels("too_large").inc()
+            MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
             raise MemoryTooLarge(
                 f"The request needs about {want} bytes of memory, more than the sidecar's memory budget "
                 f"can ever hold ({self.budget.capacity - self.budget.heads} bytes free when idle)."
@@ -371,7 +371,7 @@ class MemoryGate:
             await asyncio.wait_for(future, self.wait_seconds)
         except TimeoutError:
             self._apply(self.budget.release(ticket))  # granted in the same instant: given back
-            MEMORY_REFUSALS.labels("wait_timeout").inc()
+            MEMORY_REFUSALS.labels(MemoryRefusal.WAIT_TIMEOUT).inc()
             raise MemoryBusy(
                 f"The sidecar's memory budget stayed taken for {self.wait_seconds:g} s; retry the request."
             ) from None
@@ -381,7 +381,7 @@ class MemoryGate:
         finally:
             self._waiters.pop(ticket, None)
         if not _granted(ticket):  # woken to be refused: the heads grew meanwhile
-            MEMORY_REFUSALS.labels("too_large").inc()
+            MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
             raise MemoryTooLarge("The request no longer fits the sidecar's memory budget.")
         return ticket
 
