@@ -23,8 +23,8 @@ synchronous and pure; the clock is passed in.
 Two classes, one job each:
 
 - :class:`HeadTable`, the **index**: match (:meth:`~HeadTable.lookup`, which only reads: the
-  planner :meth:`~HeadTable.touch`\ es the head it continues), record, expire, and the owners
-  of response ids.
+  planner expires before and calls :meth:`~HeadTable.touch` on the head it continues), record,
+  expire, and the owners of response ids.
 - :class:`PrefixCache`, the **prefix cache**: per recorded body its raw prefix (for the next
   turn's fast parse, :meth:`~PrefixCache.parse`) and, while memory allows, the body itself (hot,
   for a byte comparison). It is the only part that holds request bytes, so the only part the
