@@ -23,6 +23,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.reasons import Mode, Route
 from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.ingress.front import CLUSTER, post_responses
 from proxy.ingress.handoff import Receiver
@@ -84,7 +85,7 @@ async def _get_responses(request: web.Request) -> web.StreamResponse:
 
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
-    rec = Record(new_request_id(), route="other", mode="passthrough")
+    rec = Record(new_request_id(), route=Route.OTHER, mode=Mode.PASSTHROUGH)
     try:
         fwd = await request.app[SERVICES].passthrough.forward(
             request,
@@ -209,7 +210,11 @@ class Server:
         self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
         limits = settings.limits
         self.services.memory = MemoryGate(
-            derived, heads, wait_seconds=limits.memory_wait_seconds, max_body_bytes=limits.max_body_bytes
+            derived,
+            heads.prefixes,
+            heads=heads,
+            wait_seconds=limits.memory_wait_seconds,
+            max_body_bytes=limits.max_body_bytes,
         )
         api_app = build_app(self.services)
         api_app[CLUSTER] = self.cluster

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import re
 
-from proxy.core.reasons import ErrorCode, MissReason, PassthroughReason, ReplayCause
+from proxy.core.channel import HoldPath
+from proxy.core.reasons import (
+    ErrorCode,
+    ForwardOutcome,
+    MemoryRefusal,
+    MissReason,
+    Mode,
+    PassthroughReason,
+    ReplayCause,
+    RequestOutcome,
+    Route,
+)
 from tests.sidecar import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -54,3 +65,18 @@ def test_every_error_class_code_is_an_error_code() -> None:
         if isinstance(cls, type) and issubclass(cls, errors.ProxyError) and cls is not errors.ConfigError
     }
     assert codes <= set(ErrorCode)
+
+
+def test_request_labels_listed() -> None:
+    assert _label_list("upshift_requests_total", "route") == set(Route)
+    assert _label_list("upshift_requests_total", "mode") == set(Mode)
+    assert _label_list("upshift_requests_total", "outcome") == set(RequestOutcome)
+
+
+def test_forward_and_hold_labels_listed() -> None:
+    assert _label_list("upshift_forwards_total", "outcome") == set(ForwardOutcome)
+    assert _label_list("upshift_held_lifecycle_total", "path") == set(HoldPath)
+
+
+def test_memory_refusals_listed() -> None:
+    assert _label_list("upshift_memory_refusals_total", "reason") == set(MemoryRefusal)

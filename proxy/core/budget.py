@@ -33,8 +33,8 @@ __all__ = [
     "MIN_RESERVATION",
     "Budget",
     "Derived",
+    "Effects",
     "Kind",
-    "Outcome",
     "Ticket",
     "Verdict",
     "derive",
@@ -99,7 +99,7 @@ class Ticket:
 
 
 @dataclass(slots=True)
-class Outcome:
+class Effects:
     """What the caller must do after a budget call."""
 
     granted: list[Ticket] = field(default_factory=list)
@@ -179,7 +179,7 @@ class Budget:
 
     # -- requests --------------------------------------------------------------------------
 
-    def ask(self, want: int, buffered: int = 0) -> tuple[Ticket, Outcome]:
+    def ask(self, want: int, buffered: int = 0) -> tuple[Ticket, Effects]:
         """Reserve ``want`` bytes: granted now (maybe evicting kept bodies), queued, or refused
         because it could not fit even into an empty budget.
 
@@ -188,7 +188,7 @@ class Budget:
         over the capacity, because they are in memory either way.
         """
         ticket = Ticket(max(want, 0))
-        out = Outcome()
+        out = Effects()
         if ticket.want > self.capacity - self.heads:
             ticket.verdict = Verdict.TOO_LARGE
             return ticket, out
@@ -201,10 +201,10 @@ class Budget:
         self._queue.append(ticket)
         return ticket, out
 
-    def grow(self, ticket: Ticket, more: int) -> tuple[bool, Outcome]:
+    def grow(self, ticket: Ticket, more: int) -> tuple[bool, Effects]:
         """Add ``more`` bytes to a granted ticket if they fit now (evicting kept bodies), without
         queueing: for a chunked body reserved as it is read."""
-        out = Outcome()
+        out = Effects()
         if ticket.verdict is not Verdict.GRANTED:
             raise ValueError(f"grow on a {ticket.verdict} ticket")
         if more <= 0:
@@ -216,15 +216,15 @@ class Budget:
         self.in_flight += more
         return True, out
 
-    def settle(self, ticket: Ticket, hold: int) -> Outcome:
+    def settle(self, ticket: Ticket, hold: int) -> Effects:
         """Lower a granted ticket to ``hold`` bytes (never raises it); wakes waiters that fit."""
         if ticket.verdict is not Verdict.GRANTED or hold >= ticket.want:
-            return Outcome()
+            return Effects()
         self.in_flight -= ticket.want - max(hold, 0)
         ticket.want = ticket.held = max(hold, 0)
         return self._admit()
 
-    def release(self, ticket: Ticket) -> Outcome:
+    def release(self, ticket: Ticket) -> Effects:
         """The request is over (any way): its bytes return; a waiting ticket leaves the queue."""
         if ticket.verdict is Verdict.GRANTED:
             self.in_flight -= ticket.held
@@ -238,7 +238,7 @@ class Budget:
             self._queue.remove(ticket)
             if head:
                 return self._admit()
-        return Outcome()
+        return Effects()
 
     # -- kept bodies and heads -------------------------------------------------------------
 
@@ -253,19 +253,19 @@ class Budget:
         self.kept += size
         return True
 
-    def unkeep(self, key: Hashable) -> Outcome:
+    def unkeep(self, key: Hashable) -> Effects:
         """A kept body was let go (expired, replaced, evicted); wakes waiters that fit."""
         size = self._kept.pop(key, None)
         if size is None:
-            return Outcome()
+            return Effects()
         self.kept -= size
         return self._admit()
 
-    def set_heads(self, size: int) -> Outcome:
+    def set_heads(self, size: int) -> Effects:
         """The heads now take ``size`` bytes."""
         shrunk = size < self.heads
         self.heads = max(size, 0)
-        return self._admit() if shrunk else Outcome()
+        return self._admit() if shrunk else Effects()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ class Budget:
         extra.verdict = Verdict.RELEASED
         self.tickets -= 1
 
-    def _fits(self, want: int, out: Outcome) -> bool:
+    def _fits(self, want: int, out: Effects) -> bool:
         """Whether ``want`` fits, evicting kept bodies (oldest first) if that makes it fit."""
         if want <= self.free:
             return True
@@ -297,9 +297,9 @@ class Budget:
         ticket.held = ticket.want
         self.tickets += 1
 
-    def _admit(self) -> Outcome:
+    def _admit(self) -> Effects:
         """Grant queued tickets in order while the first one fits."""
-        out = Outcome()
+        out = Effects()
         while self._queue:
             ticket = self._queue[0]
             if ticket.want > self.capacity - self.heads:

@@ -34,13 +34,13 @@ from proxy.core.retry import error_fields
 from proxy.core.sse import nested_error
 from proxy.errors import UpstreamProtocolError
 
-__all__ = ["PREFIX", "TERMINAL", "Channel", "HoldPath", "HttpError", "Out", "Outcome"]
+__all__ = ["PREFIX", "TERMINAL", "Channel", "Ending", "HoldPath", "HttpError", "Out"]
 
 PREFIX = frozenset({"response.created", "response.in_progress", "response.queued"})
 """Lifecycle events before output: held back until the response is known to proceed."""
 
 
-class Outcome(enum.Enum):
+class Ending(enum.Enum):
     """How a response ended."""
 
     COMPLETED = "completed"
@@ -64,14 +64,14 @@ class HoldPath(enum.StrEnum):
 
 
 TERMINAL = {
-    "response.completed": Outcome.COMPLETED,
-    "response.incomplete": Outcome.INCOMPLETE,
-    "response.failed": Outcome.FAILED,
-    "error": Outcome.ERROR,
+    "response.completed": Ending.COMPLETED,
+    "response.incomplete": Ending.INCOMPLETE,
+    "response.failed": Ending.FAILED,
+    "error": Ending.ERROR,
 }
 """Terminal event types; the Codex backend's ``response.done`` is mapped by its status."""
 
-_DONE_STATUS = {"completed": Outcome.COMPLETED, "incomplete": Outcome.INCOMPLETE}
+_DONE_STATUS = {"completed": Ending.COMPLETED, "incomplete": Ending.INCOMPLETE}
 
 _PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 
@@ -162,7 +162,7 @@ class Channel:
         """A ``response.*`` event arrived: the upstream began the response."""
         self.released = False
         """Events beyond the lifecycle prefix were released to the app: no replay any more."""
-        self.outcome: Outcome | None = None
+        self.ending: Ending | None = None
         """Set once the terminal event arrived."""
         self.terminal: dict[str, Any] | None = None
         """The terminal event itself."""
@@ -174,7 +174,7 @@ class Channel:
     @property
     def done(self) -> bool:
         """The terminal event arrived."""
-        return self.outcome is not None
+        return self.ending is not None
 
     @property
     def hold_path(self) -> HoldPath | None:
@@ -189,7 +189,7 @@ class Channel:
 
     def deadline(self) -> float | None:
         """When the held events must be released (same clock as ``now``), or ``None``."""
-        if self.released or self._hold_back is None or self._held_since is None or self.outcome is not None:
+        if self.released or self._hold_back is None or self._held_since is None or self.ending is not None:
             return None
         return self._held_since + self._hold_back
 
@@ -225,7 +225,7 @@ class Channel:
         kind = event.get("type")
         if not isinstance(kind, str):
             raise UpstreamProtocolError("upstream event without a string 'type'")
-        if self.outcome is not None:
+        if self.ending is not None:
             raise UpstreamProtocolError(f"upstream event {kind!r} after the terminal event")
         seq = event.get("sequence_number")
         if isinstance(seq, int) and seq > self.last_sequence:
@@ -240,7 +240,7 @@ class Channel:
         if outcome is None and kind == "response.done":
             response = event.get("response")
             status = response.get("status") if isinstance(response, Mapping) else None
-            outcome = _DONE_STATUS.get(status if isinstance(status, str) else "", Outcome.FAILED)
+            outcome = _DONE_STATUS.get(status if isinstance(status, str) else "", Ending.FAILED)
         if outcome is None:
             if self.released:
                 return [Out(kind, raw)]
@@ -250,9 +250,9 @@ class Channel:
                 return self._hold(Out(kind, raw), now)
             self.started = True
             return self.release(HoldPath.OUTPUT) + [Out(kind, raw)]
-        self.outcome = outcome
+        self.ending = outcome
         self.terminal = event
-        if outcome is Outcome.ERROR:
+        if outcome is Ending.ERROR:
             if self.released:
                 return [self.error_out(event)]
             return []  # held: the shell replays, answers an HTTP error, or calls release()
@@ -260,7 +260,7 @@ class Channel:
         out = self._lifecycle(kind, raw, event)
         response = event.get("response")
         self.response = response if isinstance(response, dict) else None
-        if outcome is Outcome.FAILED and not self.released:
+        if outcome is Ending.FAILED and not self.released:
             self._held.append(out)  # a not_found in response.failed can still be replayed
             self._was_held = True
             return []
@@ -293,7 +293,7 @@ class Channel:
         ``response.error`` completed to the four-key OpenAI error shape.
         """
         event = self.terminal or {}
-        if self.outcome is Outcome.ERROR:
+        if self.ending is Ending.ERROR:
             return HttpError(_status(event), {"error": error_object(event)}, _headers(event))
         error = self.response.get("error") if self.response else None
         error = error if isinstance(error, dict) else {}

@@ -1,4 +1,4 @@
-"""Conversation heads: the index of what each conversation's latest completed turn was.
+r"""Conversation heads: the index of what each conversation's latest completed turn was.
 
 A *head* is the end state of one completed response: the app's input to it (as digests), the
 upstream's output items (as fingerprints), the response id, and the lane (*anchor*, a
@@ -18,8 +18,19 @@ No conversation id is needed. A request continues a head when (client-echo.md §
 Among all heads of the caller's identity the longest match wins, so forks and parallel
 sub-agents that share a prefix each keep their own chain. A request whose input *equals* a
 head's input is a retry of that turn, not its successor. A head the planner cannot use now
-(its lane busy) is never used (the request goes out with full input instead). Everything is synchronous and pure; the
-clock is passed in.
+(its lane busy) is never used (the request goes out with full input instead). Everything is
+synchronous and pure; the clock is passed in.
+
+Two classes, one job each:
+
+- :class:`HeadTable`, the **index**: match (:meth:`~HeadTable.lookup`, which only reads: the
+  planner expires before and calls :meth:`~HeadTable.touch` on the head it continues), record,
+  expire, and the owners of response ids.
+- :class:`PrefixCache`, the **prefix cache**: per recorded body its raw prefix (for the next
+  turn's fast parse, :meth:`~PrefixCache.parse`) and, while memory allows, the body itself (hot,
+  for a byte comparison). It is the only part that holds request bytes, so the only part the
+  memory budget sees (:class:`Keeper`). The index tells it what to add and forget; it never
+  asks the index anything.
 """
 
 from __future__ import annotations
@@ -44,10 +55,10 @@ from proxy.core.explain import (
 )
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped
-from proxy.core.reasons import MissReason, Tolerance
+from proxy.core.reasons import Hit, MissReason, Reason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
 
-__all__ = ["Head", "HeadTable", "Keeper", "Lookup", "Match", "MissReason"]
+__all__ = ["Head", "HeadTable", "Keeper", "Lookup", "Match", "MissReason", "PrefixCache"]
 
 
 class Keeper(Protocol):
@@ -74,10 +85,6 @@ class Head:
     input_digest: bytes
     output: tuple[OutputFingerprint, ...]
     last_used: float
-    input_state: Any = None
-    """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
-    raw: RawPrefix | None = None
-    """Byte-level facts about the request body, for the next turn's fast parse."""
     store: bool = False
     """The response was stored upstream: it can be continued from any socket (hydration)."""
     chained: bool = False
@@ -104,8 +111,8 @@ class Lookup:
     """The outcome of :meth:`HeadTable.lookup`."""
 
     match: Match | None
-    reason: str
-    """``continuation`` or a :class:`MissReason` value."""
+    reason: Hit | MissReason
+    """``continuation`` with a match, else why there is none."""
     dropped_reasoning: int = 0
     """Reasoning items of the head's output that the echo left out."""
     dropped_phase: int = 0
@@ -122,8 +129,135 @@ class _Bucket:
     lengths: Counter[int] = field(default_factory=Counter)
 
 
+@dataclass(slots=True)
+class _Prefix:
+    """What the fast parse needs of one recorded body."""
+
+    identity: str
+    raw: RawPrefix
+    """Byte-level facts about the body (its ``body`` is the hot copy, or ``None`` once cooled)."""
+    n_input: int
+    input_state: Any
+    """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
+
+
+class PrefixCache:
+    """The raw prefixes of recorded request bodies and the hot bodies among them.
+
+    Args:
+        hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
+            in total (least recently recorded dropped first).
+        hot_seconds: A body is dropped this long after its turn (the next prefix is then
+            verified with its digest: slower, same answer).
+    """
+
+    def __init__(self, *, hot_bytes: int = 256 * 1024 * 1024, hot_seconds: float = 120.0) -> None:
+        self.hot_bytes = hot_bytes
+        self.hot_seconds = hot_seconds
+        self.keeper: Keeper | None = None
+        """Asked before a body is kept, told when one is let go (the memory budget)."""
+        self._prefixes: dict[Hashable, _Prefix] = {}
+        self._probes: dict[str, dict[int, dict[bytes, list[Hashable]]]] = {}
+        """identity → prefix length → the prefix's last bytes → anchors."""
+        self._hot: OrderedDict[Hashable, float] = OrderedDict()
+        self._hot_size = 0
+
+    def __len__(self) -> int:
+        return len(self._prefixes)
+
+    def __repr__(self) -> str:
+        return f"<PrefixCache [{len(self._prefixes)} prefixes, {len(self._hot)} hot, {self._hot_size} bytes]>"
+
+    def parse(self, identity: str, body: bytes) -> ParsedRequest:
+        """Parse ``body``, skipping the prefix a recorded body of ``identity`` already holds.
+
+        Clients re-send their previous body byte for byte up to the end of its input
+        (client-echo.md §1.2). When a prefix's digest matches, only the bytes after it are
+        parsed; otherwise (or on any doubt) the whole body is.
+
+        Raises:
+            InvalidRequest: as :func:`~proxy.core.request.parse_request`.
+        """
+        by_length = self._probes.get(identity)
+        if by_length:
+            size = len(body)
+            # Longest prefix first: it is the most recent turn of the conversation.
+            for length in sorted(by_length, reverse=True):
+                if length >= size:
+                    continue
+                for anchor in by_length[length].get(body[length - PROBE : length], ()):
+                    prefix = self._prefixes[anchor]
+                    if not prefix.raw.starts(body):
+                        continue
+                    fast = fast_parse(prefix.raw, anchor, prefix.n_input, prefix.input_state, body)
+                    if fast is not None:
+                        return fast
+        return parse_request(body)
+
+    def raw(self, anchor: Hashable) -> RawPrefix | None:
+        """The raw prefix kept for ``anchor``."""
+        prefix = self._prefixes.get(anchor)
+        return prefix.raw if prefix is not None else None
+
+    def body(self, anchor: Hashable) -> bytes | None:
+        """The hot body kept for ``anchor``, if still kept."""
+        prefix = self._prefixes.get(anchor)
+        return prefix.raw.body if prefix is not None else None
+
+    def add(self, anchor: Hashable, prefix: _Prefix, now: float) -> None:
+        """Keep ``prefix`` under ``anchor`` (which holds none); its body if memory allows."""
+        self._prefixes[anchor] = prefix
+        raw = prefix.raw
+        probes = self._probes.setdefault(prefix.identity, {}).setdefault(raw.length, {})
+        probes.setdefault(raw.probe, []).append(anchor)
+        if raw.body is not None and self.keeper is not None and not self.keeper.keep(anchor, len(raw.body)):
+            raw.body = None  # no memory to spare: the digest serves this prefix
+        if raw.body is not None:
+            self._hot[anchor] = now
+            self._hot_size += len(raw.body)
+            while self._hot_size > self.hot_bytes and self._hot:
+                self.cool(next(iter(self._hot)))
+
+    def take(self, anchor: Hashable) -> _Prefix | None:
+        """Forget the prefix of ``anchor`` (its body let go first) and return it."""
+        self.cool(anchor)
+        prefix = self._prefixes.pop(anchor, None)
+        if prefix is None:
+            return None
+        by_length = self._probes[prefix.identity]
+        probes = by_length[prefix.raw.length]
+        probes[prefix.raw.probe].remove(anchor)
+        if not probes[prefix.raw.probe]:
+            del probes[prefix.raw.probe]
+            if not probes:
+                del by_length[prefix.raw.length]
+                if not by_length:
+                    del self._probes[prefix.identity]
+        return prefix
+
+    def cool(self, anchor: Hashable) -> None:
+        """Let go of the body kept for ``anchor``, if any (memory pressure, or its age): the
+        next prefix is then checked with the digest; same answer, slower."""
+        if self._hot.pop(anchor, None) is None:
+            return
+        prefix = self._prefixes.get(anchor)
+        if prefix is not None and prefix.raw.body is not None:
+            self._hot_size -= len(prefix.raw.body)
+            prefix.raw.body = None
+        if self.keeper is not None:
+            self.keeper.cooled(anchor)
+
+    def expire(self, now: float) -> None:
+        """Let go of the bodies older than ``hot_seconds``."""
+        while self._hot:
+            anchor, since = next(iter(self._hot.items()))
+            if now - since < self.hot_seconds:
+                break
+            self.cool(anchor)
+
+
 class HeadTable:
-    """Every conversation head the sidecar knows, across identities.
+    """Every conversation head the sidecar knows, across identities: the index.
 
     Args:
         max_heads: Upper bound on heads kept; the least recently used goes first.
@@ -131,10 +265,7 @@ class HeadTable:
         tolerate: Differences the model sees that still continue (``matching.tolerate``):
             left-out reasoning items, a left-out ``phase``. Counted either way.
         allow_dropped_reasoning: Deprecated spelling of ``tolerate=[Tolerance.REASONING]``.
-        hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
-            in total (least recently recorded dropped first).
-        hot_seconds: A body is dropped this long after its turn (the head then verifies the
-            next prefix with its digest: slower, same answer).
+        hot_bytes, hot_seconds: The :class:`PrefixCache`'s bounds.
     """
 
     def __init__(
@@ -148,19 +279,14 @@ class HeadTable:
         hot_seconds: float = 120.0,
     ) -> None:
         self.max_heads = max_heads
-        self.hot_bytes = hot_bytes
-        self.hot_seconds = hot_seconds
-        self._hot: OrderedDict[Hashable, float] = OrderedDict()
-        self._hot_size = 0
-        self.keeper: Keeper | None = None
-        """Asked before a body is kept, told when one is let go (the memory budget)."""
+        self.prefixes = PrefixCache(hot_bytes=hot_bytes, hot_seconds=hot_seconds)
+        """The raw prefixes and hot bodies of the heads' requests (told of every add and drop)."""
         self.ttl_seconds = ttl_seconds
         self.tolerate = frozenset(tolerate) | ({Tolerance.REASONING} if allow_dropped_reasoning else set())
         self._heads: OrderedDict[Hashable, Head] = OrderedDict()
         self._index: dict[_Key, list[Hashable]] = {}
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
-        self._raw: dict[str, dict[int, dict[bytes, list[Hashable]]]] = {}
         self._owners: OrderedDict[str, str] = OrderedDict()
         self.max_owners = max(4 * max_heads, 1024)
         """Response ids remembered with their identity (LRU), for :meth:`owner_of`."""
@@ -184,30 +310,8 @@ class HeadTable:
     # -- queries ---------------------------------------------------------------------------
 
     def parse(self, identity: str, body: bytes) -> ParsedRequest:
-        """Parse ``body``, skipping the prefix a head of ``identity`` already holds.
-
-        Clients re-send their previous body byte for byte up to the end of its input
-        (client-echo.md §1.2). When a head's prefix digest matches, only the bytes after it
-        are parsed; otherwise (or on any doubt) the whole body is.
-
-        Raises:
-            InvalidRequest: as :func:`~proxy.core.request.parse_request`.
-        """
-        by_length = self._raw.get(identity)
-        if by_length:
-            size = len(body)
-            # Longest prefix first: it is the most recent turn of the conversation.
-            for length in sorted(by_length, reverse=True):
-                if length >= size:
-                    continue
-                for anchor in by_length[length].get(body[length - PROBE : length], ()):
-                    head = self._heads[anchor]
-                    if head.raw is None or not head.raw.starts(body):
-                        continue
-                    fast = fast_parse(head.raw, anchor, head.n_input, head.input_state, body)
-                    if fast is not None:
-                        return fast
-        return parse_request(body)
+        """:meth:`PrefixCache.parse` of the heads' prefixes."""
+        return self.prefixes.parse(identity, body)
 
     def lookup(
         self,
@@ -220,20 +324,20 @@ class HeadTable:
 
         ``usable(head)`` is the planner's word on whether the head can be continued now (its lane
         is idle, or it was stored and its lane is gone); a matching head that is not usable
-        makes the miss ``head_busy``.
+        makes the miss ``head_busy``. Only reads: the caller expires heads before (:meth:`expire`)
+        and touches the head it continues (:meth:`touch`).
         """
         if req.previous_response_id is not None:
             return Lookup(None, MissReason.APP_CHAINED)
-        self.expire(now)
         if req.base is not None and req.tail is not None:
             # A fast parse knows its head: try it first; on a miss the search below decides.
             head = self._heads.get(req.base.anchor)
             if head is not None and head.identity == identity and head.settings == req.settings_digest:
-                found, _, _ = self._try(head, req.tail, 0, req.base.count, now, usable)
-                if found is not None:
+                found = self._try(head, req.tail, 0, req.base.count, usable)
+                if isinstance(found, Lookup):
                     return found
         bucket = self._buckets.get((identity, req.settings_digest))
-        reason: str = MissReason.NO_HEAD
+        reason: MissReason = MissReason.NO_HEAD
         dropped_seen = (0, 0)
         if bucket is not None:
             n_items = req.n_items
@@ -242,9 +346,10 @@ class HeadTable:
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
                     items, at, skipped = req.items_from(n)  # the fast parse's tail when it suffices
-                    found, why, dropped = self._try(self._heads[anchor], items, at, skipped, now, usable)
-                    if found is not None:
-                        return found
+                    tried = self._try(self._heads[anchor], items, at, skipped, usable)
+                    if isinstance(tried, Lookup):
+                        return tried
+                    why, dropped = tried
                     if why in (MissReason.DROPPED_REASONING, MissReason.DROPPED_PHASE):
                         dropped_seen = dropped
                     reason = _stronger(reason, why)
@@ -253,37 +358,36 @@ class HeadTable:
         return Lookup(None, reason, *dropped_seen)
 
     def _try(
-        self,
-        head: Head,
-        items: Sequence[Any],
-        n: int,
-        skipped: int,
-        now: float,
-        usable: Callable[[Head], bool],
-    ) -> tuple[Lookup | None, str, tuple[int, int]]:
+        self, head: Head, items: Sequence[Any], n: int, skipped: int, usable: Callable[[Head], bool]
+    ) -> Lookup | tuple[MissReason, tuple[int, int]]:
         """Continue ``head`` with ``items[n:]`` if its echo matches and the planner can use it.
 
         ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix).
-        Returns ``(the continuation, or None; the miss reason; (reasoning items left out,
-        phases left out))``.
+        Returns the continuation, or ``(the miss reason, (reasoning items left out, phases
+        left out))``.
         """
         found = self._continue(head, items, n)
-        if isinstance(found, str):
-            return None, found, (0, 0)
+        if isinstance(found, MissReason):
+            return found, (0, 0)
         consumed, reasoning, phases = found
         drops = (reasoning, phases)
         if reasoning and Tolerance.REASONING not in self.tolerate:
-            return None, MissReason.DROPPED_REASONING, drops
+            return MissReason.DROPPED_REASONING, drops
         if phases and Tolerance.PHASE not in self.tolerate:
-            return None, MissReason.DROPPED_PHASE, drops
+            return MissReason.DROPPED_PHASE, drops
         if not usable(head):
-            return None, MissReason.HEAD_BUSY, drops
-        head.last_used = now
-        self._heads.move_to_end(head.anchor)
+            return MissReason.HEAD_BUSY, drops
         match = Match(head.anchor, head.response_id, list(items[n + consumed :]), skipped + n + consumed)
-        return Lookup(match, "continuation", *drops), "continuation", drops
+        return Lookup(match, Hit.CONTINUATION, *drops)
 
-    def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int, int] | str:
+    def touch(self, anchor: Hashable, now: float) -> None:
+        """The head of ``anchor`` is being continued: used now (last to expire or be evicted)."""
+        head = self._heads.get(anchor)
+        if head is not None:
+            head.last_used = now
+            self._heads.move_to_end(anchor)
+
+    def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int, int] | MissReason:
         """Match the echo of ``head.output`` at ``items[n:]``.
 
         Returns ``(items consumed by the echo, reasoning items left out, messages whose
@@ -348,7 +452,7 @@ class HeadTable:
     MAX_SETTINGS_FIELDS = 1024
     """Distinct settings whose per-setting digests are kept (LRU)."""
 
-    def explain(self, identity: str, req: ParsedRequest, reason: str) -> Explanation | None:
+    def explain(self, identity: str, req: ParsedRequest, reason: Reason | None) -> Explanation | None:
         """Say where a missed request departs from its best candidate head, or ``None``.
 
         ``reason`` is the :meth:`lookup` verdict. A ``no_head`` whose request agrees with a
@@ -360,14 +464,16 @@ class HeadTable:
         later = self.explain_later(identity, req, reason)
         return later() if later is not None else None
 
-    def explain_later(self, identity: str, req: ParsedRequest, reason: str) -> Callable[[], Explanation | None] | None:
+    def explain_later(
+        self, identity: str, req: ParsedRequest, reason: Reason | None
+    ) -> Callable[[], Explanation | None] | None:
         """:meth:`explain` in two steps: the recent heads of ``identity`` are taken now (no
         comparison: cheap), and compared when the returned callable runs, after the answer,
         off the request's path. Heads recorded in between (this request's own among them) are
         not candidates, and a head this request replaces still is (with its raw prefix, which
         a replaced head gives up).
         """
-        if req.previous_response_id is not None or reason not in _EXPLAINED:
+        if req.previous_response_id is not None or not isinstance(reason, MissReason) or reason not in _EXPLAINED:
             return None
         heads: list[tuple[Head, bytes | None]] = []
         for seen, anchor in enumerate(reversed(self._heads)):
@@ -375,11 +481,11 @@ class HeadTable:
                 break
             head = self._heads[anchor]
             if head.identity == identity and not head.chained and head.items is not None:
-                heads.append((head, head.raw.body if head.raw is not None else None))
+                heads.append((head, self.prefixes.body(anchor)))
         return partial(self._explain, identity, req, reason, heads)
 
     def _explain(
-        self, identity: str, req: ParsedRequest, reason: str, heads: list[tuple[Head, bytes | None]]
+        self, identity: str, req: ParsedRequest, reason: MissReason, heads: list[tuple[Head, bytes | None]]
     ) -> Explanation | None:
         keys, items = req.item_keys(), req.all_items()
         mine = item_digests(keys)
@@ -475,9 +581,10 @@ class HeadTable:
         head = self._heads.get(anchor)
         if head is None:
             return
+        prefix = self.prefixes.take(anchor)  # cooled: a rekeyed head keeps only its digest
         self.discard(anchor)
         head.anchor = new
-        self._insert(head, head.last_used)
+        self._insert(head, head.last_used, prefix)
 
     def record(
         self,
@@ -501,6 +608,7 @@ class HeadTable:
         output = response.get("output")
         chained = req.previous_response_id is not None
         fps = tuple(fingerprint(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
+        prefix = None
         if chained:
             head = Head(identity, anchor, response_id, req.settings_digest, 0, b"", fps, now, chained=True)
         else:
@@ -514,17 +622,17 @@ class HeadTable:
                 input_digest=state.digest()[:16],
                 output=fps,
                 last_used=now,
-                input_state=state,
-                raw=raw_prefix(req, prefix_state),
             )
             head.items = digests
             head.echo = tuple(echo_fields(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
             self._note_settings(head.settings, req)
+            raw = raw_prefix(req, prefix_state)
+            prefix = _Prefix(identity, raw, req.n_items, state) if raw is not None else None
         head.store = req.store
-        self._insert(head, now)
+        self._insert(head, now, prefix)
 
-    def _insert(self, head: Head, now: float) -> None:
-        """Index ``head`` under ``head.anchor`` (which holds no head)."""
+    def _insert(self, head: Head, now: float, prefix: _Prefix | None = None) -> None:
+        """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
         anchor = head.anchor
         self._heads[anchor] = head
         self._by_response[head.response_id] = anchor
@@ -533,17 +641,8 @@ class HeadTable:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket = self._buckets.setdefault((head.identity, head.settings), _Bucket())
             bucket.lengths[head.n_input] += 1
-            if head.raw is not None:
-                probes = self._raw.setdefault(head.identity, {}).setdefault(head.raw.length, {})
-                probes.setdefault(head.raw.probe, []).append(anchor)
-                if head.raw.body is not None and self.keeper is not None:
-                    if not self.keeper.keep(anchor, len(head.raw.body)):
-                        head.raw.body = None  # no memory to spare: the digest serves this head
-                if head.raw.body is not None:
-                    self._hot[anchor] = now
-                    self._hot_size += len(head.raw.body)
-                    while self._hot_size > self.hot_bytes and self._hot:
-                        self._cool(next(iter(self._hot)))
+            if prefix is not None:
+                self.prefixes.add(anchor, prefix, now)
         while len(self._heads) > self.max_heads:
             self.discard(next(iter(self._heads)))
 
@@ -556,17 +655,7 @@ class HeadTable:
             del self._by_response[head.response_id]
         if head.chained:
             return
-        if head.raw is not None:
-            self._cool(anchor, head)
-            by_length = self._raw[head.identity]
-            probes = by_length[head.raw.length]
-            probes[head.raw.probe].remove(anchor)
-            if not probes[head.raw.probe]:
-                del probes[head.raw.probe]
-                if not probes:
-                    del by_length[head.raw.length]
-                    if not by_length:
-                        del self._raw[head.identity]
+        self.prefixes.take(anchor)
         key = self._key(head)
         anchors = self._index.get(key)
         if anchors is not None:
@@ -581,30 +670,10 @@ class HeadTable:
         if not bucket.lengths:
             del self._buckets[bucket_key]
 
-    def cool(self, anchor: Hashable) -> None:
-        """Let go of the body the head of ``anchor`` keeps, if any (memory pressure: the head
-        then checks the next prefix with its digest; same answer, slower)."""
-        self._cool(anchor)
-
-    def _cool(self, anchor: Hashable, head: Head | None = None) -> None:
-        """Let go of the body a head keeps for the byte comparison (the digest stays)."""
-        if self._hot.pop(anchor, None) is None:
-            return
-        head = head or self._heads.get(anchor)
-        if head is not None and head.raw is not None and head.raw.body is not None:
-            self._hot_size -= len(head.raw.body)
-            head.raw.body = None
-        if self.keeper is not None:
-            self.keeper.cooled(anchor)
-
     def expire(self, now: float) -> list[Hashable]:
-        """Drop heads unused for ``ttl_seconds`` and bodies older than ``hot_seconds``;
-        returns the anchors of the heads dropped."""
-        while self._hot:
-            anchor, since = next(iter(self._hot.items()))
-            if now - since < self.hot_seconds:
-                break
-            self._cool(anchor)
+        """Drop heads unused for ``ttl_seconds`` and bodies older than the cache's
+        ``hot_seconds``; returns the anchors of the heads dropped."""
+        self.prefixes.expire(now)
         gone = []
         for anchor, head in self._heads.items():
             if now - head.last_used < self.ttl_seconds:
@@ -637,7 +706,7 @@ def _with_identity(explanation: Explanation, identity: str) -> Explanation:
     return replace(explanation, identity=identity)
 
 
-_STRENGTH: dict[str, int] = {
+_STRENGTH: dict[MissReason, int] = {
     MissReason.NO_HEAD: 0,
     MissReason.DIVERGED: 1,
     MissReason.NO_NEW_ITEMS: 2,
@@ -648,6 +717,6 @@ _STRENGTH: dict[str, int] = {
 }
 
 
-def _stronger(current: str, candidate: str) -> str:
+def _stronger(current: MissReason, candidate: MissReason) -> MissReason:
     """The more specific of two miss reasons (the one closest to a continuation)."""
     return candidate if _STRENGTH.get(candidate, 0) > _STRENGTH.get(current, 0) else current

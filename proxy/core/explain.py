@@ -118,7 +118,7 @@ class Explanation:
         identity: A digest prefix of the caller's identity (set by the head table).
     """
 
-    reason: str
+    reason: MissReason
     miss_item: int | None = None
     miss_type: str | None = None
     miss_field: str | None = None
@@ -391,7 +391,7 @@ def explain_against(
     keys: Sequence[bytes],
     items: Sequence[Any],
     settings: SettingsFields,
-    reason: str,
+    reason: MissReason,
     tolerate: frozenset[Tolerance] = frozenset(),
 ) -> Explanation | None:
     """Walk the request against ``cand`` as the matcher does, and say where it departs.
@@ -409,12 +409,14 @@ def explain_against(
     """
     length = cand.n_input + len(cand.output)
 
-    def at(why: str, index: int | None, kind: str | None, detail: Detail, name: str | None = None) -> Explanation:
+    def at(
+        why: MissReason, index: int | None, kind: str | None, detail: Detail, name: str | None = None
+    ) -> Explanation:
         return Explanation(why, index, kind, name, detail, length)
 
     if not cand.same_settings:
         name = _first_setting(cand.settings, settings) if cand.settings is not None else None
-        return at("settings_changed", None, None, Detail.SETTING, name)
+        return at(MissReason.SETTINGS_CHANGED, None, None, Detail.SETTING, name)
     n, m = cand.n_input, len(items)
     digests = cand.items
     for i in range(n):
@@ -428,7 +430,7 @@ def explain_against(
             return at(reason, i, _type_of(items[i]), Detail.FIELD_UNKNOWN)
     if m == n:
         kind = cand.output[0].kind if cand.output else None
-        return at("retry", n, kind, Detail.RETRY)
+        return at(MissReason.RETRY, n, kind, Detail.RETRY)
     position = n
     dropped: int | None = None
     phase_at: int | None = None
@@ -450,7 +452,7 @@ def explain_against(
             detail = Detail.FIELD if name is not None else Detail.FIELD_UNKNOWN
             return at(reason, position, _type_of(items[position]), detail, name)
     if position == m:
-        return at("no_new_items", m, None, Detail.NO_NEW_ITEMS)
+        return at(MissReason.NO_NEW_ITEMS, m, None, Detail.NO_NEW_ITEMS)
     if dropped is not None:
         return at(MissReason.DROPPED_REASONING, dropped, "reasoning", Detail.REASONING_DROPPED)
     if phase_at is not None:

@@ -48,7 +48,7 @@ from proxy.core.lanes import (
     lane_step,
     socket_step,
 )
-from proxy.core.reasons import MissReason, PassthroughReason
+from proxy.core.reasons import Hit, MissReason, PassthroughReason
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import Kept, KeptContexts
 
@@ -131,8 +131,8 @@ class Plan:
     """The planner's decision for one attempt of one request."""
 
     kind: PlanKind
-    reason: str
-    """``continuation``, a :class:`MissReason` or a :class:`PassthroughReason`."""
+    reason: Hit | MissReason | PassthroughReason | None
+    """``continuation``, a :class:`MissReason` or a :class:`PassthroughReason` (``None``: a replay's)."""
     lane: LaneKey | None = None
     """The lane reserved for this attempt (BUSY until ``finished``/``abandon``)."""
     open_socket: bool = False
@@ -286,18 +286,20 @@ class Planner:
                 return Plan(PlanKind.FULL, MissReason.APP_CHAINED, lane.key)
             return self._full(identity, now, MissReason.APP_CHAINED, may_open)
         if replay:
-            return self._full(identity, now, "", may_open)
+            return self._full(identity, now, None, may_open)
+        self.heads.expire(now)
         lookup = self.heads.lookup(identity, req, now, self._usable)
         match = lookup.match
         if match is None:
             plan = self._full(identity, now, lookup.reason, may_open)
             return replace(plan, dropped_reasoning=lookup.dropped_reasoning, dropped_phase=lookup.dropped_phase)
+        self.heads.touch(match.anchor, now)
         lane = self._idle_lane(_lane_key(match.anchor))
         if lane is not None:  # the usual case: built once (dataclasses.replace costs ~10 µs)
             self._begin(lane, now)
             return Plan(
                 PlanKind.CONTINUE,
-                "continuation",
+                Hit.CONTINUATION,
                 lane.key,
                 response_id=match.response_id,
                 new_items=match.new_items,
@@ -307,7 +309,7 @@ class Planner:
             )
         cont = Plan(
             PlanKind.CONTINUE,
-            "continuation",
+            Hit.CONTINUATION,
             response_id=match.response_id,
             new_items=match.new_items,
             items_avoided=match.items_avoided,
@@ -324,7 +326,7 @@ class Planner:
             cont, lane=plan.lane, open_socket=plan.open_socket, hydrated=True, close=plan.close, warm=plan.warm
         )
 
-    def _full(self, identity: str, now: float, reason: str, may_open: bool) -> Plan:
+    def _full(self, identity: str, now: float, reason: Hit | MissReason | None, may_open: bool) -> Plan:
         close: list[int] = []
         found = self._free_lane(identity, now, may_open, close)
         if found is not None:
@@ -647,7 +649,7 @@ class Planner:
     def reseed_lane(self, identity: str, now: float) -> Plan | None:
         """A lane for a re-seed (reserved), or ``None``: then the head is let go."""
         self._now = now
-        plan = self._full(identity, now, "", may_open=True)
+        plan = self._full(identity, now, None, may_open=True)
         return plan if plan.lane is not None else None
 
     def reseeded(self, old: LaneKey, key: LaneKey | None, now: float, response_id: str | None) -> list[int]:

@@ -8,8 +8,29 @@ missing from the docs. Values are the wire names (metric labels, access-log fiel
 from __future__ import annotations
 
 import enum
+from typing import TypeAlias
 
-__all__ = ["ErrorCode", "Mode", "MissReason", "Outcome", "PassthroughReason", "ReplayCause", "Route", "Tolerance"]
+__all__ = [
+    "ErrorCode",
+    "ForwardOutcome",
+    "ForwardReason",
+    "Hit",
+    "MemoryRefusal",
+    "MissReason",
+    "Mode",
+    "PassthroughReason",
+    "Reason",
+    "ReplayCause",
+    "RequestOutcome",
+    "Route",
+    "Tolerance",
+]
+
+
+class Hit(enum.StrEnum):
+    """The matcher's verdict when the request continues a head (``mode="continuation"``)."""
+
+    CONTINUATION = "continuation"
 
 
 class MissReason(enum.StrEnum):
@@ -99,6 +120,15 @@ class ErrorCode(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
 
 
+class MemoryRefusal(enum.StrEnum):
+    """``upshift_memory_refusals_total{reason}``: why a request was refused for memory."""
+
+    TOO_LARGE = "too_large"
+    """It would not fit even into an empty budget (503 ``memory_too_large``)."""
+    WAIT_TIMEOUT = "wait_timeout"
+    """The budget stayed taken for ``limits.memory_wait_seconds`` (429 ``memory_busy``)."""
+
+
 class Route(enum.StrEnum):
     """``upshift_requests_total{route}``."""
 
@@ -114,13 +144,48 @@ class Mode(enum.StrEnum):
     FULL = "full"
     PASSTHROUGH = "passthrough"
     RELAY = "relay"
+    FORWARDED = "forwarded"
+    """Answered by the process owning the conversation (which counts it again, with its mode)."""
 
 
-class Outcome(enum.StrEnum):
-    """``upshift_requests_total{outcome}``."""
+class RequestOutcome(enum.StrEnum):
+    """``upshift_requests_total{outcome}``: how the sidecar's answer to one request went."""
 
     OK = "ok"
     CLIENT_ERROR = "client_error"
     UPSTREAM_ERROR = "upstream_error"
     PROXY_ERROR = "proxy_error"
     CANCELLED = "cancelled"
+
+
+class ForwardReason(enum.StrEnum):
+    """Why a request went to another process (``mode="forwarded"``): how it got there."""
+
+    HANDOFF = "handoff"
+    """The app's connection itself was handed to the owning worker."""
+    REPLICA = "replica"
+    """The bytes were forwarded to the replica owning the conversation."""
+    WORKER = "worker"
+    """The bytes were forwarded to the worker owning the conversation."""
+
+
+class ForwardOutcome(enum.StrEnum):
+    """How a forward ended (``upshift_forwards_total{outcome}``, ``upshift_owner_misses_total{reason}``)."""
+
+    OK = "ok"
+    CUT = "cut"
+    """The owner's answer started, then its connection broke."""
+    OWNER_DOWN = "owner_down"
+    """Connecting failed (refused, unreachable): served locally, owner skipped for a while."""
+    CONNECT_TIMEOUT = "connect_timeout"
+    """No connection or no ``100 Continue`` within the connect timeout."""
+    BUSY = "busy"
+    """The per-peer limit stayed full for the connect timeout."""
+    REFUSED = "refused"
+    """A 5xx not from an upshift request path, or the owner's listener was full."""
+    FAILED_BEFORE_ANSWER = "failed_before_answer"
+    """The owner accepted the request, then its connection broke before any answer."""
+
+
+Reason: TypeAlias = Hit | MissReason | PassthroughReason | ReplayCause | ForwardReason
+"""Everything the access log's ``reason`` may say (``""`` when there is nothing to say)."""

@@ -463,7 +463,7 @@ def make_request(
     )
 
 
-def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tuple[Transport, str]:
+def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tuple[Transport, PassthroughReason | None]:
     """Pick WebSocket mode or plain HTTP for a request, with the reason for HTTP.
 
     ``background`` and ``conversation`` do not exist in WebSocket mode; ``generate`` and
@@ -482,7 +482,7 @@ def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tup
     # The frame is the body plus a few bytes of "type"; compare with a margin.
     if len(req.body) + 64 > frame_budget:
         return Transport.HTTP, PassthroughReason.OVERSIZE
-    return Transport.WS, ""
+    return Transport.WS, None
 
 
 def _has_huge_float(value: Any) -> bool:

@@ -18,6 +18,7 @@ Causes:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from proxy.errors import UpstreamClosed
 __all__ = [
     "Replay",
     "Surface",
+    "SurfaceReason",
     "classify",
     "error_fields",
     "is_connection_limit",
@@ -52,12 +54,25 @@ class Replay:
     """Replay over plain HTTP instead (the frame itself was refused)."""
 
 
+class SurfaceReason(enum.StrEnum):
+    """Why a failed turn is not replayed."""
+
+    EMITTED = "emitted"
+    """Something of the response reached the app: a replay would duplicate it."""
+    ATTEMPTED = "attempted"
+    """The turn was replayed already."""
+    APP_ANCHOR = "app_anchor"
+    """The app chose the ``previous_response_id`` itself: its own body would fail the same way."""
+    NOT_RETRYABLE = "not_retryable"
+    """Anything else (timeouts included: delivery is ambiguous)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Surface:
     """Give the app the failure as it is."""
 
-    reason: str
-    """Why there is no replay: ``emitted`` | ``attempted`` | ``app_anchor`` | ``not_retryable``."""
+    reason: SurfaceReason
+    """Why there is no replay."""
 
 
 def error_fields(event: Mapping[str, Any]) -> tuple[str | None, str | None, str | None]:
@@ -140,7 +155,7 @@ def classify(
         :class:`Replay` or :class:`Surface`.
     """
     if emitted:
-        return Surface("emitted")
+        return Surface(SurfaceReason.EMITTED)
     if isinstance(event_or_failure, UpstreamClosed) and event_or_failure.close_code == _MESSAGE_TOO_BIG:
         # The same frame would be refused again; HTTP has no frame limit. Final, so no loop.
         return Replay(ReplayCause.FRAME_TOO_BIG, new_socket=False, over_http=True)
@@ -152,15 +167,15 @@ def classify(
         if is_stream_limit(event_or_failure):
             return Replay(ReplayCause.STREAM_LIMIT, new_socket=False)
     if attempt > 0:
-        return Surface("attempted")
+        return Surface(SurfaceReason.ATTEMPTED)
     if isinstance(event_or_failure, BaseException):
         if isinstance(event_or_failure, UpstreamClosed):
             return Replay(ReplayCause.CLOSED_BEFORE_FIRST_EVENT, new_socket=True)
-        return Surface("not_retryable")
+        return Surface(SurfaceReason.NOT_RETRYABLE)
     if is_connection_limit(event_or_failure):
         return Replay(ReplayCause.CONNECTION_LIMIT, new_socket=True)
     if is_not_found(event_or_failure):
         if not continuation:
-            return Surface("app_anchor")
+            return Surface(SurfaceReason.APP_ANCHOR)
         return Replay(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, new_socket=False)
-    return Surface("not_retryable")
+    return Surface(SurfaceReason.NOT_RETRYABLE)

@@ -59,6 +59,7 @@ from multidict import CIMultiDict
 
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
+from proxy.core.reasons import ForwardOutcome, ForwardReason, Mode
 from proxy.core.sse import encode_event, nested_error
 from proxy.errors import ConfigError, UpstreamClosed
 from proxy.ingress.handoff import HANDED_OFF, Handoff, HandoffOutcome, arrived_by_handoff
@@ -73,7 +74,6 @@ __all__ = [
     "REFUSED_HEADER",
     "Cluster",
     "Level",
-    "Outcome",
     "Resolver",
     "WorkerPlacement",
     "resolve_peers",
@@ -103,24 +103,6 @@ class Level(enum.StrEnum):
 
     REPLICA = "replica"
     WORKER = "worker"
-
-
-class Outcome(enum.StrEnum):
-    """How a forward ended (``upshift_forwards_total{outcome}``)."""
-
-    OK = "ok"
-    CUT = "cut"
-    """The owner's answer started, then its connection broke."""
-    OWNER_DOWN = "owner_down"
-    """Connecting failed (refused, unreachable): served locally, owner skipped for a while."""
-    CONNECT_TIMEOUT = "connect_timeout"
-    """No connection or no ``100 Continue`` within the connect timeout."""
-    BUSY = "busy"
-    """The per-peer limit stayed full for the connect timeout."""
-    REFUSED = "refused"
-    """A 5xx not from an upshift request path, or the owner's listener was full."""
-    FAILED_BEFORE_ANSWER = "failed_before_answer"
-    """The owner accepted the request, then its connection broke before any answer."""
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -415,7 +397,7 @@ class Cluster:
     ) -> web.StreamResponse | None:
         peers = self._replicas if level is Level.REPLICA else self._workers
         now = time.monotonic()
-        failed: Outcome | None = None
+        failed: ForwardOutcome | None = None
         attempts = 0
         for name in rank(key, members):
             if name == me:
@@ -427,12 +409,16 @@ class Cluster:
                 handed = await self._handoff.offer(int(name.removeprefix("worker-")), request, body)
                 HANDOFFS.labels(handed).inc()
                 if handed is HandoffOutcome.ADOPTED:
-                    rec.mode, rec.reason = "forwarded", "handoff"
+                    rec.mode, rec.reason = Mode.FORWARDED, ForwardReason.HANDOFF
                     return HANDED_OFF()
                 if handed in (HandoffOutcome.OWNER_DOWN, HandoffOutcome.TIMEOUT):
                     # What a forward to this owner would have found: skip it, as a forward does.
                     self._mark_down(peer, f"handoff: {handed}")
-                    failed = Outcome.OWNER_DOWN if handed is HandoffOutcome.OWNER_DOWN else Outcome.CONNECT_TIMEOUT
+                    failed = (
+                        ForwardOutcome.OWNER_DOWN
+                        if handed is HandoffOutcome.OWNER_DOWN
+                        else ForwardOutcome.CONNECT_TIMEOUT
+                    )
                     attempts += 1
                     if attempts >= 2:
                         break
@@ -443,7 +429,7 @@ class Cluster:
                 return answer
             failed = outcome
             attempts += 1
-            if attempts >= 2 or outcome is Outcome.FAILED_BEFORE_ANSWER:
+            if attempts >= 2 or outcome is ForwardOutcome.FAILED_BEFORE_ANSWER:
                 break
         if failed is not None:
             OWNER_MISSES.labels(failed).inc()
@@ -457,32 +443,32 @@ class Cluster:
 
     async def _forward(
         self, peer: _Peer, request: web.Request, body: bytes, rec: Record
-    ) -> tuple[web.StreamResponse | None, Outcome]:
+    ) -> tuple[web.StreamResponse | None, ForwardOutcome]:
         try:
             await asyncio.wait_for(peer.slots.acquire(), self._timeout)
         except TimeoutError:
-            return None, Outcome.BUSY
+            return None, ForwardOutcome.BUSY
         try:
             started = time.perf_counter()
             try:
                 answer = await self._send(peer, request, body, rec)
             except TimeoutError:
                 self._mark_down(peer, "no answer within the connect timeout")
-                return None, Outcome.CONNECT_TIMEOUT
+                return None, ForwardOutcome.CONNECT_TIMEOUT
             except OSError as exc:
                 self._mark_down(peer, f"connect failed: {exc}")
-                return None, Outcome.OWNER_DOWN
+                return None, ForwardOutcome.OWNER_DOWN
             except _PeerError as exc:
                 self._mark_down(peer, f"connection lost before the answer: {exc}")
-                return None, Outcome.FAILED_BEFORE_ANSWER
+                return None, ForwardOutcome.FAILED_BEFORE_ANSWER
             finally:
                 rec.upstream_s += time.perf_counter() - started
             if answer.status >= 500 and (OWNER_HEADER not in answer.headers or REFUSED_HEADER in answer.headers):
                 answer.conn.close()
                 if REFUSED_HEADER not in answer.headers:
                     self._mark_down(peer, f"answered {answer.status} without an upshift owner")
-                return None, Outcome.REFUSED
-            rec.mode, rec.reason = "forwarded", peer.level.value
+                return None, ForwardOutcome.REFUSED
+            rec.mode, rec.reason = Mode.FORWARDED, ForwardReason(peer.level.value)
             started = time.perf_counter()
             try:
                 return await self._relay(peer, request, answer)
@@ -584,7 +570,9 @@ class Cluster:
                 raise
         raise _PeerError("no connection")  # pragma: no cover - the second attempt is fresh
 
-    async def _relay(self, peer: _Peer, request: web.Request, answer: _Answer) -> tuple[web.StreamResponse, Outcome]:
+    async def _relay(
+        self, peer: _Peer, request: web.Request, answer: _Answer
+    ) -> tuple[web.StreamResponse, ForwardOutcome]:
         headers = CIMultiDict((k, v) for k, v in answer.headers.items() if k.lower() not in _RESPONSE_DROP)
         listed = {h.strip().lower() for v in answer.headers.getall("Connection", []) for h in v.split(",")}
         for name in listed:
@@ -599,13 +587,13 @@ class Cluster:
             log.info("forwarded answer from %s cut: %s", peer.name, type(exc).__name__)
             err = UpstreamClosed("The connection to the owning process broke before the answer was complete.")
             response = web.Response(body=json_body(err.body()), status=err.status, content_type="application/json")
-            return response, Outcome.CUT
+            return response, ForwardOutcome.CUT
         self._keep(peer, answer)
-        return web.Response(body=data, status=answer.status, headers=headers), Outcome.OK
+        return web.Response(body=data, status=answer.status, headers=headers), ForwardOutcome.OK
 
     async def _relay_stream(
         self, peer: _Peer, request: web.Request, answer: _Answer, headers: CIMultiDict[str]
-    ) -> tuple[web.StreamResponse, Outcome]:
+    ) -> tuple[web.StreamResponse, ForwardOutcome]:
         response = web.StreamResponse(status=answer.status, headers=headers)
         await response.prepare(request)
         pending = b""
@@ -620,7 +608,7 @@ class Cluster:
                     answer.conn.close()
                     log.info("forwarded stream from %s cut: %s", peer.name, type(exc).__name__)
                     await _write_cut(response, last)
-                    return response, Outcome.CUT
+                    return response, ForwardOutcome.CUT
                 if chunk is None:
                     break
                 pending += chunk
@@ -636,15 +624,15 @@ class Cluster:
                     # The app left: stop reading; the owner sees its connection go and drains
                     # the upstream response itself.
                     answer.conn.close()
-                    return response, Outcome.OK
+                    return response, ForwardOutcome.OK
             if pending:
                 await response.write(pending)
             await response.write_eof()
         except ConnectionResetError:
             answer.conn.close()
-            return response, Outcome.OK
+            return response, ForwardOutcome.OK
         self._keep(peer, answer)
-        return response, Outcome.OK
+        return response, ForwardOutcome.OK
 
     def _keep(self, peer: _Peer, answer: _Answer) -> None:
         conn = answer.conn

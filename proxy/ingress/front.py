@@ -16,6 +16,7 @@ import time
 
 from aiohttp import web
 
+from proxy.core.reasons import RequestOutcome
 from proxy.errors import RequestError
 from proxy.ingress.cluster import Cluster
 from proxy.ops.metrics import INFLIGHT, REQUEST_BYTES
@@ -55,14 +56,14 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
                     response = routed if routed is not None else await serve(svc, arrival)
         except MemoryRefused as exc:
             response = refuse(exc, exc.headers(rec.request_id), rec, started)
-            rec.outcome = "proxy_error"
+            rec.outcome = RequestOutcome.PROXY_ERROR
         rec.status = response.status
         return response
     except asyncio.CancelledError:
-        rec.outcome = "cancelled"
+        rec.outcome = RequestOutcome.CANCELLED
         raise
     except Exception:
-        rec.outcome, rec.status = "proxy_error", 500
+        rec.outcome, rec.status = RequestOutcome.PROXY_ERROR, 500
         raise
     finally:
         INFLIGHT.dec()

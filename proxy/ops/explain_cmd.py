@@ -102,6 +102,7 @@ def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *
     found = heads.lookup(_IDENTITY, req, 1.0, _idle)
     if found.match is not None:
         return "continuation", len(found.match.new_items), found.match.items_avoided
+    assert isinstance(found.reason, MissReason)  # no match: a miss
     explanation = heads.explain(_IDENTITY, req, found.reason) or Explanation(found.reason)
     return "miss", explanation
 

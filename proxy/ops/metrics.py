@@ -6,9 +6,26 @@ several in-process sidecars do not collide.
 
 from __future__ import annotations
 
+import enum
 import os
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proxy.core.budget import Kind
+from proxy.core.channel import HoldPath
+from proxy.core.reasons import (
+    ErrorCode,
+    ForwardOutcome,
+    MemoryRefusal,
+    MissReason,
+    Mode,
+    PassthroughReason,
+    ReplayCause,
+    RequestOutcome,
+    Route,
+    Tolerance,
+)
 
 __all__ = [
     "ADDED_LATENCY",
@@ -25,6 +42,7 @@ __all__ = [
     "HYDRATED",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
+    "LABEL_VALUES",
     "LANES",
     "LANES_FALLBACKS",
     "LISTENER_CLOSED",
@@ -59,9 +77,8 @@ REQUESTS = Counter(
     ["route", "mode", "outcome"],
     registry=REGISTRY,
 )
-"""route: responses | responses_ws | other; mode: continuation | full | passthrough | relay |
-forwarded (sent on to the conversation's owner, which counts it again with its own mode);
-outcome: ok | client_error | upstream_error | proxy_error | cancelled."""
+"""route: :class:`Route`; mode: :class:`Mode` (``forwarded``: sent on to the conversation's
+owner, which counts it again with its own mode); outcome: :class:`RequestOutcome`."""
 
 CONTINUATION_MISSES = Counter(
     "upshift_continuation_misses",
@@ -69,8 +86,7 @@ CONTINUATION_MISSES = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-"""reason: no_head | diverged | settings_changed | head_busy | dropped_reasoning | retry |
-no_new_items | app_chained | pool_full (bounded set, see proxy.core.conversation.MissReason)."""
+"""reason: :class:`MissReason`."""
 
 DROPPED_REASONING = Counter(
     "upshift_dropped_reasoning_echoes",
@@ -94,7 +110,7 @@ REPLAYS = Counter(
     ["cause"],
     registry=REGISTRY,
 )
-"""cause: previous_response_not_found | connection_limit | closed_before_first_event."""
+"""cause: :class:`ReplayCause`."""
 
 ERRORS = Counter(
     "upshift_errors",
@@ -128,8 +144,7 @@ PASSTHROUGH = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-"""reason: mode_http | background | conversation | ws_only_field | oversize | upgrade_refused |
-ws_unavailable | pool_full | a replay cause sent over HTTP (bounded set)."""
+"""reason: :class:`PassthroughReason` (a replay cause sent over HTTP is one of them)."""
 
 SOCKETS = Gauge(
     "upshift_upstream_sockets",
@@ -238,7 +253,7 @@ MEMORY_REFUSALS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-"""reason: too_large (would not fit an empty budget) | wait_timeout (limits.memory_wait_seconds)."""
+"""reason: :class:`MemoryRefusal`."""
 
 
 def _rss() -> float:
@@ -267,8 +282,7 @@ FORWARDS = Counter(
     ["level", "outcome"],
     registry=REGISTRY,
 )
-"""level: replica | worker; outcome: ok | cut | owner_down | connect_timeout | busy | refused |
-failed_before_answer (see proxy.ingress.cluster.Outcome)."""
+"""level: replica | worker; outcome: :class:`ForwardOutcome`."""
 
 FORWARDS_RECEIVED = Counter(
     "upshift_forwards_received",
@@ -284,8 +298,7 @@ OWNER_MISSES = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-"""reason: the forward outcome that made it local (owner_down, connect_timeout, busy, refused,
-failed_before_answer)."""
+"""reason: the :class:`ForwardOutcome` that made it local."""
 
 HANDOFFS = Counter(
     "upshift_handoffs",
@@ -347,3 +360,40 @@ BUILD_INFO = Gauge(
     registry=REGISTRY,
 )
 """loop: uvloop | asyncio."""
+
+
+# -- every label value, from the enums that name them ------------------------------------------
+
+
+def _values(*enums: type[enum.StrEnum]) -> frozenset[str]:
+    return frozenset(str(member) for kind in enums for member in kind)
+
+
+_STATES = frozenset({"open", "busy", "idle", "connecting", "draining", "up", "down"})
+"""upshift_upstream_sockets, upshift_upstream_lanes and upshift_cluster_peers."""
+
+LABEL_VALUES: Mapping[str, frozenset[str]] = {
+    "route": _values(Route),
+    "mode": _values(Mode),
+    "outcome": _values(RequestOutcome, ForwardOutcome) | {"failed"},  # upshift_reseeds_total: ok | failed
+    "reason": _values(MissReason, PassthroughReason, ReplayCause, ForwardOutcome, MemoryRefusal)
+    | {"unknown", "header_timeout", "max_connections"},
+    "cause": _values(ReplayCause),
+    "code": _values(ErrorCode),
+    "state": _STATES,
+    "pool": frozenset({"lanes", "http"}),
+    "kind": _values(Kind),
+    "transport": frozenset({"websocket", "http"}),
+    "accepted": frozenset({"true", "false"}),
+    "tolerance": _values(Tolerance),
+    "level": frozenset({"replica", "worker"}),
+    "verified": frozenset({"true", "false", "unsigned"}),
+    "worker": frozenset(str(i) for i in range(32)),
+    "path": _values(HoldPath),
+    "loop": frozenset({"uvloop", "asyncio"}),
+    "version": frozenset(),
+    "python": frozenset(),
+}
+"""Every value each label of the sidecar's own metrics may take (``version`` and ``python`` of
+``upshift_build_info`` are free: checked by shape). The ingress layer's
+``upshift_handoffs_total{outcome}`` adds :class:`proxy.ingress.handoff.HandoffOutcome`."""

@@ -1,13 +1,16 @@
-"""HTTP handlers: ``POST /v1/responses`` over a pooled upstream lane, everything else relayed.
+"""The local handler of ``POST /v1/responses``: a short perform loop over one :class:`Exchange`.
 
-The request path (docs/architecture.md), top to bottom in :func:`_post` and :func:`_websocket`:
-read the body within the limit → parse (``HeadTable.parse``: the fast parse) → transport →
-**plan** (``Pool.plan``: the planner picks continue / full on a lane, or HTTP) → **lease** the
-lane (``async with Pool.lease``) → **relay** (:func:`~proxy.serve.streaming.pump`) → **finish** (the
-lease's exit records the head or frees the lane, on every path). A failure before anything
-reached the app is classified by :func:`proxy.core.retry.classify` and replayed once with the
-app's full input; after that it surfaces. Whenever no lane can be had, the request goes over
-plain HTTP: slower, never wrong.
+The request path (docs/architecture.md): the ingress front (:mod:`proxy.ingress.front`) hands
+:func:`serve` an :class:`Arrival`; :func:`serve` parses it (the fast parse) and chooses the
+transport; :func:`_perform` then loops **plan** (``Pool.plan``: continue / full on a lane, or
+HTTP) → **lease** the lane (``async with Pool.lease``; its exit records the head or frees the
+lane, on every path) → **pump** (:func:`~proxy.serve.streaming.pump`) → **answer**: which
+answer, or a replay, is :func:`proxy.core.answer.decide`'s choice (pure, beside
+:func:`proxy.core.retry.classify`); the shell only performs it. A failure before anything
+reached the app is replayed once with the app's full input; after that it surfaces. Whenever no
+lane can be had, the request goes over plain HTTP: slower, never wrong. Each stage writes the
+access record once: plan (:func:`_planned`), pump (:func:`_lease_and_pump`), answer
+(:func:`_answer`), replay (:func:`_replay`), HTTP (:func:`_over_http`).
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config import Settings
-from proxy.core.channel import Channel, Outcome
+from proxy.core.answer import Answer, Attempt, Kept, decide, kept
+from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
 from proxy.core.fastparse import hash_prefix, prefix_length
 from proxy.core.planner import Plan, PlanKind
-from proxy.core.reasons import Mode, PassthroughReason, ReplayCause, Tolerance
+from proxy.core.reasons import Hit, Mode, PassthroughReason, Reason, ReplayCause, RequestOutcome, Tolerance
 from proxy.core.request import ParsedRequest, Transport, build_frame, choose_transport
-from proxy.core.retry import Replay, classify, is_connection_limit
+from proxy.core.retry import Replay
 from proxy.errors import (
     ForeignResponse,
     ProxyError,
@@ -104,223 +108,168 @@ class Arrival:
 def refuse(exc: ProxyError, headers: dict[str, str], rec: Record, started: float) -> web.Response:
     """A request refused by the sidecar itself (nothing forwarded)."""
     ERRORS.labels(exc.code).inc()
-    rec.outcome = "client_error" if isinstance(exc, RequestError) else "upstream_error"
-    rec.added_s = time.perf_counter() - started
+    outcome = RequestOutcome.CLIENT_ERROR if isinstance(exc, RequestError) else RequestOutcome.UPSTREAM_ERROR
+    rec.answered(outcome, time.perf_counter() - started)
     headers = {**headers, "x-upshift-overhead-ms": f"{rec.added_s * 1000:.3f}"}
     return web.Response(body=json_body(exc.body()), status=exc.status, content_type="application/json", headers=headers)
 
 
+@dataclass(slots=True)
+class Exchange:
+    """One ``POST /v1/responses`` served here, from its parse to its answer: what every stage
+    reads, and the one access record they fill (one stage, one write)."""
+
+    svc: Services
+    arrival: Arrival
+    req: ParsedRequest
+    down: Downstream
+    attempt: int = 0
+    """0 for the first try; a replay counts up."""
+    prefix: asyncio.Future[Any] | None = None
+    """The history prefix's hash, computed in a thread for a large body (the next fast parse)."""
+
+    @property
+    def rec(self) -> Record:
+        return self.arrival.rec
+
+
 async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
-    """Serve one ``POST /v1/responses`` here: parse, choose the transport, relay."""
-    request, body, identity, rec, started = (
-        arrival.request,
-        arrival.body,
-        arrival.identity,
-        arrival.rec,
-        arrival.started,
-    )
-    mem = arrival.mem
-    headers = {"x-request-id": rec.request_id}
+    """Serve one ``POST /v1/responses`` here: parse, choose the transport, perform."""
+    headers = {"x-request-id": arrival.rec.request_id}
     try:
-        # Skips the history prefix this identity's previous turn already sent, byte for byte.
-        req = svc.heads.parse(identity.digest, body)
-        owner = svc.heads.owner_of(req.previous_response_id) if req.previous_response_id else None
-        if owner is not None and owner != identity.digest:
-            # Another tenant's response: behind an injected key the upstream would serve it.
-            raise ForeignResponse(str(req.previous_response_id))
+        req = _parse(svc, arrival)
     except RequestError as exc:
-        return refuse(exc, headers, rec, started)
-    if req.base is None and len(body) > _WARM_ABOVE:
-        # A large body parsed in full (a new conversation, or a divergence): canonicalise its
-        # items a slice at a time, so other streams are not stalled for tens of milliseconds.
-        while not req.warm_keys(_WARM_SLICE):
-            await asyncio.sleep(0)
-    rec.items_in = req.n_items
-    s = svc.settings
-    transport, reason = choose_transport(req, mode=s.mode, frame_budget=s.limits.ws_frame_budget_bytes)
-    if transport is Transport.HTTP:
-        return await _passthrough(svc, request, req, rec, headers, started, reason)
-    return await _websocket(svc, request, req, identity, rec, headers, started, mem)
+        return refuse(exc, headers, arrival.rec, arrival.started)
+    while req.base is None and len(req.body) > _WARM_ABOVE and not req.warm_keys(_WARM_SLICE):
+        await asyncio.sleep(0)  # a large body parsed in full: its item keys a slice per loop turn
+    arrival.rec.items_in = req.n_items
+    down = Downstream(arrival.request, stream=req.stream, headers=headers, started=arrival.started, lease=arrival.mem)
+    x = Exchange(svc, arrival, req, down)
+    budget = svc.settings.limits.ws_frame_budget_bytes
+    transport, reason = choose_transport(req, mode=svc.settings.mode, frame_budget=budget)
+    return await (_over_http(x, reason) if transport is Transport.HTTP else _perform(x))
 
 
-async def _passthrough(
-    svc: Services,
-    request: web.Request,
-    req: ParsedRequest,
-    rec: Record,
-    headers: dict[str, str],
-    started: float,
-    reason: str,
-) -> web.StreamResponse:
-    rec.mode, rec.reason = "passthrough", reason
-    headers["x-upshift-mode"] = "passthrough"
-    if "generate" in req.fields:
-        # A warm-up over HTTP is a real, billed generation or a 400 (pitfall 18): never send it.
-        msg = "The 'generate' parameter is only supported in WebSocket mode."
-        return refuse(UnsupportedRequest(msg, param="generate"), headers, rec, started)
-    fwd = await svc.passthrough.forward(request, headers=headers, body=req.body, started=started)
-    rec.items_sent, rec.bytes_sent = rec.items_in, fwd.bytes_sent
-    rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
-    return fwd.response
+def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
+    """The fast parse (skips the history prefix this identity's previous turn already sent);
+    another tenant's ``previous_response_id`` is refused: behind an injected key it would be served."""
+    req = svc.heads.parse(arrival.identity.digest, arrival.body)
+    owner = svc.heads.owner_of(req.previous_response_id) if req.previous_response_id else None
+    if owner is not None and owner != arrival.identity.digest:
+        raise ForeignResponse(str(req.previous_response_id))
+    return req
 
 
-async def _websocket(
-    svc: Services,
-    request: web.Request,
-    req: ParsedRequest,
-    identity: Identity,
-    rec: Record,
-    headers: dict[str, str],
-    started: float,
-    mem: Lease | None = None,
-) -> web.StreamResponse:
-    """Plan → lease a lane → relay → finish; a failure before output is replayed once."""
-    down = Downstream(request, stream=req.stream, headers=headers, started=started)
-    prefix = _hash_prefix_in_thread(req)
-    attempt = 0
+async def _perform(x: Exchange) -> web.StreamResponse:
+    """Plan → lease a lane → pump → answer; a failure before output is replayed once."""
+    x.prefix = _hash_prefix_in_thread(x.req)
     while True:
-        plan, _waited = await svc.pool.plan(identity, req, replay=attempt > 0)
-        if attempt == 0 and plan.kind is PlanKind.FULL:  # where the miss departs (never content)
-            rec.explain(svc.heads.explain_later(identity.digest, req, plan.reason), plan.reason)
+        plan, _waited = await x.svc.pool.plan(x.arrival.identity, x.req, replay=x.attempt > 0)
         if plan.kind is PlanKind.HTTP:
-            rec.upstream_s = down.upstream_wait
-            return await _passthrough(svc, request, req, rec, headers, started, plan.reason)
-        frame = _note_plan(rec, req, plan, attempt)
-        headers["x-upshift-mode"] = rec.mode
-        hold = svc.settings.streaming.hold_back_seconds if req.stream else None
-        channel = Channel(req.previous_response_id, hold_back_s=hold)
-        failure: UpstreamError | None = None
-        # issue 12: pump takes the only reference to the frame, frees it once sent, shrinks `mem`.
-        frames, sent = [frame], len(frame)
-        del frame
-        try:
-            async with svc.pool.lease(plan) as turn:
-                await _relay(svc, turn, frames, channel, down, req, identity, prefix, mem)
-        except UpstreamError as exc:
-            failure = exc
-        rec.bytes_sent += sent
-        UPSTREAM_BYTES_SENT.labels("websocket").inc(sent)
-        rec.upstream_s = down.upstream_wait
-        if failure is None and channel.released:
-            try:
-                return await _finish(down, channel, rec)
-            finally:
-                count_hold_back(channel)
-        terminal = failure if failure is not None else (channel.terminal or {})
-        decision = classify(
-            terminal,
-            channel.released,
-            attempt,
-            continuation=plan.kind is PlanKind.CONTINUE,
-            named=plan.stream_id is not None,
-        )
-        if not isinstance(decision, Replay):
-            try:
-                return await _surface(down, channel, failure, rec)
-            finally:
-                count_hold_back(channel)
+            return await _over_http(x, plan.reason)
+        channel, failure = await _lease_and_pump(x, plan)
+        attempt = Attempt(x.attempt, plan.kind is PlanKind.CONTINUE, plan.stream_id is not None, x.req.stream)
+        verdict = decide(channel, failure, attempt, x.down.written)
+        if isinstance(verdict, Answer):
+            return await _answer(x, channel, verdict)
         count_hold_back(channel)  # a replay: what was held never reached the app
-        REPLAYS.labels(decision.cause).inc()
-        rec.replays += 1
-        if decision.cause is ReplayCause.LANES_UNSUPPORTED:
-            svc.pool.lanes_refused()
-        elif decision.cause is ReplayCause.STREAM_LIMIT and plan.lane is not None:
-            svc.pool.stream_limit(plan.lane)
-        if decision.over_http:
-            return await _passthrough(svc, request, req, rec, headers, started, PassthroughReason.FRAME_TOO_BIG)
-        log.info("replaying with full input (%s)", decision.cause)
-        attempt, rec.reason = attempt + 1, decision.cause
+        if _replay(x, plan, verdict):
+            return await _over_http(x, PassthroughReason.FRAME_TOO_BIG)
 
 
-def _note_plan(rec: Record, req: ParsedRequest, plan: Plan, attempt: int) -> bytes:
-    """Fill the access record for this attempt and build its ``response.create`` frame."""
-    if (plan.dropped_reasoning or plan.dropped_phase) and attempt == 0:
-        accepted = "true" if plan.kind is PlanKind.CONTINUE else "false"
+def _planned(x: Exchange, plan: Plan) -> bytes:
+    """The plan stage: the record's mode, reason and items, and the ``response.create`` frame."""
+    req, first, cont = x.req, x.attempt == 0, plan.kind is PlanKind.CONTINUE
+    if (plan.dropped_reasoning or plan.dropped_phase) and first:
+        accepted = "true" if cont else "false"
         if plan.dropped_reasoning:
             DROPPED_REASONING.labels(accepted).inc()
             ECHO_TOLERANCES.labels(Tolerance.REASONING, accepted).inc()
         if plan.dropped_phase:
             ECHO_TOLERANCES.labels(Tolerance.PHASE, accepted).inc()
-    if plan.kind is PlanKind.CONTINUE:
-        rec.mode, rec.reason = Mode.CONTINUATION, "continuation"
-        rec.items_sent, rec.items_avoided = len(plan.new_items or ()), plan.items_avoided
-        if plan.hydrated:
-            HYDRATED.inc()
-        return build_frame(
-            req, previous_response_id=plan.response_id, items=plan.new_items or [], stream_id=plan.stream_id
-        )
-    rec.mode, rec.items_sent, rec.items_avoided = Mode.FULL, req.n_items, 0
-    if attempt == 0:
-        rec.reason = plan.reason
-    return build_frame(req, stream_id=plan.stream_id)
+    if first and plan.kind is PlanKind.FULL:  # where the miss departs (never content), after the answer
+        x.rec.explain(x.svc.heads.explain_later(x.arrival.identity.digest, req, plan.reason), plan.reason)
+    if cont and plan.hydrated:
+        HYDRATED.inc()
+    new = (plan.new_items or []) if cont else None
+    if new is not None:
+        x.rec.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(new), plan.items_avoided)
+    else:
+        x.rec.planned(Mode.FULL, plan.reason if first else x.rec.reason, req.n_items, 0)
+    x.down.headers["x-upshift-mode"] = x.rec.mode
+    anchor = plan.response_id if cont else None
+    return build_frame(req, previous_response_id=anchor, items=new, stream_id=plan.stream_id)
 
 
-async def _relay(
-    svc: Services,
-    turn: Turn,
-    frames: list[bytes],
-    channel: Channel,
-    down: Downstream,
-    req: ParsedRequest,
-    identity: Identity,
-    prefix: asyncio.Future[Any] | None,
-    mem: Lease | None,
-) -> None:
-    """One response on one lane, to its terminal event; the lane's head is set on the way out."""
-    entry = (down, channel)
-    svc.streams.add(entry)
+async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamError | None]:
+    """Lease the plan's lane and pump one response on it; the lane keeps its head on the way out."""
+    hold = x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
+    channel = Channel(x.req.previous_response_id, hold_back_s=hold)
+    frames = [_planned(x, plan)]  # issue 12: pump takes the only reference, frees it once sent
+    sent, failure, entry = len(frames[0]), None, (x.down, channel)
+    x.svc.streams.add(entry)
     try:
-        sent_at = time.perf_counter()
-        await pump(turn, frames, channel, down, svc.settings.timeouts.stream_idle_seconds, mem)
-        UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
+        async with x.svc.pool.lease(plan) as turn:
+            sent_at = time.perf_counter()
+            await pump(turn, frames, channel, x.down, x.svc.settings.timeouts.stream_idle_seconds)
+            UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
+            await _keep(x, turn, kept(channel))
+    except UpstreamError as exc:
+        failure = exc
     finally:
-        svc.streams.discard(entry)
-    response = channel.response if channel.outcome is Outcome.COMPLETED else None
-    if response is None and channel.response is not None:
-        rid = channel.response.get("id")
-        if isinstance(rid, str):
-            svc.heads.note_owner(identity.digest, rid)  # an incomplete response is chainable too
-    state = await prefix if response is not None and prefix is not None else None
-    # After the age-limit error the upstream closes the socket: no new turns on it.
-    aged = channel.terminal is not None and is_connection_limit(channel.terminal)
-    turn.finish(req=req, response=response, prefix_state=state, retire=aged)
+        x.svc.streams.discard(entry)
+    UPSTREAM_BYTES_SENT.labels("websocket").inc(sent)
+    x.rec.pumped(sent, x.down.upstream_wait)
+    return channel, failure
 
 
-async def _finish(down: Downstream, channel: Channel, rec: Record) -> web.StreamResponse:
-    """The response reached its terminal event after output was released."""
-    rec.added_s = down.added()
-    if channel.outcome in (Outcome.FAILED, Outcome.ERROR):
-        rec.outcome = "upstream_error"
-    if down.stream:
-        return await down.end()
-    if channel.outcome in (Outcome.COMPLETED, Outcome.INCOMPLETE) and channel.response is not None:
-        return down.json(200, json_body(channel.response))
-    err = channel.http_error()
-    return down.json(err.status, json_body(err.body), err.headers)
+async def _keep(x: Exchange, turn: Turn, keep: Kept) -> None:
+    """Tell the lane what it keeps: a completed response becomes its head."""
+    if keep.chainable is not None:  # an incomplete response is chainable too
+        x.svc.heads.note_owner(x.arrival.identity.digest, keep.chainable)
+    state = await x.prefix if keep.response is not None and x.prefix is not None else None
+    turn.finish(req=x.req, response=keep.response, prefix_state=state, retire=keep.retire)
 
 
-async def _surface(
-    down: Downstream, channel: Channel, failure: UpstreamError | None, rec: Record
-) -> web.StreamResponse:
-    """Give the app the failure as it is: an HTTP error if nothing was written, else one nested
-    SSE ``error`` event and a clean end."""
-    rec.added_s = down.added()
-    rec.outcome = "upstream_error"
-    if failure is not None:
-        ERRORS.labels(failure.code).inc()
-        if down.stream and down.written:
-            await down.write([channel.proxy_error_out(type=failure.type, code=failure.code, message=failure.message)])
-            return await down.end()
-        return down.json(failure.status, json_body(failure.body()))
-    if (channel.outcome is Outcome.ERROR and not channel.started) or not down.stream:
-        err = channel.http_error()
-        rec.outcome = "client_error" if err.status < 500 else "upstream_error"
-        return down.json(err.status, json_body(err.body), err.headers)
-    outs = channel.release()
-    if channel.outcome is Outcome.ERROR and channel.terminal is not None:
-        outs.append(channel.error_out(channel.terminal))
-    await down.write(outs)
-    return await down.end()
+async def _answer(x: Exchange, channel: Channel, answer: Answer) -> web.StreamResponse:
+    """The answer stage: its record (outcome, added time), its error count, the answer written."""
+    x.rec.answered(answer.outcome, x.down.added())
+    if answer.error is not None:
+        ERRORS.labels(answer.error).inc()
+    try:
+        return await x.down.answer(answer)
+    finally:
+        count_hold_back(channel)
+
+
+def _replay(x: Exchange, plan: Plan, replay: Replay) -> bool:
+    """The replay stage (the pool told what the upstream refused); ``True`` if it goes over HTTP."""
+    REPLAYS.labels(replay.cause).inc()
+    x.rec.replayed(replay.cause)
+    if replay.cause is ReplayCause.LANES_UNSUPPORTED:
+        x.svc.pool.lanes_refused()
+    elif replay.cause is ReplayCause.STREAM_LIMIT and plan.lane is not None:
+        x.svc.pool.stream_limit(plan.lane)
+    if replay.over_http:
+        return True
+    log.info("replaying with full input (%s)", replay.cause)
+    x.attempt += 1
+    return False
+
+
+async def _over_http(x: Exchange, reason: Reason | None) -> web.StreamResponse:
+    """Plain HTTP passthrough: slower, never wrong."""
+    x.rec.over_http(reason, x.down.upstream_wait)
+    x.down.headers["x-upshift-mode"] = Mode.PASSTHROUGH
+    if "generate" in x.req.fields:  # over HTTP a warm-up is a real, billed generation or a 400 (pitfall 18)
+        exc = UnsupportedRequest("The 'generate' parameter is only supported in WebSocket mode.", param="generate")
+        return refuse(exc, x.down.headers, x.rec, x.arrival.started)
+    arrival = x.arrival
+    fwd = await x.svc.passthrough.forward(
+        arrival.request, headers=x.down.headers, body=x.req.body, started=arrival.started
+    )
+    x.rec.forwarded(fwd.bytes_sent, fwd.upstream_seconds, fwd.added_seconds)
+    return fwd.response
 
 
 def _hash_prefix_in_thread(req: ParsedRequest) -> asyncio.Future[Any] | None:

@@ -28,7 +28,7 @@ import ctypes
 import dataclasses
 import logging
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Sized
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -42,14 +42,14 @@ from proxy.core.budget import (
     MIN_RESERVATION,
     Budget,
     Derived,
+    Effects,
     Kind,
-    Outcome,
     Ticket,
     Verdict,
     derive,
 )
-from proxy.core.conversation import HeadTable
-from proxy.core.reasons import ErrorCode
+from proxy.core.conversation import PrefixCache
+from proxy.core.reasons import ErrorCode, MemoryRefusal
 from proxy.errors import ProxyError
 from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
 
@@ -301,23 +301,31 @@ class MemoryGate:
 
     Args:
         derived: The budget (see :func:`effective_settings`).
-        heads: The head table whose kept bodies draw from the budget (its keeper is set here).
+        prefixes: The prefix cache whose kept bodies draw from the budget (its keeper is set here).
+        heads: What counts the heads (``len``), each costing ``HEAD_COST``.
         wait_seconds: Longest wait for memory before a 429.
     """
 
     def __init__(
-        self, derived: Derived, heads: HeadTable | None, *, wait_seconds: float, max_body_bytes: int = 0
+        self,
+        derived: Derived,
+        prefixes: PrefixCache | None,
+        *,
+        heads: Sized | None = None,
+        wait_seconds: float,
+        max_body_bytes: int = 0,
     ) -> None:
         self.derived = derived
         self.max_body_bytes = max_body_bytes
         """Bodies declared larger are not reserved for: the reader refuses them (413) unread."""
         self.budget = Budget(derived.capacity)
+        self.prefixes = prefixes
         self.heads = heads
         self.wait_seconds = wait_seconds
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
         self._trim: asyncio.TimerHandle | None = None
-        if heads is not None:
-            heads.keeper = self
+        if prefixes is not None:
+            prefixes.keeper = self
         MEMORY_BUDGET.set(derived.memory_bytes)
         MEMORY_BYTES.labels(Kind.BASELINE).set(derived.memory_bytes - derived.capacity)
         self._publish()
@@ -331,7 +339,7 @@ class MemoryGate:
             length = 0  # a 413, answered before anything is read
         return Lease(self, length)
 
-    # -- HeadTable keeper ------------------------------------------------------------------
+    # -- PrefixCache keeper ----------------------------------------------------------------
 
     def keep(self, anchor: Hashable, size: int) -> bool:
         """May a head keep its body (``size`` bytes)? Only into free memory."""
@@ -349,7 +357,7 @@ class MemoryGate:
         ticket, out = self.budget.ask(want, buffered)
         self._apply(out)
         if ticket.verdict is Verdict.TOO_LARGE:
-            MEMORY_REFUSALS.labels("too_large").inc()
+            MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
             raise MemoryTooLarge(
                 f"The request needs about {want} bytes of memory, more than the sidecar's memory budget "
                 f"can ever hold ({self.budget.capacity - self.budget.heads} bytes free when idle)."
@@ -363,7 +371,7 @@ class MemoryGate:
             await asyncio.wait_for(future, self.wait_seconds)
         except TimeoutError:
             self._apply(self.budget.release(ticket))  # granted in the same instant: given back
-            MEMORY_REFUSALS.labels("wait_timeout").inc()
+            MEMORY_REFUSALS.labels(MemoryRefusal.WAIT_TIMEOUT).inc()
             raise MemoryBusy(
                 f"The sidecar's memory budget stayed taken for {self.wait_seconds:g} s; retry the request."
             ) from None
@@ -373,15 +381,15 @@ class MemoryGate:
         finally:
             self._waiters.pop(ticket, None)
         if not _granted(ticket):  # woken to be refused: the heads grew meanwhile
-            MEMORY_REFUSALS.labels("too_large").inc()
+            MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
             raise MemoryTooLarge("The request no longer fits the sidecar's memory budget.")
         return ticket
 
-    def _apply(self, out: Outcome) -> None:
+    def _apply(self, out: Effects) -> None:
         """Wake granted waiters and drop the kept bodies the budget gave away."""
-        if out.evict and self.heads is not None:
+        if out.evict and self.prefixes is not None:
             for anchor in out.evict:
-                self.heads.cool(anchor)
+                self.prefixes.cool(anchor)
         for ticket in out.granted:
             future = self._waiters.get(ticket)
             if future is not None and not future.done():

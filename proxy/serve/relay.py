@@ -18,6 +18,7 @@ from aiohttp import WSMsgType, web
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from proxy.core.reasons import Mode, Route
 from proxy.errors import UpstreamRefused, UpstreamUnavailable
 from proxy.ops.metrics import INFLIGHT
 from proxy.serve.handlers import SERVICES
@@ -47,7 +48,7 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
     """Relay one downstream WebSocket session to an upstream socket of its own."""
     svc = request.app[SERVICES]
     started = time.perf_counter()
-    rec = Record(new_request_id(), route="responses_ws", mode="relay")
+    rec = Record(new_request_id(), route=Route.RESPONSES_WS, mode=Mode.RELAY)
     headers = {"x-request-id": rec.request_id}
     INFLIGHT.inc()
     try:

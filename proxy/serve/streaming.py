@@ -18,15 +18,17 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
+from proxy.core.answer import Answer, AnswerKind, status_outcome
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.explain import Explanation
+from proxy.core.reasons import Mode, PassthroughReason, Reason, ReplayCause, RequestOutcome, Route
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamTimeout
 from proxy.ops.log import access_log
@@ -43,7 +45,7 @@ from proxy.serve.memory import BodyBuffer, Lease
 
 log = logging.getLogger("upshift.streaming")
 
-__all__ = ["Downstream", "Lane", "Record", "count_hold_back", "json_body", "new_request_id", "pump", "read_body"]
+__all__ = ["Downstream", "LeasedLane", "Record", "count_hold_back", "json_body", "new_request_id", "pump", "read_body"]
 
 _MAX_BATCH = 64
 """Most events written to the app in one write."""
@@ -71,13 +73,18 @@ class Downstream:
         headers: Headers for the answer (``x-request-id``, ``x-upshift-mode``); the caller may
             update them until the answer starts.
         started: ``time.perf_counter()`` when the request arrived.
+        lease: The request's memory lease: :func:`pump` shrinks it to the body once the frame
+            is sent (issue 12).
     """
 
-    def __init__(self, request: web.Request, *, stream: bool, headers: dict[str, str], started: float) -> None:
+    def __init__(
+        self, request: web.Request, *, stream: bool, headers: dict[str, str], started: float, lease: Lease | None
+    ) -> None:
         self.request = request
         self.stream = stream
         self.headers = headers
         self.started = started
+        self.lease = lease
         self.response: web.StreamResponse | None = None
         """The SSE response once prepared."""
         self.gone = False
@@ -147,13 +154,20 @@ class Downstream:
                 self.gone = True
         return self.response
 
-    def json(self, status: int, body: bytes, extra: dict[str, str] | None = None) -> web.Response:
+    def json(self, status: int, body: bytes, extra: Mapping[str, str] | None = None) -> web.Response:
         """A JSON answer (``stream: false``, or an error before anything was written)."""
         headers = {**(extra or {}), **self.headers, **self._overhead_header()}
         return web.Response(body=body, status=status, content_type="application/json", headers=headers)
 
+    async def answer(self, answer: Answer) -> web.StreamResponse:
+        """Give the app ``answer`` (chosen by :func:`proxy.core.answer.decide`)."""
+        if answer.kind is AnswerKind.SSE_END or answer.kind is AnswerKind.ERROR_EVENT:
+            await self.write(list(answer.events))
+            return await self.end()
+        return self.json(answer.status, json_body(answer.body), answer.headers)
 
-class Lane(Protocol):
+
+class LeasedLane(Protocol):
     """What :func:`pump` needs of a lane lent by the pool (:class:`proxy.upstream.pool.Turn`)."""
 
     async def send(self, frame: bytes) -> None: ...
@@ -163,18 +177,13 @@ class Lane(Protocol):
 
 
 async def pump(
-    lane: Lane,
-    frame: bytes | list[bytes],
-    channel: Channel,
-    down: Downstream,
-    idle_timeout: float,
-    lease: Lease | None = None,
+    lane: LeasedLane, frame: bytes | list[bytes], channel: Channel, down: Downstream, idle_timeout: float
 ) -> None:
     """Send ``frame`` and move its response's events to the app until the channel is done.
 
     ``frame`` may come as a one-element list that pump empties: then the frame is freed as
-    soon as it is sent, not when the response ends, and ``lease`` (the request's memory)
-    shrinks to the body (issue 12).
+    soon as it is sent, not when the response ends, and the request's memory lease
+    (:attr:`Downstream.lease`) shrinks to the body (issue 12).
 
     Returns when the terminal event arrived; what the app gets for it (if it was held) is the
     caller's decision.
@@ -184,8 +193,8 @@ async def pump(
     """
     await lane.send(frame.pop() if isinstance(frame, list) else frame)
     del frame
-    if lease is not None:
-        lease.sent()
+    if down.lease is not None:
+        down.lease.sent()
     stream = down.stream
     clock = time.perf_counter
     batch: list[Out] = []
@@ -249,27 +258,60 @@ class Record:
     """One access-log line, filled in along the way (never content, never credentials)."""
 
     request_id: str
-    route: str = "responses"
-    mode: str = "full"
-    reason: str = ""
+    route: Route = Route.RESPONSES
+    mode: Mode = Mode.FULL
+    reason: Reason | None = None
+    """``None`` is logged as ``""``: nothing to say (a continuation's is ``continuation``)."""
     items_in: int = 0
     items_sent: int = 0
     items_avoided: int = 0
     bytes_in: int = 0
     bytes_sent: int = 0
     status: int = 0
-    outcome: str = ""
+    outcome: RequestOutcome | None = None
+    """``None`` until an answer sets it; then :meth:`finish` derives it from :attr:`status`."""
     replays: int = 0
     upstream_s: float = 0.0
     added_s: float = 0.0
     explanation: Explanation | None = None
     """Where a miss departed from its best candidate head (issue 11), as :attr:`explainer` computed it."""
-    explained: str = ""
+    explained: Reason | None = None
     """The matcher's verdict the explanation was computed for."""
     explainer: Callable[[], Explanation | None] | None = None
     """Computes :attr:`explanation` (:meth:`~proxy.core.conversation.HeadTable.explain_later`)."""
 
-    def explain(self, explainer: Callable[[], Explanation | None] | None, reason: str) -> None:
+    # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
+
+    def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
+        """The plan stage: how the attempt goes upstream."""
+        self.mode, self.reason, self.items_sent, self.items_avoided = mode, reason, items_sent, items_avoided
+
+    def pumped(self, sent: int, upstream_s: float) -> None:
+        """The pump stage: ``sent`` more bytes went upstream; the upstream's time so far."""
+        self.bytes_sent += sent
+        self.upstream_s = upstream_s
+
+    def answered(self, outcome: RequestOutcome | None, added_s: float) -> None:
+        """The answer stage (``outcome`` ``None``: derived from the status at the end)."""
+        if outcome is not None:
+            self.outcome = outcome
+        self.added_s = added_s
+
+    def replayed(self, cause: ReplayCause) -> None:
+        """The attempt is replayed with the full input, for ``cause``."""
+        self.replays += 1
+        self.reason = cause
+
+    def over_http(self, reason: Reason | None, upstream_s: float) -> None:
+        """The request goes over plain HTTP (the upstream's time so far)."""
+        self.mode, self.reason, self.upstream_s = Mode.PASSTHROUGH, reason, upstream_s
+
+    def forwarded(self, bytes_sent: int, upstream_s: float, added_s: float) -> None:
+        """The HTTP passthrough answered: every item went, over HTTP."""
+        self.items_sent, self.bytes_sent = self.items_in, bytes_sent
+        self.upstream_s, self.added_s = upstream_s, added_s
+
+    def explain(self, explainer: Callable[[], Explanation | None] | None, reason: Reason | None) -> None:
         """Attach what computes the explanation of the matcher's miss ``reason`` (never content):
         :meth:`finish` runs it after the answer, and only if the verdict stood.
 
@@ -282,7 +324,7 @@ class Record:
     def _verdict_stood(self) -> bool:
         """The request went out in full for the reason that was explained (not a continuation
         after all, a replay or HTTP)."""
-        return self.mode == "full" and self.reason == self.explained
+        return self.mode == Mode.FULL and self.reason == self.explained
 
     def finish(self) -> None:
         """Emit the metrics and the access line.
@@ -310,21 +352,22 @@ class Record:
         self._emit()
 
     def _emit(self) -> None:
-        if not self.outcome:
-            self.outcome = "ok" if self.status < 400 else "client_error" if self.status < 500 else "upstream_error"
+        if self.outcome is None:
+            self.outcome = status_outcome(self.status)
         exp = self.explanation
         if exp is None or not self._verdict_stood():
             exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
         elif exp.reason:
             self.reason = exp.reason
         REQUESTS.labels(self.route, self.mode, self.outcome).inc()
-        if self.mode == "continuation":
+        missed = self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL
+        if self.mode == Mode.CONTINUATION:
             INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
-        elif self.reason and not self.replays and (self.mode == "full" or self.reason == "pool_full"):
+        elif self.reason and not self.replays and missed:
             # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
             CONTINUATION_MISSES.labels(self.reason).inc()
             RECENT.add(self.reason, self.items_in, exp)
-        if self.mode == "passthrough" and self.route == "responses":
+        if self.mode == Mode.PASSTHROUGH and self.route == Route.RESPONSES:
             PASSTHROUGH.labels(self.reason or "unknown").inc()
         ADDED_LATENCY.observe(self.added_s)
         access_log(
@@ -332,7 +375,7 @@ class Record:
                 "request_id": self.request_id,
                 "route": self.route,
                 "mode": self.mode,
-                "reason": self.reason,
+                "reason": self.reason or "",
                 "items_in": self.items_in,
                 "items_sent": self.items_sent,
                 "bytes_in": self.bytes_in,

@@ -23,8 +23,7 @@ from typing import Any
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
-from proxy.core.lanes import LaneKey, LaneState
-from proxy.core.lanes import SocketState as CoreSocketState
+from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
 from proxy.core.reasons import PassthroughReason
 from proxy.core.request import ParsedRequest
@@ -34,7 +33,7 @@ from proxy.ops.metrics import LANES, LANES_FALLBACKS, POOL_WAIT, RESEEDS, SOCKET
 from proxy.serve.identity import Identity
 from proxy.upstream.ws import Inbox, UpstreamSocket, open_websocket
 
-__all__ = ["Pool", "SocketState", "Turn"]
+__all__ = ["Pool", "SocketUse", "Turn"]
 
 
 _GAUGES = (
@@ -49,7 +48,7 @@ _GAUGES = (
 """The pool's gauge children, in :meth:`Pool._publish`'s order (looked up once)."""
 
 
-class SocketState(enum.Enum):
+class SocketUse(enum.Enum):
     """A socket as the pool's counts see it (``busy``: at least one lane in flight)."""
 
     CONNECTING = "connecting"
@@ -152,19 +151,19 @@ class Pool:
     def __repr__(self) -> str:
         c = self.planner.lane_counts
         return (
-            f"<Pool [Sockets: {self.count(SocketState.BUSY)} busy, {self.count(SocketState.IDLE)} idle, "
-            f"{self.count(SocketState.CONNECTING)} connecting | Lanes: {c[LaneState.BUSY]} busy, "
+            f"<Pool [Sockets: {self.count(SocketUse.BUSY)} busy, {self.count(SocketUse.IDLE)} idle, "
+            f"{self.count(SocketUse.CONNECTING)} connecting | Lanes: {c[LaneState.BUSY]} busy, "
             f"{c[LaneState.IDLE]} idle, {c[LaneState.DRAINING]} draining]>"
         )
 
-    def count(self, state: SocketState | None = None, identity: Identity | None = None) -> int:
+    def count(self, state: SocketUse | None = None, identity: Identity | None = None) -> int:
         """Sockets in ``state`` (all if ``None``), of ``identity`` (all if ``None``)."""
         total = 0
         for sock in self.planner.sockets(identity.digest if identity is not None else None):
-            if sock.state is CoreSocketState.CONNECTING:
-                mine = SocketState.CONNECTING
+            if sock.state is SocketState.CONNECTING:
+                mine = SocketUse.CONNECTING
             else:
-                mine = SocketState.BUSY if sock.active else SocketState.IDLE
+                mine = SocketUse.BUSY if sock.active else SocketUse.IDLE
             total += state is None or mine is state
         return total
 
@@ -397,13 +396,13 @@ class Pool:
         """Bring the socket and lane gauges up to date (deltas: several pools share them)."""
         planner = self.planner
         sockets, lanes = planner.socket_counts, planner.lane_counts
-        live = sockets[CoreSocketState.OPEN] + sockets[CoreSocketState.RETIRING]
+        live = sockets[SocketState.OPEN] + sockets[SocketState.RETIRING]
         busy = planner.busy_sockets
         values = (
             live,
             busy,
             live - busy,
-            sockets[CoreSocketState.CONNECTING],
+            sockets[SocketState.CONNECTING],
             lanes[LaneState.BUSY],
             lanes[LaneState.IDLE],
             lanes[LaneState.DRAINING],

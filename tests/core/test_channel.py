@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.core.channel import Channel, HoldPath, HttpError, Out, Outcome
+from proxy.core.channel import Channel, Ending, HoldPath, HttpError, Out
 from proxy.errors import UpstreamProtocolError
 
 ANCHOR = "resp_sidecar_anchor"
@@ -55,7 +55,7 @@ def test_text_turn_prefix_held_until_output_then_passthrough() -> None:
     assert outs[2].raw == orjson.dumps(events[2]) and outs[2].obj is None
     outs = feed(channel, events[3:])
     assert [o.type for o in outs] == ["response.output_text.delta", "response.output_item.done", "response.completed"]
-    assert channel.done and channel.outcome is Outcome.COMPLETED
+    assert channel.done and channel.ending is Ending.COMPLETED
     assert channel.response is not None and channel.response["previous_response_id"] is None
     assert channel.response["output"][0]["id"] == "msg_1"
     assert channel.last_sequence == 5
@@ -73,7 +73,7 @@ def test_completed_without_output_events_releases_everything() -> None:
         channel, [ev("response.created", 0, response=resp()), ev("response.completed", 1, response=resp("completed"))]
     )
     assert [o.type for o in outs] == ["response.created", "response.completed"]
-    assert channel.released and channel.outcome is Outcome.COMPLETED
+    assert channel.released and channel.ending is Ending.COMPLETED
 
 
 def test_incomplete_is_terminal() -> None:
@@ -81,14 +81,14 @@ def test_incomplete_is_terminal() -> None:
     feed(
         channel, [ev("response.created", 0, response=resp()), ev("response.incomplete", 1, response=resp("incomplete"))]
     )
-    assert channel.outcome is Outcome.INCOMPLETE and channel.released
+    assert channel.ending is Ending.INCOMPLETE and channel.released
 
 
-@pytest.mark.parametrize(("status", "outcome"), [("completed", Outcome.COMPLETED), ("failed", Outcome.FAILED)])
-def test_codex_response_done(status: str, outcome: Outcome) -> None:
+@pytest.mark.parametrize(("status", "ending"), [("completed", Ending.COMPLETED), ("failed", Ending.FAILED)])
+def test_codex_response_done(status: str, ending: Ending) -> None:
     channel = Channel(None)
     feed(channel, [ev("response.output_item.added", 0), ev("response.done", 1, response=resp(status))])
-    assert channel.outcome is outcome
+    assert channel.ending is ending
 
 
 def test_failed_before_output_is_held_for_a_replay_decision() -> None:
@@ -97,7 +97,7 @@ def test_failed_before_output_is_held_for_a_replay_decision() -> None:
         "response.failed", 1, response=resp("failed", error={"code": "previous_response_not_found", "message": "m"})
     )
     assert feed(channel, [ev("response.created", 0, response=resp()), failed]) == []
-    assert channel.outcome is Outcome.FAILED and not channel.released
+    assert channel.ending is Ending.FAILED and not channel.released
     want = {"message": "m", "type": "server_error", "param": None, "code": "previous_response_not_found"}
     assert channel.http_error() == HttpError(500, {"error": want})
     assert [o.type for o in channel.release()] == ["response.created", "response.failed"]
@@ -107,7 +107,7 @@ def test_failed_after_output_goes_straight_through() -> None:
     channel = Channel(None)
     events = text_turn()[:3] + [ev("response.failed", 3, response=resp("failed", error={"code": "server_error"}))]
     outs = feed(channel, events)
-    assert outs[-1].type == "response.failed" and channel.outcome is Outcome.FAILED
+    assert outs[-1].type == "response.failed" and channel.ending is Ending.FAILED
 
 
 def test_error_before_any_response_event_becomes_http_status_and_headers() -> None:
@@ -124,7 +124,7 @@ def test_error_before_any_response_event_becomes_http_status_and_headers() -> No
         },
     }
     assert feed(channel, [error]) == []
-    assert not channel.started and channel.outcome is Outcome.ERROR
+    assert not channel.started and channel.ending is Ending.ERROR
     err = channel.http_error()
     assert err.status == 429
     assert err.body == {

@@ -222,3 +222,35 @@ def test_owners_are_remembered_per_identity_and_bounded() -> None:
         heads.note_owner("bob", f"r{n}")
     assert heads.owner_of("resp_1") is None  # the oldest went first
     assert heads.owner_of(f"r{heads.max_owners - 1}") == "bob"
+
+
+def test_lookup_only_reads_and_touch_makes_the_head_the_last_to_go() -> None:
+    heads = table(max_heads=2, ttl=10.0)
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
+    heads.record("id", "s2", req([{"role": "user", "content": "other"}]), response("resp_2", call(2)), 1)
+    found = heads.lookup("id", req([USER, call(1), result(1)]), 9, IDLE)
+    assert found.match is not None and found.match.anchor == "s1"
+    assert heads.expire(10.5) == ["s1"]  # the lookup at 9 did not make s1 recent
+    heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 10)
+    heads.touch("s2", 12)  # the planner continues s2's head
+    assert heads.expire(20.5) == ["s1"]
+    heads.record("id", "s3", req([{"role": "user", "content": "third"}]), response("resp_3", call(3)), 21)
+    assert heads.has("s2") and heads.has("s3")  # within the LRU bound
+
+
+def test_the_prefix_cache_holds_exactly_the_prefixes_of_the_index() -> None:
+    heads = table()
+    body = orjson.dumps(dict(BASE, input=[USER]))
+    heads.record("id", "s1", heads.parse("id", body), response("resp_1", call(1)), 0)
+    chained = req([result(1)], previous_response_id="resp_1")
+    heads.record("id", "s2", chained, response("resp_2", call(2)), 1)  # a delta: no prefix to keep
+    assert len(heads) == 2 and len(heads.prefixes) == 1 and heads.prefixes.body("s1") == body
+    nxt = orjson.dumps(dict(BASE, input=[USER, call(1), result(1)]))
+    assert heads.prefixes.parse("id", nxt).base is not None  # the fast parse needs only the cache
+    assert heads.prefixes.parse("other", nxt).base is None  # and only the identity's prefixes
+    heads.prefixes.cool("s1")  # memory pressure: the body goes, the digest stays
+    assert heads.prefixes.body("s1") is None and heads.prefixes.parse("id", nxt).base is not None
+    heads.rekey("s1", "s9")  # a rekeyed head keeps its prefix under its new anchor
+    assert heads.prefixes.raw("s1") is None and heads.prefixes.raw("s9") is not None
+    heads.discard("s9")
+    assert len(heads.prefixes) == 0 and heads.prefixes.parse("id", nxt).base is None

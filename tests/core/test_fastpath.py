@@ -84,10 +84,10 @@ def test_hot_bodies_are_bounded_and_cool_down() -> None:
     for n in range(3):
         items = [{"role": "user", "content": f"{n}" * 400}]
         heads.record("id", f"s{n}", heads.parse("id", body(items)), {"id": f"r{n}", "output": [call(n)]}, float(n))
-    hot = [a for a in ("s0", "s1", "s2") if heads._heads[a].raw.body is not None]  # type: ignore[union-attr]
+    hot = [a for a in ("s0", "s1", "s2") if heads.prefixes.body(a) is not None]
     assert hot == ["s2"]  # two ~500-byte bodies do not fit in 1000 bytes
     heads.expire(100.0)
-    assert heads._heads["s2"].raw.body is None  # type: ignore[union-attr]
+    assert heads.prefixes.body("s2") is None and heads.prefixes.raw("s2") is not None
     # Cold heads still fast-parse (digest comparison).
     items = [{"role": "user", "content": "2" * 400}, call(2), output(2, "x")]
     assert heads.parse("id", body(items)).base is not None
@@ -217,10 +217,11 @@ def test_conversations_with_the_same_settings_share_one_block() -> None:
     for n in range(3):
         req = heads.parse("id", body([{"role": "user", "content": f"conversation {n}"}]))
         heads.record("id", f"s{n}", req, {"id": f"resp_{n}", "output": [call(n)]}, 0)
-        raw = heads._heads[f"s{n}"].raw
+        raw = heads.prefixes.raw(f"s{n}")
         assert raw is not None and raw.settings is not None
         blocks.append(raw.settings)
     assert blocks[0] is blocks[1] is blocks[2]  # a head holds a reference, not a copy of the settings
     other = heads.parse("id", body([{"role": "user", "content": "x"}], store=True))
     heads.record("id", "s9", other, {"id": "resp_9", "output": [call(9)]}, 0)
-    assert heads._heads["s9"].raw is not None and heads._heads["s9"].raw.settings is not blocks[0]
+    nine = heads.prefixes.raw("s9")
+    assert nine is not None and nine.settings is not blocks[0]

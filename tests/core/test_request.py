@@ -55,16 +55,16 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(
     ("fields", "transport", "reason"),
     [
-        ({}, Transport.WS, ""),
+        ({}, Transport.WS, None),
         ({"background": True}, Transport.HTTP, "background"),
-        ({"background": False}, Transport.WS, ""),
+        ({"background": False}, Transport.WS, None),
         ({"conversation": "conv_1"}, Transport.HTTP, "conversation"),
         ({"generate": False}, Transport.HTTP, "ws_only_field"),
         ({"stream_id": "a"}, Transport.HTTP, "ws_only_field"),
         ({"input": "x" * 2000}, Transport.HTTP, "oversize"),
     ],
 )
-def test_choose_transport(fields: dict[str, Any], transport: Transport, reason: str) -> None:
+def test_choose_transport(fields: dict[str, Any], transport: Transport, reason: str | None) -> None:
     parsed = parse_request(orjson.dumps({"model": "m", **fields}))
     assert choose_transport(parsed, mode="websocket", frame_budget=1024) == (transport, reason)
     assert choose_transport(parsed, mode="http", frame_budget=1024) == (Transport.HTTP, "mode_http")

@@ -82,7 +82,8 @@ def test_a_body_buffer_holds_exactly_the_bytes_written(length: int) -> None:
 
 
 def _gate(capacity: int, wait: float = 30.0, heads: HeadTable | None = None) -> MemoryGate:
-    return MemoryGate(Derived(capacity * 2, capacity, capacity, capacity), heads, wait_seconds=wait)
+    prefixes = heads.prefixes if heads is not None else None
+    return MemoryGate(Derived(capacity * 2, capacity, capacity, capacity), prefixes, heads=heads, wait_seconds=wait)
 
 
 async def test_a_lease_waits_unread_until_memory_frees_then_in_order() -> None:
@@ -164,7 +165,7 @@ async def test_kept_bodies_draw_from_the_budget_and_give_way_to_requests() -> No
     gate = _gate(2 * MIB, heads=heads)
     _record(heads, 0)
     _record(heads, 1)
-    hot = [heads._heads[("socket", i)].raw for i in range(2)]
+    hot = [heads.prefixes.raw(("socket", i)) for i in range(2)]
     assert all(r is not None and r.body is not None for r in hot)
     assert gate.budget.kept == sum(len(r.body) for r in hot if r is not None and r.body is not None)
     async with gate.lease(400_000):  # needs the memory: the oldest kept body goes first

@@ -75,6 +75,7 @@ async def test_metrics_reflect_increments(lifecycle_client: tuple[Lifecycle, Cli
     text = await (await client.get("/metrics")).text()
     assert f"{sample} 2.0" in text
     assert "# TYPE upshift_errors_total counter" in text
+    metrics.ERRORS.remove("test_health_metrics")  # the registry is shared: no made-up code left behind
 
 
 @pytest.mark.parametrize(("method", "path"), [("GET", "/v1/responses"), ("GET", "/debug"), ("POST", "/status")])

@@ -22,7 +22,7 @@ from proxy.emulator import Emulator
 from proxy.emulator.model import ModelRequest, plan
 from proxy.emulator.oracle import Segment, context_digest
 from proxy.ops.metrics import REGISTRY
-from proxy.upstream.pool import SocketState
+from proxy.upstream.pool import SocketUse
 from proxy.upstream.ws import live_sockets
 from tests.sidecar import Sidecar
 
@@ -241,8 +241,8 @@ def replays(cause: str) -> float:
 def assert_pool_quiet(sc: Sidecar) -> None:
     """No socket is busy or connecting, and no lane is busy or draining."""
     pool = sc.pool
-    assert pool.count(SocketState.BUSY) == 0, repr(pool)
-    assert pool.count(SocketState.CONNECTING) == 0, repr(pool)
+    assert pool.count(SocketUse.BUSY) == 0, repr(pool)
+    assert pool.count(SocketUse.CONNECTING) == 0, repr(pool)
     assert "Lanes: 0 busy" in repr(pool) and "0 draining" in repr(pool), repr(pool)
 
 

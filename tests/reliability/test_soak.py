@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.emulator import Emulator
 from proxy.emulator.model import ModelRequest, plan
 from proxy.emulator.oracle import Segment
-from proxy.upstream.pool import SocketState
+from proxy.upstream.pool import SocketUse
 from tests.reliability.conftest import EmulatorFactory, SidecarFor, ThreadedEmulatorFactory
 from tests.reliability.helpers import (
     MODEL,
@@ -247,11 +247,12 @@ async def test_mini_soak_in_process_leaves_no_task_socket_or_head_behind(
     assert await wait_for(lambda: metric("upshift_inflight_requests") == inflight)
     assert_pool_quiet(sc)
     assert len(sc.heads) <= 24
-    assert sc.pool.count() <= 24 + len(KEYS) and sc.pool.count(SocketState.IDLE) == sc.pool.count()
+    assert sc.pool.count() <= 24 + len(KEYS) and sc.pool.count(SocketUse.IDLE) == sc.pool.count()
     assert await wait_for(lambda: emu.stats.ws_connections["open"] == sc.pool.count())
     assert await leaked_tasks(baseline, open_sockets=sc.pool.count()) == []
     # The tables behind the heads and the pool hold one entry per conversation (or key) at most.
     heads = sc.heads
     assert len(heads._by_response) == len(heads._index) == len(heads._heads) <= 24
-    assert sum(len(anchors) for by_len in heads._raw.values() for p in by_len.values() for anchors in p.values()) <= 24
+    probes = heads.prefixes._probes
+    assert sum(len(anchors) for by_len in probes.values() for p in by_len.values() for anchors in p.values()) <= 24
     assert len(sc.pool.planner.sockets()) == sc.pool.count() and len(sc.pool._tasks) == 0

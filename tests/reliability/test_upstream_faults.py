@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 
 from proxy.emulator import NOT_FOUND_SHAPES, Emulator, LatencyModel
 from proxy.emulator.state import identity_of
-from proxy.upstream.pool import SocketState
+from proxy.upstream.pool import SocketUse
 from tests.conftest import SidecarFactory
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
 from tests.reliability.helpers import (
@@ -51,7 +51,7 @@ MID_STREAM_EVENTS = 5
 async def quiet(sc: Sidecar) -> None:
     """Wait until no socket is connecting (the pool warms a spare socket in the background, and a
     refuse_upgrade fault must not be consumed by it)."""
-    assert await wait_for(lambda: sc.pool.count(SocketState.CONNECTING) == 0), repr(sc.pool)
+    assert await wait_for(lambda: sc.pool.count(SocketUse.CONNECTING) == 0), repr(sc.pool)
 
 
 async def started(http: aiohttp.ClientSession, sc: Sidecar, emu: Emulator, **fields: Any) -> Conversation:

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 
 from proxy.emulator import NOT_FOUND_SHAPES, Emulator, LatencyModel
 from proxy.ops.metrics import REGISTRY
-from proxy.upstream.pool import SocketState
+from proxy.upstream.pool import SocketUse
 from tests.conftest import SidecarFactory
 from tests.sidecar import Sidecar
 
@@ -66,7 +66,7 @@ async def test_three_turn_continuation(stack: tuple[Emulator, Sidecar]) -> None:
     assert used_sockets(emulator) == 1
     frames = [c.bytes_received for c in stats.connections.values()]
     assert sum(frames) < 1500  # deltas only: the history is never resent
-    assert sidecar.pool.count(SocketState.BUSY) == 0
+    assert sidecar.pool.count(SocketUse.BUSY) == 0
 
 
 @pytest.mark.parametrize("shape", NOT_FOUND_SHAPES)
@@ -110,7 +110,7 @@ async def test_connection_limit_replays_on_a_new_socket(make_sidecar: SidecarFac
             assert raw.parse().status == "completed"
             assert raw.headers["x-upshift-mode"] == "full"
             assert used_sockets(emulator) == 2
-            assert sidecar.pool.count(SocketState.BUSY) == 0
+            assert sidecar.pool.count(SocketUse.BUSY) == 0
 
 
 async def test_drop_before_first_event_replays(stack: tuple[Emulator, Sidecar]) -> None:
@@ -123,7 +123,7 @@ async def test_drop_before_first_event_replays(stack: tuple[Emulator, Sidecar]) 
     assert response.status == "completed"
     assert metric("upshift_replays_total", cause="closed_before_first_event") == before + 1
     assert used_sockets(emulator) == 2
-    assert sidecar.pool.count(SocketState.BUSY) == 0
+    assert sidecar.pool.count(SocketUse.BUSY) == 0
 
 
 async def test_a_replay_is_tried_once(stack: tuple[Emulator, Sidecar]) -> None:
@@ -200,7 +200,7 @@ async def test_second_request_for_a_busy_head_goes_full_on_another_lane(stack: t
     # while a socket of its own opened in the background.
     assert used_sockets(emulator) == 1
     assert max(c.max_in_flight for c in emulator.stats.connections.values()) == 2
-    assert sidecar.pool.count(SocketState.BUSY) == 0
+    assert sidecar.pool.count(SocketUse.BUSY) == 0
 
 
 async def test_identities_never_share_sockets_or_heads(stack: tuple[Emulator, Sidecar]) -> None:
@@ -291,16 +291,16 @@ async def test_app_disconnect_mid_stream_leaves_the_pool_consistent(stack: tuple
         resp.close()  # the app goes away mid-stream
     for _ in range(100):  # the sidecar drains the response to its end, then frees the socket
         await asyncio.sleep(0.05)
-        if sidecar.pool.count(SocketState.BUSY) == 0:
+        if sidecar.pool.count(SocketUse.BUSY) == 0:
             break
-    assert sidecar.pool.count(SocketState.BUSY) == 0
+    assert sidecar.pool.count(SocketUse.BUSY) == 0
     assert emulator.stats.responses["completed"] == 1
     emulator.state.latency = LatencyModel()
     _, modes = await chat(client(sidecar), 1)
     assert modes == ["full"]
     # The drained socket is idle again and keeps its (completed) head, so the new conversation
     # got a lane of its own (on that socket) rather than evicting that head.
-    assert sidecar.pool.count(SocketState.BUSY) == 0 and len(sidecar.heads) == 2
+    assert sidecar.pool.count(SocketUse.BUSY) == 0 and len(sidecar.heads) == 2
     assert used_sockets(emulator) == 1
     assert metric("upshift_inflight_requests") == 0
 

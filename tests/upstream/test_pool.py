@@ -21,7 +21,7 @@ from proxy.core.request import build_frame, parse_request
 from proxy.emulator import Emulator, LatencyModel
 from proxy.ops.metrics import REGISTRY
 from proxy.serve.identity import Identity, identify
-from proxy.upstream.pool import Pool, SocketState, Turn
+from proxy.upstream.pool import Pool, SocketUse, Turn
 
 PoolFactory = Callable[..., Pool]
 
@@ -81,7 +81,7 @@ async def test_two_conversations_share_one_socket_in_parallel(emulator: Emulator
     assert emulator.stats.ws_connections["opened"] == 1
     (conn,) = emulator.stats.connections.values()
     assert conn.max_in_flight == 2 and conn.named_streams == 1
-    assert pool.count(SocketState.IDLE) == 1 and len(pool.heads) == 2
+    assert pool.count(SocketUse.IDLE) == 1 and len(pool.heads) == 2
 
 
 async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, make_pool: PoolFactory) -> None:
@@ -104,7 +104,7 @@ async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, mak
             break
         await asyncio.sleep(0.02)
     assert "Lanes: 0 busy, 1 idle, 0 draining" in repr(pool)
-    assert pool.count(SocketState.IDLE) == 1 and len(pool.heads) == 0  # drained, no head
+    assert pool.count(SocketUse.IDLE) == 1 and len(pool.heads) == 0  # drained, no head
 
 
 async def test_gauges_follow_every_transition(emulator: Emulator, make_pool: PoolFactory) -> None:
@@ -162,7 +162,7 @@ async def test_cancelled_connect_leaves_nothing_behind() -> None:
     pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
     task = asyncio.ensure_future(pool.plan(who("sk-a", settings.upstream), req("a")))
     await asyncio.sleep(0.1)
-    assert pool.count(SocketState.CONNECTING) == 1
+    assert pool.count(SocketUse.CONNECTING) == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
