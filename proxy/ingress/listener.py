@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server as LowServer
 
+from proxy import contracts
 from proxy.config import ListenerSettings
 from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
 
@@ -119,20 +120,21 @@ class _Handler(RequestHandler):
         if self._refused:
             return
         if data:
-            if self._header_timer is None and not self._request_in_progress and not self._messages:
+            if self._header_timer is None and self._between_requests():
                 self._arm()  # the first byte of a later request on a kept-alive connection
             # Bytes after the last request's body are a new request's (on Python 3.11 the handler
             # task starts a loop turn after its message is dequeued: no handler state says it).
             last = self._last_payload
             self._account(data, last is None or last.is_eof())
-        before = self._request_count
+        before = contracts.handler_request_count(self)
         super().data_received(data)
-        if self._messages:
-            self._last_payload = self._messages[-1][1]
+        queued = contracts.handler_queued(self)
+        if queued:
+            self._last_payload = contracts.handler_last_payload(self)
         # Complete headers make a message (queued for the handler loop, which counts requests
         # later): the deadline is met. A timer left armed would fire on the idle moment after
         # this request and close the connection just as the client reuses it.
-        if self._messages or self._request_count != before or self._upgraded:
+        if queued or contracts.handler_request_count(self) != before or contracts.handler_upgraded(self):
             self._disarm()
 
     def _account(self, data: bytes, idle: bool) -> None:
@@ -167,16 +169,16 @@ class _Handler(RequestHandler):
         return (
             self.head_end >= 0
             and self.received == self.head_end + content_length
-            and not self._messages
-            and not self._message_tail
-            and not self._upgraded
-            and not self._reading_paused
-            and not self._buffer_paused
+            and contracts.handler_holds_nothing_more(self)
         )
+
+    def _between_requests(self) -> bool:
+        return not contracts.handler_in_progress(self) and not contracts.handler_queued(self)
 
     def _arm(self) -> None:
         if self._header_timer is None and self._guard.header_timeout > 0:
-            self._header_timer = self._loop.call_later(self._guard.header_timeout, self._header_timeout)
+            loop = contracts.handler_loop(self)
+            self._header_timer = loop.call_later(self._guard.header_timeout, self._header_timeout)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
@@ -185,7 +187,7 @@ class _Handler(RequestHandler):
 
     def _header_timeout(self) -> None:
         self._header_timer = None
-        if not self._request_in_progress and not self._messages:
+        if self._between_requests():
             LISTENER_CLOSED.labels("header_timeout").inc()
             self.force_close()
 
@@ -197,7 +199,7 @@ def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = Fa
     assert server is not None, "runner.setup() not called"
 
     def make() -> _Handler:
-        return _Handler(guard, server, adopted=adopted, loop=server._loop, **server._kwargs)
+        return _Handler(guard, server, adopted=adopted, **contracts.handler_arguments(server))
 
     return make
 
@@ -205,36 +207,49 @@ def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = Fa
 _factory = protocol_factory
 
 
-class HardenedTCPSite(web.TCPSite):
-    """``web.TCPSite`` whose connections go through :class:`Guard` (optionally ``SO_REUSEPORT``)."""
+class HardenedTCPSite(web.BaseSite):
+    """A TCP site whose connections go through :class:`Guard` (optionally ``SO_REUSEPORT``)."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, *, reuse_port: bool = False) -> None:
-        super().__init__(runner, host, port, reuse_port=reuse_port or None, backlog=1024)
+        super().__init__(runner, backlog=1024)
+        self.host, self.port, self.reuse_port = host, port, reuse_port
         self.guard = guard
 
+    @property
+    def name(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
     async def start(self) -> None:
-        await web.BaseSite.start(self)
+        await super().start()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            _factory(self._runner, self.guard),
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_port=self._reuse_port,
+        server = await loop.create_server(
+            _factory(contracts.site_runner(self), self.guard),
+            self.host,
+            self.port,
+            backlog=contracts.site_backlog(self),
+            reuse_port=self.reuse_port or None,
         )
-        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+        contracts.site_listening(self, server)
+        if server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
 
 
-class HardenedUnixSite(web.UnixSite):
-    """``web.UnixSite`` (a path, or an abstract name starting with NUL) through :class:`Guard`."""
+class HardenedUnixSite(web.BaseSite):
+    """A unix-socket site (a filesystem path) whose connections go through :class:`Guard`."""
 
     def __init__(self, runner: web.BaseRunner, path: str, guard: Guard) -> None:
-        super().__init__(runner, path, backlog=1024)
+        super().__init__(runner, backlog=1024)
+        self.path = path
         self.guard = guard
 
+    @property
+    def name(self) -> str:
+        return f"http://unix:{self.path}:"
+
     async def start(self) -> None:
-        await web.BaseSite.start(self)
+        await super().start()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(
-            _factory(self._runner, self.guard), self._path, backlog=self._backlog
-        )
+        factory = _factory(contracts.site_runner(self), self.guard)
+        server = await loop.create_unix_server(factory, self.path, backlog=contracts.site_backlog(self))
+        contracts.site_listening(self, server)

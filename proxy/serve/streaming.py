@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from proxy import contracts
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.explain import Explanation
 from proxy.core.sse import CONTENT_TYPE, encode_events
@@ -123,7 +124,7 @@ class Downstream:
                     headers={"Content-Type": CONTENT_TYPE, **self.headers, **self._overhead_header()},
                 )
                 # aiohttp then sends the headers with the first body bytes, in one write.
-                response._send_headers_immediately = False
+                contracts.send_headers_with_first_write(response)
                 self.response = response
                 await response.prepare(self.request)
             self.bytes_out += len(data)
