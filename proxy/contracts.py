@@ -12,6 +12,7 @@ import asyncio
 from typing import Any
 
 from aiohttp import ClientRequest, ClientTimeout, UnixConnector, web
+from aiohttp.client_exceptions import UnixClientConnectorError
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server as LowServer
@@ -109,10 +110,10 @@ def send_headers_with_first_write(response: web.StreamResponse) -> None:
 class CheckedUnixConnector(UnixConnector):
     """``UnixConnector`` that checks who listens on the socket before a byte is sent.
 
-    ``check`` gets the connected socket and raises ``OSError`` to refuse it (the request then
-    fails as if the connection had been refused). Overrides ``_create_connection``, the
-    connector's one connection-making hook (no public hook sees the socket before the request
-    is written).
+    ``check`` gets the connected socket and raises ``OSError`` to refuse it: the request then
+    fails as a refused connection does (``ClientConnectorError``), not a byte sent. Overrides
+    ``_create_connection``, the connector's one connection-making hook (no public hook sees the
+    socket before the request is written).
     """
 
     def __init__(self, path: str, check: Any, **kwargs: Any) -> None:
@@ -129,10 +130,10 @@ class CheckedUnixConnector(UnixConnector):
             if sock is None:
                 raise OSError("no socket to check")
             self.check(sock)
-        except OSError:
+        except OSError as exc:
             if transport is not None:
                 transport.abort()
-            raise
+            raise UnixClientConnectorError(self.path, req.connection_key, exc) from exc
         return proto
 
 

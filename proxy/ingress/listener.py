@@ -20,6 +20,10 @@ can tell that nothing of a next (pipelined) request has been read yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import ssl
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +35,7 @@ from proxy import contracts
 from proxy.config import ListenerSettings
 from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
 
-__all__ = ["Guard", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
+__all__ = ["Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
 
 _HEAD_SCAN = 64 * 1024
 """A request head not complete within this many bytes is not tracked (no handoff for it)."""
@@ -56,7 +60,10 @@ class Guard:
         self.open = 0
 
 
-class _Handler(RequestHandler):
+class GuardedHandler(RequestHandler):
+    """aiohttp's protocol for one connection, with the listener's deadline, count and the byte
+    accounting a handoff needs (:mod:`proxy.ingress.handoff`)."""
+
     __slots__ = (
         "_guard",
         "_head",
@@ -192,14 +199,14 @@ class _Handler(RequestHandler):
             self.force_close()
 
 
-def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = False) -> Callable[[], _Handler]:
+def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = False) -> Callable[[], GuardedHandler]:
     """The protocol factory of the listener sites of ``runner`` (``adopted``: for connections
     handed over by another worker, :mod:`proxy.ingress.handoff`)."""
     server = runner.server
     assert server is not None, "runner.setup() not called"
 
-    def make() -> _Handler:
-        return _Handler(guard, server, adopted=adopted, **contracts.handler_arguments(server))
+    def make() -> GuardedHandler:
+        return GuardedHandler(guard, server, adopted=adopted, **contracts.handler_arguments(server))
 
     return make
 
@@ -210,15 +217,24 @@ _factory = protocol_factory
 class HardenedTCPSite(web.BaseSite):
     """A TCP site whose connections go through :class:`Guard` (optionally ``SO_REUSEPORT``)."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, *, reuse_port: bool = False) -> None:
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        guard: Guard,
+        *,
+        reuse_port: bool = False,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(runner, backlog=1024)
-        self.host, self.port, self.reuse_port = host, port, reuse_port
+        self.host, self.port, self.reuse_port, self.tls = host, port, reuse_port, tls
         self.guard = guard
 
     @property
     def name(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     async def start(self) -> None:
         await super().start()
@@ -229,6 +245,7 @@ class HardenedTCPSite(web.BaseSite):
             self.port,
             backlog=contracts.site_backlog(self),
             reuse_port=self.reuse_port or None,
+            ssl=self.tls,
         )
         contracts.site_listening(self, server)
         if server.sockets:
@@ -236,7 +253,7 @@ class HardenedTCPSite(web.BaseSite):
 
 
 class HardenedUnixSite(web.BaseSite):
-    """A unix-socket site (a filesystem path) whose connections go through :class:`Guard`."""
+    """A unix-socket site (a filesystem path, never an abstract name) through :class:`Guard`."""
 
     def __init__(self, runner: web.BaseRunner, path: str, guard: Guard) -> None:
         super().__init__(runner, backlog=1024)
@@ -251,5 +268,8 @@ class HardenedUnixSite(web.BaseSite):
         await super().start()
         loop = asyncio.get_running_loop()
         factory = _factory(contracts.site_runner(self), self.guard)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)  # left by this worker's previous life (the directory is ours alone)
         server = await loop.create_unix_server(factory, self.path, backlog=contracts.site_backlog(self))
         contracts.site_listening(self, server)
