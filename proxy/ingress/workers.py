@@ -53,6 +53,7 @@ from proxy.config import Settings, parse_hostport
 from proxy.contracts import CheckedUnixConnector
 from proxy.errors import ConfigError
 from proxy.ingress.cluster import WorkerPlacement
+from proxy.ingress.listener import Guard, HardenedTCPSite
 from proxy.ingress.private import Trust, check_peer, runtime_dir
 from proxy.ops.health import Lifecycle
 from proxy.ops.log import setup_logging
@@ -262,11 +263,17 @@ class _Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        runner = web.AppRunner(self._admin_app(), access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            self._admin_app(),
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self.settings.listener.keepalive_seconds,
+        )
         await runner.setup()
         host, port = parse_hostport(self.settings.admin_listen)
         try:
-            await web.TCPSite(runner, host, port).start()
+            # The API listener's limits (header deadline, connection bound): issue 21.
+            await HardenedTCPSite(runner, host, port, Guard(self.settings.listener)).start()
         except OSError as exc:
             log.error("cannot listen: %s", exc)
             await runner.cleanup()
