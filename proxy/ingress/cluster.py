@@ -50,6 +50,7 @@ import logging
 import socket
 import ssl
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,11 @@ class Cluster:
         self._websocket = settings.mode == "websocket"
         self._handoff: Handoff | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self.received: Counter[str] = Counter()
+        """Replica forwards this cluster received, by marker check (``true``/``false``/``unsigned``):
+        the metric's count for this instance alone (in-process replicas share the registry)."""
+        self.sent: Counter[Outcome] = Counter()
+        """Forwards this cluster sent, by outcome (likewise)."""
         if c.peers:
             self.set_members(peer_urls(c.peers))
         if worker is not None and worker.count > 1:
@@ -336,13 +342,13 @@ class Cluster:
 
     def _received(self, request: web.Request, marker: str, body: bytes) -> web.Response | None:
         """Count a replica forward received; the refusal when it is not authentic."""
-        if not self.auth.enabled:
-            FORWARDS_RECEIVED.labels(Level.REPLICA, "unsigned").inc()
+        verdict = "unsigned"
+        if self.auth.enabled:
+            verdict = "true" if self.auth.verify(marker, request.method, request.raw_path, body) else "false"
+        FORWARDS_RECEIVED.labels(Level.REPLICA, verdict).inc()
+        self.received[verdict] += 1
+        if verdict != "false":
             return None
-        if self.auth.verify(marker, request.method, request.raw_path, body):
-            FORWARDS_RECEIVED.labels(Level.REPLICA, "true").inc()
-            return None
-        FORWARDS_RECEIVED.labels(Level.REPLICA, "false").inc()
         peer = request.remote or "?"
         log.warning("cluster: refused a forward from %s that is not signed with the cluster secret", peer)
         return web.Response(
@@ -407,6 +413,7 @@ class Cluster:
                 continue
             if level is Level.REPLICA and not await self._proven(peer):
                 FORWARDS.labels(level, Outcome.UNPROVEN).inc()
+                self.sent[Outcome.UNPROVEN] += 1
                 continue  # never sent a byte of the app's request: the next owner, as if down
             if level is Level.WORKER and self._handoff is not None:
                 handed = await self._handoff.offer(int(name.removeprefix("worker-")), request, body)
@@ -424,6 +431,7 @@ class Cluster:
                     continue
             answer, outcome = await self._forward(peer, request, body, rec)
             FORWARDS.labels(level, outcome).inc()
+            self.sent[outcome] += 1
             if answer is not None:
                 return answer
             failed = outcome

@@ -258,7 +258,7 @@ FORWARDS = Counter(
     registry=REGISTRY,
 )
 """level: replica | worker; outcome: ok | cut | owner_down | connect_timeout | busy | refused |
-failed_before_answer (see proxy.ingress.cluster.Outcome)."""
+failed_before_answer | unproven (see proxy.ingress.forward.Outcome)."""
 
 FORWARDS_RECEIVED = Counter(
     "upshift_forwards_received",
