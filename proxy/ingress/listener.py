@@ -40,6 +40,9 @@ __all__ = ["Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "pr
 _HEAD_SCAN = 64 * 1024
 """A request head not complete within this many bytes is not tracked (no handoff for it)."""
 
+_STALL_SECONDS = 1.0
+"""A connection in its headers this long may be closed to admit a new one at the limit."""
+
 _REFUSAL_BODY = (
     b'{"error":{"message":"The sidecar has too many open connections; retry shortly.",'
     b'"type":"server_error","param":null,"code":"too_many_connections"}}'
@@ -52,12 +55,44 @@ _REFUSAL = (
 
 
 class Guard:
-    """Open-connection count and limits shared by the sites of one listener."""
+    """Open-connection count and limits shared by the sites of one listener.
+
+    At ``max_connections`` a new connection first makes room (issue 21): the least recently
+    active idle keep-alive connection is closed, else the one stalled longest in its headers
+    (for at least :data:`_STALL_SECONDS`, or half the header deadline when that is shorter).
+    A connection with a request in progress is never reaped (its body has its own deadline);
+    only when none can go is the new one refused.
+    """
 
     def __init__(self, settings: ListenerSettings) -> None:
         self.max_connections = settings.max_connections
         self.header_timeout = settings.header_timeout_seconds
         self.open = 0
+        self.connections: dict[GuardedHandler, None] = {}
+        """Open connections, least recently active first."""
+
+    def touch(self, handler: GuardedHandler) -> None:
+        connections = self.connections
+        if handler in connections:
+            del connections[handler]
+            connections[handler] = None
+
+    def make_room(self, now: float) -> bool:
+        """Close one idle or stalled connection to admit a new one; whether one was closed."""
+        stall = min(_STALL_SECONDS, self.header_timeout / 2) if self.header_timeout > 0 else _STALL_SECONDS
+        stalled: GuardedHandler | None = None
+        for handler in self.connections:
+            if handler.reapable_idle():
+                return self._reap(handler, "reaped_idle")
+            if stalled is None and handler.stalled_since(now) >= stall:
+                stalled = handler
+        return stalled is not None and self._reap(stalled, "reaped_stalled")
+
+    def _reap(self, handler: GuardedHandler, why: str) -> bool:
+        del self.connections[handler]
+        LISTENER_CLOSED.labels(why).inc()
+        handler.force_close()
+        return True
 
 
 class GuardedHandler(RequestHandler):
@@ -69,6 +104,7 @@ class GuardedHandler(RequestHandler):
         "_head",
         "_head_start",
         "_last_payload",
+        "_armed_at",
         "_header_timer",
         "_refused",
         "adopted",
@@ -82,6 +118,7 @@ class GuardedHandler(RequestHandler):
         super().__init__(manager, **kwargs)
         self._guard = guard
         self._header_timer: asyncio.TimerHandle | None = None
+        self._armed_at = 0.0
         self._refused = False
         self.adopted = adopted
         """Handed over by another worker (its first request came with it): admitted past
@@ -101,7 +138,8 @@ class GuardedHandler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
-        if guard.open >= guard.max_connections and not self.adopted:
+        full = guard.open >= guard.max_connections and not self.adopted
+        if full and not guard.make_room(contracts.handler_loop(self).time()):
             self._refused = True
             LISTENER_CLOSED.labels("max_connections").inc()
             assert isinstance(transport, asyncio.Transport)
@@ -109,6 +147,7 @@ class GuardedHandler(RequestHandler):
             transport.close()
             return
         guard.open += 1
+        guard.connections[self] = None
         LISTENER_CONNECTIONS.inc()
         # Once per connection (a syscall under uvloop), not per request.
         self.private = isinstance(transport.get_extra_info("sockname"), str | bytes)
@@ -119,6 +158,7 @@ class GuardedHandler(RequestHandler):
         if self._refused:
             return
         self._guard.open -= 1
+        self._guard.connections.pop(self, None)
         LISTENER_CONNECTIONS.dec()
         self._disarm()
         super().connection_lost(exc)
@@ -127,6 +167,7 @@ class GuardedHandler(RequestHandler):
         if self._refused:
             return
         if data:
+            self._guard.touch(self)
             if self._header_timer is None and self._between_requests():
                 self._arm()  # the first byte of a later request on a kept-alive connection
             # Bytes after the last request's body are a new request's (on Python 3.11 the handler
@@ -179,12 +220,28 @@ class GuardedHandler(RequestHandler):
             and contracts.handler_holds_nothing_more(self)
         )
 
+    def reapable_idle(self) -> bool:
+        """An idle keep-alive connection: no request in progress, none begun."""
+        return (
+            self._header_timer is None
+            and self._head is None
+            and self._between_requests()
+            and not contracts.handler_upgraded(self)
+        )
+
+    def stalled_since(self, now: float) -> float:
+        """Seconds this connection has been waiting for a request's complete headers (0: not)."""
+        if self._header_timer is None or not self._between_requests():
+            return 0.0
+        return now - self._armed_at
+
     def _between_requests(self) -> bool:
         return not contracts.handler_in_progress(self) and not contracts.handler_queued(self)
 
     def _arm(self) -> None:
         if self._header_timer is None and self._guard.header_timeout > 0:
             loop = contracts.handler_loop(self)
+            self._armed_at = loop.time()
             self._header_timer = loop.call_later(self._guard.header_timeout, self._header_timeout)
 
     def _disarm(self) -> None:
