@@ -267,6 +267,9 @@ class ClusterSettings:
     tls_ca_file: str = ""
     """CA bundle (PEM) that signs the replicas' peer certificates: ``https://`` peers are
     verified against it (``peers_dns`` then resolves to ``https://`` URLs)."""
+    tls_server_name: str = ""
+    """Name every replica's peer certificate carries, checked instead of the peer URL's host
+    (replicas are addressed by pod IP; one certificate names them all). Empty: the URL's host."""
     connect_timeout_seconds: float = 0.75
     """A forward whose owner has not accepted the request (connected and answered ``100
     Continue``) within this time is served locally, and the owner is marked down."""

@@ -263,7 +263,7 @@ class Cluster:
             self._close_later(self._replicas.pop(name))
         for name in members:
             if name != self.self_url and name not in self._replicas:
-                self._replicas[name] = replica_peer(name, self._limit, self._tls)
+                self._replicas[name] = replica_peer(name, self._limit, self._tls, self.settings.cluster.tls_server_name)
         self._members = members
 
     def _close_later(self, peer: Peer) -> None:
@@ -451,7 +451,11 @@ class Cluster:
         timeout = aiohttp.ClientTimeout(total=self._timeout)
         try:
             async with peer.client().get(
-                peer.url(PROOF_PATH), headers={CHALLENGE_HEADER: challenge}, timeout=timeout, allow_redirects=False
+                peer.url(PROOF_PATH),
+                headers={CHALLENGE_HEADER: challenge},
+                timeout=timeout,
+                allow_redirects=False,
+                server_hostname=peer.server_name,
             ) as resp:
                 await resp.read()
                 proof = resp.headers.get(PROOF_HEADER, "")

@@ -89,6 +89,8 @@ class Peer:
     """Base URL requests go to (``http://localhost`` for a worker's unix socket)."""
     make_connector: Callable[[], aiohttp.BaseConnector]
     slots: asyncio.Semaphore
+    server_name: str | None = None
+    """TLS name checked instead of the URL's host (``cluster.tls_server_name``)."""
     down_until: float = 0.0
     proven_until: float = 0.0
     session: aiohttp.ClientSession | None = field(default=None)
@@ -110,13 +112,14 @@ class Peer:
         return URL(self.base + raw_path, encoded=True)
 
 
-def replica_peer(url: str, limit: int, tls: ssl.SSLContext | None) -> Peer:
+def replica_peer(url: str, limit: int, tls: ssl.SSLContext | None, server_name: str = "") -> Peer:
     def connector() -> aiohttp.BaseConnector:
         return aiohttp.TCPConnector(
             limit=limit, keepalive_timeout=_IDLE_KEEP_SECONDS, ssl=tls if tls is not None else True
         )
 
-    return Peer(url, Level.REPLICA, url.rstrip("/"), connector, asyncio.Semaphore(limit))
+    name = server_name if server_name and url.startswith("https://") else None
+    return Peer(url, Level.REPLICA, url.rstrip("/"), connector, asyncio.Semaphore(limit), name)
 
 
 def worker_peer(index: int, path: str, limit: int, check: Callable[[Any], None]) -> Peer:
@@ -167,6 +170,7 @@ async def send(
             expect100=expect,
             allow_redirects=False,
             timeout=timeout,
+            server_hostname=peer.server_name,
         )
         sending = asyncio.ensure_future(call)
         try:

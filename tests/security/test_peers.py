@@ -33,6 +33,9 @@ from tests.ingress.support import (
     tool_loop,
 )
 
+PEER_NAME = "upshift-gateway-peers"
+"""The name the shipped gateway manifests give the replicas' certificate (cluster.tls_server_name)."""
+
 
 @dataclass
 class Files:
@@ -45,7 +48,7 @@ class Files:
 @pytest.fixture
 def files(tmp_path: Path) -> Files:
     ca = trustme.CA()
-    leaf = ca.issue_cert("127.0.0.1")
+    leaf = ca.issue_cert(PEER_NAME)  # one certificate for every replica, as the manifests mount it
     cert, key, bundle = tmp_path / "peer.crt", tmp_path / "peer.key", tmp_path / "ca.crt"
     leaf.private_key_pem.write_to_path(str(key))
     leaf.cert_chain_pems[0].write_to_path(str(cert))
@@ -69,6 +72,7 @@ def _replica(upstream: str, api: int, peer: int, peers: list[str], files: Files,
                 tls_cert_file=files.cert,
                 tls_key_file=files.key,
                 tls_ca_file=files.ca,
+                tls_server_name=PEER_NAME,
                 secret_file=secret,
             ),
         )
@@ -147,7 +151,9 @@ async def test_an_unsigned_or_replayed_forward_is_refused(
 
         async def post(marker: str, data: bytes = body) -> tuple[int, bytes]:
             headers = {**HEADERS, MARKER: marker}
-            async with session.post(peers[0] + "/v1/responses", data=data, headers=headers, ssl=ssl_ctx) as resp:
+            async with session.post(
+                peers[0] + "/v1/responses", data=data, headers=headers, ssl=ssl_ctx, server_hostname=PEER_NAME
+            ) as resp:
                 return resp.status, await resp.read()
 
         for marker in (
