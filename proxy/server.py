@@ -23,7 +23,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
-from proxy.ingress.front import Ingress, Resolver, WorkerPlacement, post_responses
+from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
@@ -238,7 +238,7 @@ class Server:
         """Bound (host, port) of the admin listener."""
 
     @property
-    def cluster(self) -> Any:
+    def cluster(self) -> Cluster:
         """The ingress layer's cluster (membership, forwarding)."""
         return self.ingress.cluster
 

@@ -136,6 +136,11 @@ class Answer:
     response: aiohttp.ClientResponse
 
 
+def _drop(task: asyncio.Future[aiohttp.ClientResponse]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
+
+
 async def _body_once(body: bytes, sent: asyncio.Event) -> AsyncIterator[bytes]:
     sent.set()  # aiohttp asks for the body only after the owner's 100 Continue
     yield body
@@ -198,10 +203,9 @@ async def send(
         except aiohttp.ClientError as exc:  # a read timeout after the body, a broken answer
             raise PeerError(str(exc) or type(exc).__name__) from None
         finally:
-            if not sending.done():
+            if not sending.done():  # timed out or cancelled: the answer, if one comes, is dropped
+                sending.add_done_callback(_drop)
                 sending.cancel()
-                with contextlib.suppress(BaseException):
-                    await sending
         return Answer(response.status, CIMultiDict(response.headers), response)
     raise PeerError("no connection")  # pragma: no cover - the second attempt raises or returns
 

@@ -28,7 +28,7 @@ from proxy.serve.handlers import SERVICES, Arrival, refuse, serve
 from proxy.serve.memory import MemoryRefused
 from proxy.serve.streaming import Record, new_request_id, read_body
 
-__all__ = ["CLUSTER", "Ingress", "WorkerPlacement", "Resolver", "post_responses"]
+__all__ = ["CLUSTER", "Cluster", "Ingress", "Resolver", "WorkerPlacement", "post_responses"]
 
 CLUSTER = web.AppKey("upshift_cluster", Cluster)
 """Conversation affinity: forwards a request to the process owning it (absent: serve here)."""
