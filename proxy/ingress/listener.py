@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import os
 import ssl
 import stat
@@ -35,7 +36,7 @@ from proxy import contracts
 from proxy.config import ListenerSettings
 from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
 
-__all__ = ["Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
+__all__ = ["Closed", "Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
 
 _HEAD_SCAN = 64 * 1024
 """A request head not complete within this many bytes is not tracked (no handoff for it)."""
@@ -52,6 +53,19 @@ _REFUSAL = (
     b"Retry-After: 1\r\nx-should-retry: true\r\nx-upshift-refused: max_connections\r\n"
     b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
 )
+
+
+class Closed(enum.StrEnum):
+    """Why the listener closed a connection on its own (``upshift_listener_closed_connections_total{reason}``)."""
+
+    HEADER_TIMEOUT = "header_timeout"
+    """No complete request headers within ``listener.header_timeout_seconds``."""
+    MAX_CONNECTIONS = "max_connections"
+    """Refused (503) at ``listener.max_connections``: nothing could make room."""
+    REAPED_IDLE = "reaped_idle"
+    """An idle keep-alive connection closed to admit a new one at the limit."""
+    REAPED_STALLED = "reaped_stalled"
+    """A connection stalled in its headers closed to admit a new one at the limit."""
 
 
 class Guard:
@@ -83,12 +97,12 @@ class Guard:
         stalled: GuardedHandler | None = None
         for handler in self.connections:
             if handler.reapable_idle():
-                return self._reap(handler, "reaped_idle")
+                return self._reap(handler, Closed.REAPED_IDLE)
             if stalled is None and handler.stalled_since(now) >= stall:
                 stalled = handler
-        return stalled is not None and self._reap(stalled, "reaped_stalled")
+        return stalled is not None and self._reap(stalled, Closed.REAPED_STALLED)
 
-    def _reap(self, handler: GuardedHandler, why: str) -> bool:
+    def _reap(self, handler: GuardedHandler, why: Closed) -> bool:
         del self.connections[handler]
         LISTENER_CLOSED.labels(why).inc()
         handler.force_close()
@@ -141,7 +155,7 @@ class GuardedHandler(RequestHandler):
         full = guard.open >= guard.max_connections and not self.adopted
         if full and not guard.make_room(contracts.handler_loop(self).time()):
             self._refused = True
-            LISTENER_CLOSED.labels("max_connections").inc()
+            LISTENER_CLOSED.labels(Closed.MAX_CONNECTIONS).inc()
             assert isinstance(transport, asyncio.Transport)
             transport.write(_REFUSAL)
             transport.close()
@@ -252,7 +266,7 @@ class GuardedHandler(RequestHandler):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self._between_requests():
-            LISTENER_CLOSED.labels("header_timeout").inc()
+            LISTENER_CLOSED.labels(Closed.HEADER_TIMEOUT).inc()
             self.force_close()
 
 

@@ -305,7 +305,8 @@ LISTENER_CLOSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-"""reason: header_timeout | max_connections."""
+"""reason: header_timeout | max_connections | reaped_idle | reaped_stalled
+(proxy.ingress.listener.Closed)."""
 
 WORKER_RESTARTS = Counter(
     "upshift_worker_restarts",

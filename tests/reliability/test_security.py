@@ -28,7 +28,9 @@ from proxy.core.budget import Kind
 from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
+from proxy.ingress.forward import Outcome as ForwardOutcome
 from proxy.ingress.handoff import HandoffOutcome
+from proxy.ingress.listener import Closed
 from proxy.ops.log import setup_logging
 from proxy.server import Server, split_hostport
 from tests.conftest import SidecarFactory
@@ -263,9 +265,9 @@ _LABEL_VALUES: dict[str, set[str]] = {
 }
 _VERSION_LABELS = frozenset({"version", "python"})
 _LABEL_VALUES["mode"] |= {"forwarded"}
-_LABEL_VALUES["outcome"] |= {"cut", "owner_down", "connect_timeout", "busy", "refused", "failed_before_answer"}
+_LABEL_VALUES["outcome"] |= set(ForwardOutcome)  # upshift_forwards_total (proxy/ingress/forward.py)
 _LABEL_VALUES["outcome"] |= set(HandoffOutcome)  # upshift_handoffs_total (proxy/ingress/handoff.py)
-_LABEL_VALUES["reason"] |= {"header_timeout", "max_connections"} | _LABEL_VALUES["outcome"]
+_LABEL_VALUES["reason"] |= set(Closed) | _LABEL_VALUES["outcome"]  # the listener's closes, owner misses
 _LABEL_VALUES["state"] |= {"up", "down"}
 
 
