@@ -263,8 +263,26 @@ class ClusterSettings:
     dns_refresh_seconds: float = 5.0
     """How often ``peers_dns`` is re-resolved."""
     secret_file: str = ""
-    """File holding a secret shared by the replicas; it signs the forwarding marker so owners
-    tell genuine forwards from forged ones (empty: markers unsigned)."""
+    """File holding the secret shared by the replicas (one per line: the first signs, a second
+    still verifies, for rotation). Every replica forward is signed with it (HMAC over method,
+    path, time, nonce, body digest) and an owner refuses (403) one that is not; a replica is
+    sent forwards only after it proved it holds it. Empty: forwards unsigned, peers unproven."""
+    plain_http_peers: bool = False
+    """Allow forwards between replicas over plain HTTP (``http://`` peers): they carry the apps'
+    keys, so only for loopback tests; logged. Otherwise peers must be ``https://``."""
+    peer_listen: str = ""
+    """``host:port`` of a listener for forwards from other replicas, TLS with
+    ``tls_cert_file``/``tls_key_file`` (empty: none; forwards then arrive on ``listen``)."""
+    tls_cert_file: str = ""
+    """Certificate (PEM, chain included) the peer listener presents to other replicas."""
+    tls_key_file: str = ""
+    """Private key (PEM) of ``tls_cert_file``."""
+    tls_ca_file: str = ""
+    """CA bundle (PEM) that signs the replicas' peer certificates: ``https://`` peers are
+    verified against it (``peers_dns`` then resolves to ``https://`` URLs)."""
+    tls_server_name: str = ""
+    """Name every replica's peer certificate carries, checked instead of the peer URL's host
+    (replicas are addressed by pod IP; one certificate names them all). Empty: the URL's host."""
     connect_timeout_seconds: float = 0.75
     """A forward whose owner has not accepted the request (connected and answered ``100
     Continue``) within this time is served locally, and the owner is marked down."""

@@ -8,8 +8,133 @@ internal (CI runs it at the lowest and highest allowed versions, ``.ci/constrain
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+from aiohttp import ClientRequest, ClientTimeout, UnixConnector, web
+from aiohttp.client_exceptions import UnixClientConnectorError
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server as LowServer
+
 # --- aiohttp -------------------------------------------------------------------------------
-# (accessors for aiohttp internals go in this section)
+# Checked against aiohttp 3.14.0 .. 3.14.5 (.ci/constraints-low.txt, .ci/constraints-high.txt).
+# RequestHandler state read by the hardened listener (proxy/ingress/listener.py), which
+# subclasses RequestHandler (a public class) and reads its state only through these.
+
+REQUEST_HANDLER_STATE = (
+    "_messages",
+    "_request_count",
+    "_upgraded",
+    "_request_in_progress",
+    "_message_tail",
+    "_reading_paused",
+    "_buffer_paused",
+    "_loop",
+)
+"""The ``RequestHandler`` attributes read below (the contract test checks each exists)."""
+
+
+def handler_queued(handler: RequestHandler) -> bool:
+    """Whether the handler holds parsed messages its request loop has not taken yet."""
+    return bool(handler._messages)
+
+
+def handler_last_payload(handler: RequestHandler) -> Any:
+    """The payload (``StreamReader``) of the last message parsed, ``None`` if none is queued."""
+    messages = handler._messages
+    return messages[-1][1] if messages else None
+
+
+def handler_request_count(handler: RequestHandler) -> int:
+    """Requests the handler's loop has started on this connection."""
+    return int(handler._request_count)
+
+
+def handler_upgraded(handler: RequestHandler) -> bool:
+    """Whether the connection was upgraded (a WebSocket): HTTP parsing stopped."""
+    return bool(handler._upgraded)
+
+
+def handler_in_progress(handler: RequestHandler) -> bool:
+    """Whether a request is being handled (between its headers and its answer's end)."""
+    return bool(handler._request_in_progress)
+
+
+def handler_holds_nothing_more(handler: RequestHandler) -> bool:
+    """Whether the handler holds no bytes or message beyond the current request (nothing
+    queued, no partial message, not upgraded, reading neither paused by it nor by its buffer)."""
+    return not (
+        handler._messages
+        or handler._message_tail
+        or handler._upgraded
+        or handler._reading_paused
+        or handler._buffer_paused
+    )
+
+
+def handler_loop(handler: RequestHandler) -> asyncio.AbstractEventLoop:
+    """The event loop the handler runs on."""
+    loop: asyncio.AbstractEventLoop = handler._loop
+    return loop
+
+
+def handler_arguments(server: LowServer) -> dict[str, Any]:
+    """Keyword arguments (``loop`` included) the low-level server passes every
+    ``RequestHandler`` it makes: what a protocol factory of our own must pass too."""
+    return {"loop": server._loop, **server._kwargs}
+
+
+def site_runner(site: web.BaseSite) -> web.BaseRunner:
+    """The runner a site was made for."""
+    runner: web.BaseRunner = site._runner
+    return runner
+
+
+def site_listening(site: web.BaseSite, server: asyncio.AbstractServer) -> None:
+    """Make ``server`` (created with our protocol factory) the site's listening server: the
+    runner's ``addresses`` and the site's ``stop`` then use it."""
+    site._server = server
+
+
+def site_backlog(site: web.BaseSite) -> int:
+    """The listen backlog the site was made with."""
+    return int(site._backlog)
+
+
+def send_headers_with_first_write(response: web.StreamResponse) -> None:
+    """Hold a prepared response's headers until its first body write (one write for both)."""
+    response._send_headers_immediately = False
+
+
+class CheckedUnixConnector(UnixConnector):
+    """``UnixConnector`` that checks who listens on the socket before a byte is sent.
+
+    ``check`` gets the connected socket and raises ``OSError`` to refuse it: the request then
+    fails as a refused connection does (``ClientConnectorError``), not a byte sent. Overrides
+    ``_create_connection``, the connector's one connection-making hook (no public hook sees the
+    socket before the request is written).
+    """
+
+    def __init__(self, path: str, check: Any, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.check = check
+
+    async def _create_connection(
+        self, req: ClientRequest, traces: list[Any], timeout: ClientTimeout
+    ) -> ResponseHandler:
+        proto = await super()._create_connection(req, traces, timeout)
+        transport = proto.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        try:
+            if sock is None:
+                raise OSError("no socket to check")
+            self.check(sock)
+        except OSError as exc:
+            if transport is not None:
+                transport.abort()
+            raise UnixClientConnectorError(self.path, req.connection_key, exc) from exc
+        return proto
 
 
 # --- websockets ----------------------------------------------------------------------------

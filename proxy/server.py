@@ -24,10 +24,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.reasons import Mode, Route
-from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
-from proxy.ingress.front import CLUSTER, post_responses
-from proxy.ingress.handoff import Receiver
-from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
+from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, post_responses
+from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
@@ -134,8 +132,9 @@ async def _bugs_as_openai_errors(request: web.Request, handler: Any) -> web.Stre
         return web.Response(body=json_body(body), status=500, content_type="application/json")
 
 
-def build_app(services: Services) -> web.Application:
-    """The API application (``listen``): ``/v1/responses`` and a relay for the rest of ``/v1``."""
+def build_app(services: Services, ingress: Ingress | None = None) -> web.Application:
+    """The API application (``listen``): ``/v1/responses`` and a relay for the rest of ``/v1``
+    (with ``ingress``: routed through its cluster, and its peer proof answered)."""
     # The body limit is enforced by handlers.read_body while reading; aiohttp's own limit would
     # answer its own 413 shape, so it is set above ours.
     app = web.Application(
@@ -144,6 +143,8 @@ def build_app(services: Services) -> web.Application:
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)
     app.router.add_get("/v1/responses", _get_responses)
+    if ingress is not None:
+        ingress.install(app)
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     app.router.add_route("*", "/{tail:.*}", _not_found)
 
@@ -206,7 +207,7 @@ class Server:
             hot_seconds=m.hot_prefix_seconds,
         )
         keys = KeySource(settings.api_key)
-        self.cluster = Cluster(settings, worker=worker, resolver=resolver)
+        self.ingress = Ingress(settings, worker=worker, resolver=resolver)
         self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
         limits = settings.limits
         self.services.memory = MemoryGate(
@@ -216,10 +217,10 @@ class Server:
             wait_seconds=limits.memory_wait_seconds,
             max_body_bytes=limits.max_body_bytes,
         )
-        api_app = build_app(self.services)
-        api_app[CLUSTER] = self.cluster
-        api_app.on_response_prepare.append(self._mark_owner)
+        api_app = build_app(self.services, self.ingress)
         self.guard = Guard(settings.listener)
+        self.admin_guard = Guard(settings.listener)
+        """The admin listener's own count under the same limits (issue 21: no plain site)."""
         self._api = web.AppRunner(
             api_app,
             keepalive_timeout=settings.listener.keepalive_seconds,
@@ -230,43 +231,33 @@ class Server:
             handle_signals=False,
             read_bufsize=_READ_BUFSIZE,
         )
-        self._admin = web.AppRunner(make_admin_app(self.lifecycle), access_log=None, handle_signals=False)
+        self._admin = web.AppRunner(
+            make_admin_app(self.lifecycle),
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=settings.listener.keepalive_seconds,
+        )
         self.api_address: tuple[str, int] = ("", 0)
         """Bound (host, port) of the API listener."""
         self.admin_address: tuple[str, int] = ("", 0)
         """Bound (host, port) of the admin listener."""
-        self._handoffs: Receiver | None = None
 
-    async def _mark_owner(self, request: web.Request, response: web.StreamResponse) -> None:
-        self.cluster.on_prepare(request, response)
+    @property
+    def cluster(self) -> Cluster:
+        """The ingress layer's cluster (membership, forwarding)."""
+        return self.ingress.cluster
 
     async def start(self) -> None:
         """Bind both listeners, then mark the sidecar ready."""
-        await self.cluster.start()
         await self._admin.setup()
         if self.admin_path is not None:
-            await web.UnixSite(self._admin, self.admin_path).start()
+            await HardenedUnixSite(self._admin, self.admin_path, self.admin_guard).start()
         else:
             host, port = split_hostport(self.settings.admin_listen)
-            admin = web.TCPSite(self._admin, host, port)
-            await admin.start()
+            await HardenedTCPSite(self._admin, host, port, self.admin_guard).start()
             self.admin_address = _bound(self._admin)
         await self._api.setup()
-        host, port = split_hostport(self.settings.listen)
-        await HardenedTCPSite(self._api, host, port, self.guard, reuse_port=self.worker is not None).start()
-        self.api_address = _bound(self._api)
-        if self.worker is not None:
-            await HardenedUnixSite(self._api, self.worker.sockets[self.worker.index], self.guard).start()
-            if self.settings.cluster.handoff and self.worker.handoffs:
-                self._handoffs = Receiver(
-                    self.worker.handoffs[self.worker.index],
-                    protocol_factory(self._api, self.guard, adopted=True),
-                    self.guard,
-                    max_prefix=self.settings.limits.max_body_bytes,
-                    sessions=self.settings.cluster.max_forwards_per_peer * max(self.worker.count - 1, 1),
-                    timeout=2 * self.settings.cluster.connect_timeout_seconds + 1.0,
-                )
-                await self._handoffs.start()
+        self.api_address = await self.ingress.start(self._api, self.guard)
         self.lifecycle.mark_ready()
         if self.worker is not None:
             log.info("upshift worker %d listening on %s:%d", self.worker.index, *self.api_address)
@@ -278,14 +269,13 @@ class Server:
         grace period, relays and upstream sockets close with 1001, then the admin listener stops.
         """
         self.lifecycle.mark_draining()
-        if self._handoffs is not None:
-            await self._handoffs.close()  # senders fall back to forwarding or serve locally
+        await self.ingress.stop_handoffs()  # senders fall back to forwarding or serve locally
         cutter = asyncio.create_task(self._cut_streams_at_grace())
         try:
             await self._api.cleanup()
         finally:
             cutter.cancel()
-            await self.cluster.close()
+            await self.ingress.close()
         await self._admin.cleanup()
 
     async def _cut_streams_at_grace(self) -> None:
@@ -327,16 +317,12 @@ async def serve(server: Server, *, name: str = "", stop: asyncio.Event | None = 
 def run(settings: Settings) -> int:
     """Serve until SIGTERM or SIGINT, drain, and return the exit code (0).
 
-    With ``workers`` above 1 this process becomes the supervisor of that many workers
-    (:mod:`proxy.ingress.workers`). On uvloop when it is installed (a default dependency on CPython
-    outside Windows), else on asyncio's own loop; the choice is logged and exported as
+    One process (``workers`` above 1 is the supervisor's, :func:`proxy.ingress.workers.supervise`,
+    which the command line chooses). On uvloop when it is installed (a default dependency on
+    CPython outside Windows), else on asyncio's own loop; the choice is logged and exported as
     ``upshift_build_info``.
     """
     setup_logging(settings.logging)
-    if settings.workers > 1:
-        from proxy.ingress.workers import supervise
-
-        return supervise(settings)
     BUILD_INFO.labels(_version(), loop_name(), platform.python_version()).set(1)
     return run_loop(serve(Server(settings)))
 

@@ -3,9 +3,163 @@ message when aiohttp or websockets changes what the accessor relies on."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import os
+import socket
+import tempfile
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
 import proxy.contracts
+from proxy import contracts
+from proxy.config import ListenerSettings
+from proxy.ingress.listener import Guard, HardenedTCPSite, protocol_factory
 
 # --- aiohttp -------------------------------------------------------------------------------
+
+AIOHTTP = f"aiohttp {aiohttp.__version__}"
+
+
+async def _hello(request: web.Request) -> web.Response:
+    await request.read()
+    return web.Response(text="hi")
+
+
+@pytest.fixture
+async def runner() -> AsyncIterator[web.AppRunner]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", _hello)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    yield runner
+    await runner.cleanup()
+
+
+def _request(body: bytes = b"x") -> bytes:
+    return b"POST /a HTTP/1.1\r\nHost: t\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+async def test_request_handler_state(runner: web.AppRunner) -> None:
+    """The RequestHandler privates the listener reads: queued messages and their payloads, the
+    request count, in progress, upgraded, and the 'holds nothing more' set."""
+    slots = {name for cls in RequestHandler.__mro__ for name in getattr(cls, "__slots__", ())}
+    for name in contracts.REQUEST_HANDLER_STATE:
+        assert name in slots, f"{AIOHTTP}: RequestHandler.{name} is gone (proxy/contracts.py reads it)"
+    ours, theirs = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    transport, handler = await loop.connect_accepted_socket(protocol_factory(runner, Guard(ListenerSettings())), ours)
+    try:
+        assert isinstance(handler, RequestHandler)
+        assert contracts.handler_loop(handler) is loop
+        assert not contracts.handler_queued(handler) and contracts.handler_last_payload(handler) is None
+        assert contracts.handler_holds_nothing_more(handler) and not contracts.handler_in_progress(handler)
+        before = contracts.handler_request_count(handler)
+        handler.data_received(_request(b"one") + _request(b"two"))  # pipelined: two messages queued
+        assert contracts.handler_queued(handler), f"{AIOHTTP}: parsed messages are no longer in _messages"
+        payload = contracts.handler_last_payload(handler)
+        assert isinstance(payload, aiohttp.StreamReader) and payload.is_eof()
+        assert not contracts.handler_holds_nothing_more(handler)
+        theirs.setblocking(False)
+        for _ in range(200):  # the handler loop takes both and answers them
+            await asyncio.sleep(0.01)
+            if contracts.handler_request_count(handler) == before + 2 and not contracts.handler_queued(handler):
+                break
+        assert contracts.handler_request_count(handler) == before + 2, f"{AIOHTTP}: _request_count not counted"
+        assert not contracts.handler_upgraded(handler)
+    finally:
+        transport.close()
+        theirs.close()
+
+
+async def test_handler_arguments_make_a_handler(runner: web.AppRunner) -> None:
+    assert runner.server is not None
+    arguments = contracts.handler_arguments(runner.server)
+    assert arguments["loop"] is asyncio.get_running_loop()
+    RequestHandler(runner.server, **arguments)  # accepted as RequestHandler's own keywords
+
+
+async def test_site_internals(runner: web.AppRunner) -> None:
+    """A site of ours registers with the runner, lists its address and stops its server."""
+    site = HardenedTCPSite(runner, "127.0.0.1", 0, Guard(ListenerSettings()))
+    assert contracts.site_runner(site) is runner and contracts.site_backlog(site) == 1024
+    await site.start()
+    address = next(a for a in runner.addresses if isinstance(a, tuple))
+    assert address[1] == site.port != 0, f"{AIOHTTP}: runner.addresses no longer reads site._server"
+    async with aiohttp.ClientSession() as session, session.post(f"http://127.0.0.1:{site.port}/x") as resp:
+        assert resp.status == 200
+    await site.stop()
+    with pytest.raises(aiohttp.ClientConnectorError):
+        async with aiohttp.ClientSession() as session:
+            await session.get(f"http://127.0.0.1:{site.port}/x")
+
+
+async def test_headers_go_with_the_first_write(runner: web.AppRunner) -> None:
+    assert getattr(web.StreamResponse(), "_send_headers_immediately", None) is True, AIOHTTP
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        contracts.send_headers_with_first_write(response)
+        await response.prepare(request)
+        assert request.transport is not None
+        writes.append(request.transport.get_write_buffer_size())
+        await response.write(b"body")
+        return response
+
+    writes: list[int] = []
+    app = web.Application()
+    app.router.add_get("/", stream)
+    client_runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await client_runner.setup()
+    site = web.TCPSite(client_runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(a for a in client_runner.addresses if isinstance(a, tuple))[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+    first = await reader.read(65536)
+    writer.close()
+    await client_runner.cleanup()
+    assert first.startswith(b"HTTP/1.1 200") and b"body" in first  # headers and body in one write
+
+
+async def test_checked_unix_connector_checks_before_a_byte_is_sent() -> None:
+    assert "_create_connection" in vars(aiohttp.UnixConnector), f"{AIOHTTP}: UnixConnector._create_connection gone"
+    params = list(inspect.signature(aiohttp.UnixConnector._create_connection).parameters)
+    assert params == ["self", "req", "traces", "timeout"], f"{AIOHTTP}: _create_connection{params}"
+    received: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.read(65536))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    folder = tempfile.mkdtemp()
+    path = os.path.join(folder, "s.sock")
+    server = await asyncio.start_unix_server(serve, path)
+    seen: list[int] = []
+
+    def refuse(sock: socket.socket) -> None:
+        seen.append(sock.fileno())
+        raise OSError("not ours")
+
+    try:
+        async with aiohttp.ClientSession(connector=contracts.CheckedUnixConnector(path, refuse)) as session:
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await session.get("http://localhost/x")
+        await asyncio.sleep(0.05)
+        assert seen and received in ([], [b""]), received  # checked, and not a byte was sent
+        async with aiohttp.ClientSession(connector=contracts.CheckedUnixConnector(path, seen.append)) as session:
+            async with session.get("http://localhost/x") as resp:
+                assert resp.status == 200 and await resp.read() == b"ok"
+    finally:
+        server.close()
+        os.unlink(path)
+        os.rmdir(folder)
 
 
 # --- websockets ----------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def _load_kustomize(directory: str) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
     for sub in ("base", directory):
         for path in sorted((K8S / sub).glob("*.yaml")):
-            if path.name not in ("kustomization.yaml", "secret.yaml"):
+            if path.name not in ("kustomization.yaml", "secret.yaml", "peer-secrets.yaml"):
                 docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
     return docs
 
@@ -242,29 +242,56 @@ def test_gateway(gateway_docs: list[dict[str, Any]]) -> None:
     assert service["spec"]["selector"].items() <= labels.items()
     # The Services expose the API only, never the admin port.
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
-    # The peer set: a headless Service of the ready replicas, wired into cluster.peers_dns,
-    # with each replica named by its pod IP (never by its listen address).
+    # The peer set: a headless Service of the ready replicas' TLS peer listeners, wired into
+    # cluster.peers_dns, with each replica named by its pod IP (never by its listen address).
     assert peers["spec"]["clusterIP"] == "None" and not peers["spec"].get("publishNotReadyAddresses", False)
     assert peers["spec"]["selector"].items() <= labels.items()
-    assert [p["targetPort"] for p in peers["spec"]["ports"]] == ["http"]
+    assert [p["targetPort"] for p in peers["spec"]["ports"]] == ["peer"]
     port = peers["spec"]["ports"][0]["port"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["peer"] == port and env["UPSHIFT_CLUSTER_PEER_LISTEN"] == f"0.0.0.0:{port}"
     assert env["UPSHIFT_CLUSTER_PEERS_DNS"] == f"upshift-gateway-peers:{port}"
-    assert env["UPSHIFT_CLUSTER_SELF_URL"] == f"http://$(POD_IP):{port}"
+    assert env["UPSHIFT_CLUSTER_SELF_URL"] == f"https://$(POD_IP):{port}"  # TLS by default
+    assert "UPSHIFT_CLUSTER_PLAIN_HTTP_PEERS" not in env
     pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     names = [e["name"] for e in container["env"]]
     assert names.index("POD_IP") < names.index("UPSHIFT_CLUSTER_SELF_URL")  # $(POD_IP) expands
     assert int(env["UPSHIFT_WORKERS"]) >= 1
-    # The API port: only the apps' namespace and the peers; the admin port for scrapes.
+    # Peers prove who they are: the certificate, its CA and the HMAC secret come from Secrets
+    # mounted read-only, and the settings point at the mounted files.
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    templates = {
+        d["metadata"]["name"]: d for d in yaml.safe_load_all((K8S / "gateway" / "peer-secrets.yaml").read_text())
+    }
+    files = {
+        "UPSHIFT_CLUSTER_TLS_CERT_FILE": "tls.crt",
+        "UPSHIFT_CLUSTER_TLS_KEY_FILE": "tls.key",
+        "UPSHIFT_CLUSTER_TLS_CA_FILE": "ca.crt",
+        "UPSHIFT_CLUSTER_SECRET_FILE": "secret",
+    }
+    for variable, key in files.items():
+        folder, _, name = env[variable].rpartition("/")
+        assert name == key
+        (mount,) = [m for m in mounts.values() if m["mountPath"] == folder]
+        assert mount["readOnly"] is True
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["defaultMode"] == 0o440
+        assert key in templates[secret["secretName"]]["stringData"]
+        assert "placeholder" in templates[secret["secretName"]]["stringData"][key].lower()
+    assert pod["securityContext"]["fsGroup"] == container["securityContext"]["runAsGroup"]
+    assert env["UPSHIFT_CLUSTER_TLS_SERVER_NAME"] == peers["metadata"]["name"]
+    # The API port: only the apps' namespace; the peer port: only the gateway's own Pods; the
+    # admin port: only the monitoring namespace.
     policy = _one(gateway_docs, "NetworkPolicy")["spec"]
     assert policy["podSelector"]["matchLabels"].items() <= labels.items()
-    api_rule, admin_rule = policy["ingress"]
-    assert [p["port"] for p in api_rule["ports"]] == ["http"]
-    sources = api_rule["from"]
-    assert {"namespaceSelector": {"matchLabels": {"upshift.io/gateway-client": "true"}}} in sources
-    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "upshift-gateway"}}} in sources
-    assert len(sources) == 2
-    assert [p["port"] for p in admin_rule["ports"]] == ["admin"]
+    rules = {r["ports"][0]["port"]: r for r in policy["ingress"]}
+    assert sorted(rules) == ["admin", "http", "peer"] and all(len(r["ports"]) == 1 for r in rules.values())
+    assert rules["http"]["from"] == [{"namespaceSelector": {"matchLabels": {"upshift.io/gateway-client": "true"}}}]
+    assert rules["peer"]["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "upshift-gateway"}}}]
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert rules["admin"]["from"] == [monitoring]
     assert _one(gateway_docs, "ConfigMap")["data"]["config.yaml"] == (ROOT / "config.yaml").read_text()
 
 

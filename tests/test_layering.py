@@ -52,3 +52,116 @@ def test_emulator_never_imports_the_sidecars_matching_code() -> None:
         names = _imports(path)
         bad = {n for n in names if n.startswith(("proxy.core", "proxy.upstream.pool", "proxy.serve.handlers"))}
         assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+# -- the layers of proxy/ (issue 19) -----------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in (ROOT / "proxy").rglob("*.py")}
+
+
+def _edges(name: str) -> set[str]:
+    """Every proxy module ``name`` imports: at the top, inside functions (lazy), or by
+    ``importlib.import_module("...")`` with a literal name."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in MODULES else node.module)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if called == "import_module" and isinstance(node.args[0].value, str):
+                found.add(node.args[0].value)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _edges(name) for name in MODULES}
+SHELLS = ("proxy.ingress", "proxy.serve", "proxy.upstream", "proxy.ops", "proxy.emulator")
+SHELL_TOPS = {"proxy.server", "proxy.cli", "proxy.loop", "proxy.config", "proxy.contracts", "proxy.__main__"}
+
+
+def _is_shell(module: str) -> bool:
+    return module in SHELL_TOPS or module.startswith(tuple(s + "." for s in SHELLS)) or module in SHELLS
+
+
+def test_the_graph_sees_lazy_imports() -> None:
+    assert "proxy.server" in GRAPH["proxy.ingress.workers"]  # inside _serve_worker
+    assert "proxy.ops.demo" in GRAPH["proxy.cli"]  # importlib.import_module("proxy.ops.demo")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("proxy.core")))
+def test_core_imports_no_shell_module(module: str) -> None:
+    bad = {m for m in GRAPH[module] if _is_shell(m) or m.startswith("proxy.wire")}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("proxy.wire")))
+def test_wire_imports_neither_core_nor_shells(module: str) -> None:
+    bad = {m for m in GRAPH[module] if not m.startswith("proxy.wire")}
+    assert not bad, f"{module} imports {sorted(bad)}"
+    third = {n.split(".")[0] for n in _imports(MODULES[module])} - {"__future__", "dataclasses", "proxy"}
+    assert not third & {"asyncio", "aiohttp", "websockets", "socket"}, f"{module}: a codec does no I/O"
+
+
+CLUSTER_WING = {
+    "proxy.ingress.cluster",
+    "proxy.ingress.forward",
+    "proxy.ingress.handoff",
+    "proxy.ingress.peerauth",
+    "proxy.ingress.workers",
+}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("proxy.ingress")))
+def test_only_ingress_imports_the_cluster_handoff_or_workers(module: str) -> None:
+    bad = GRAPH[module] & CLUSTER_WING
+    if module == "proxy.cli":
+        bad -= {"proxy.ingress.workers"}  # the command line chooses the supervisor or the server
+    assert not bad, f"{module} imports {sorted(bad)} (go through proxy.ingress.front)"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle_anywhere_in_proxy() -> None:
+    cycles = _cycles(GRAPH)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_the_old_circle() -> None:
+    """server.py importing workers (lazily, for --workers) as workers imports server was a circle."""
+    graph = {k: set(v) for k, v in GRAPH.items()}
+    graph["proxy.server"].add("proxy.ingress.workers")
+    found = _cycles(graph)
+    assert any({"proxy.server", "proxy.ingress.workers"} <= set(c) for c in found), found

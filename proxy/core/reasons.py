@@ -15,6 +15,7 @@ __all__ = [
     "ForwardOutcome",
     "ForwardReason",
     "Hit",
+    "ListenerClose",
     "MemoryRefusal",
     "MissReason",
     "Mode",
@@ -176,15 +177,31 @@ class ForwardOutcome(enum.StrEnum):
     CUT = "cut"
     """The owner's answer started, then its connection broke."""
     OWNER_DOWN = "owner_down"
-    """Connecting failed (refused, unreachable): served locally, owner skipped for a while."""
+    """Connecting failed (refused, unreachable, not one of ours): served locally, owner skipped."""
     CONNECT_TIMEOUT = "connect_timeout"
     """No connection or no ``100 Continue`` within the connect timeout."""
     BUSY = "busy"
     """The per-peer limit stayed full for the connect timeout."""
     REFUSED = "refused"
-    """A 5xx not from an upshift request path, or the owner's listener was full."""
+    """A 5xx not from an upshift request path, the owner's listener was full, or the owner
+    refused the forward as unauthenticated (403)."""
     FAILED_BEFORE_ANSWER = "failed_before_answer"
     """The owner accepted the request, then its connection broke before any answer."""
+    UNPROVEN = "unproven"
+    """The peer could not prove it holds the cluster secret: it is sent nothing."""
+
+
+class ListenerClose(enum.StrEnum):
+    """Why the listener closed a connection on its own (``upshift_listener_closed_connections_total{reason}``)."""
+
+    HEADER_TIMEOUT = "header_timeout"
+    """No complete request headers within ``listener.header_timeout_seconds``."""
+    MAX_CONNECTIONS = "max_connections"
+    """Refused (503) at ``listener.max_connections``: nothing could make room."""
+    REAPED_IDLE = "reaped_idle"
+    """An idle keep-alive connection closed to admit a new one at the limit."""
+    REAPED_STALLED = "reaped_stalled"
+    """A connection stalled in its headers closed to admit a new one at the limit."""
 
 
 Reason: TypeAlias = Hit | MissReason | PassthroughReason | ReplayCause | ForwardReason

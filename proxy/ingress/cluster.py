@@ -4,8 +4,8 @@ Every process computes the owner of a ``POST /v1/responses`` from its body alone
 (:mod:`proxy.core.affinity`), at two levels: first the *replica* (rendezvous over
 ``cluster.peers`` or the addresses of ``cluster.peers_dns``), then, on a machine running
 ``--workers N``, the *worker* (rendezvous over the N workers). A request on the wrong process is
-forwarded, as its raw bytes, to the owner's API listener (a replica's URL, or a worker's
-private unix socket) and the answer is streamed back unchanged, so the owner's conversation
+forwarded (aiohttp's client, :mod:`proxy.ingress.forward`) to the owner's listener (a
+replica's URL, or a worker's private unix socket) and the answer is streamed back unchanged, so the owner's conversation
 heads keep continuing it.
 
 Rules:
@@ -14,11 +14,15 @@ Rules:
   with that header is never forwarded to another replica again, whatever the receiver thinks
   of membership. A worker forward arrives on the private socket and is never forwarded again.
   So a request makes at most two hops (replica, then worker).
-* **The marker grants nothing.** It only turns forwarding off, so a marker forged by an app just
-  gets its request served where it landed, as without a cluster. With ``cluster.secret_file``
-  the forwarder signs it (HMAC-SHA256 over the hop id), so owners count genuine forwards apart
-  from forged ones (``upshift_forwards_received_total{verified}``); it is honoured either way,
-  which is what keeps a secret mismatch between replicas from ever causing a loop.
+* **Peers prove who they are** (:mod:`proxy.ingress.peerauth`). With ``cluster.secret_file``
+  every replica forward is signed (an HMAC over method, path, time, nonce and body digest) and
+  an owner refuses (403, counted in ``upshift_forwards_received_total{verified="false"}``) a
+  marked request that is not; a replica is sent a forward only after it proved it holds the
+  secret, so a process that merely got into the peer set receives no traffic. Forwards go over
+  TLS (``https://`` peers, verified against ``cluster.tls_ca_file``; the owner's
+  ``cluster.peer_listen`` serves ``cluster.tls_cert_file``); plain HTTP between replicas needs
+  ``cluster.plain_http_peers: true`` (loopback tests), said in the log. Without a secret the
+  marker only turns forwarding off, so a forged one gets its request served where it landed.
 * **An owner that is down or slow is skipped.** The owner must accept the forward (connect,
   then answer ``Expect: 100-continue``: proof that its event loop runs) within
   ``cluster.connect_timeout_seconds``; otherwise it is marked down for ``cluster.down_seconds``
@@ -42,27 +46,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import hashlib
-import hmac
 import logging
 import socket
+import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-import orjson
+import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
 from proxy.core.reasons import ForwardOutcome, ForwardReason, Mode
-from proxy.core.sse import encode_event, nested_error
-from proxy.errors import ConfigError, UpstreamClosed
+from proxy.errors import ConfigError
+from proxy.ingress.forward import (
+    OWNER_HEADER,
+    REFUSED_HEADER,
+    Level,
+    Peer,
+    PeerError,
+    relay,
+    replica_peer,
+    send,
+    worker_peer,
+)
 from proxy.ingress.handoff import HANDED_OFF, Handoff, HandoffOutcome, arrived_by_handoff
+from proxy.ingress.peerauth import CHALLENGE_HEADER, PROOF_HEADER, PROOF_PATH, PROOF_SECONDS, PeerAuth
+from proxy.ingress.private import Trust, check_peer
 from proxy.ops.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
 from proxy.serve.identity import Identity
 from proxy.serve.streaming import Record, json_body
@@ -82,41 +96,38 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MARKER = "x-upshift-forwarded"
-"""Request header of a replica forward: ``replica;<hop id>;<signature or empty>``."""
-OWNER_HEADER = "x-upshift-owner"
-"""Response header an owner adds to every answer to a forwarded request."""
-REFUSED_HEADER = "x-upshift-refused"
-"""Response header of the listener's own refusal (``max_connections``)."""
+"""Request header of a replica forward: ``replica;<hop>;<time>;<nonce>;<signature>``."""
 
-_HOP_BY_HOP = HOP_BY_HOP
-_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect", MARKER}
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect", MARKER}
 """``content-encoding``: aiohttp already decoded the body that is forwarded."""
-_RESPONSE_DROP = _HOP_BY_HOP | {"content-length", "date", "server"}
-_IDLE_KEEP_SECONDS = 20.0
-"""An idle forwarding connection older than this is closed instead of reused (owners close
-keep-alive connections after ``listener.keepalive_seconds``)."""
-_MAX_JSON_ANSWER = 512 * 1024 * 1024
-
-
-class Level(enum.StrEnum):
-    """Where a forward goes."""
-
-    REPLICA = "replica"
-    WORKER = "worker"
+_REFUSAL_BODY = {
+    "error": {
+        "message": "This forward is not signed with the cluster secret.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "forward_unauthenticated",
+    }
+}
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """``(host, port) -> peer base URLs``: how ``cluster.peers_dns`` is resolved."""
 
 
-async def resolve_peers(host: str, port: int) -> list[str]:
-    """The addresses of ``host`` as peer base URLs (``http://10.1.2.3:8080``, ``http://[fd00::1]:8080``)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    urls = set()
-    for family, _, _, _, address in infos:
-        ip = str(address[0])
-        urls.add(f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}")
-    return sorted(urls)
+def _resolver(scheme: str) -> Resolver:
+    async def resolve(host: str, port: int) -> list[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        urls = set()
+        for family, _, _, _, address in infos:
+            ip = str(address[0])
+            urls.add(f"{scheme}://[{ip}]:{port}" if family == socket.AF_INET6 else f"{scheme}://{ip}:{port}")
+        return sorted(urls)
+
+    return resolve
+
+
+resolve_peers = _resolver("http")
+"""The addresses of ``host`` as peer base URLs (``http://10.1.2.3:8080``, ``http://[fd00::1]:8080``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,80 +137,20 @@ class WorkerPlacement:
     index: int
     """This worker (0..count-1)."""
     sockets: tuple[str, ...]
-    """Private API socket of every worker (unix paths; a leading NUL is an abstract name)."""
+    """Private API socket of every worker (filesystem paths in a 0700 runtime directory)."""
     handoffs: tuple[str, ...] = ()
     """Private handoff socket of every worker (:mod:`proxy.ingress.handoff`; empty: no handoffs)."""
+    supervisor: int = 0
+    """Pid of the supervisor: its children are the workers this one trusts on private sockets
+    (0: only this process itself, workers run in one process by tests)."""
 
     @property
     def count(self) -> int:
         return len(self.sockets)
 
-
-class _PeerError(Exception):
-    """The owner's connection failed or misbehaved."""
-
-
-class _Conn:
-    __slots__ = ("idle_since", "reader", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.idle_since = 0.0
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
-
-
-@dataclass(slots=True)
-class _Peer:
-    name: str
-    level: Level
-    host_header: bytes
-    connect: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
-    slots: asyncio.Semaphore
-    down_until: float = 0.0
-    idle: list[_Conn] = field(default_factory=list)
-
-    def close(self) -> None:
-        for conn in self.idle:
-            conn.close()
-        self.idle.clear()
-
-
-@dataclass(slots=True)
-class _Answer:
-    status: int
-    reason: bytes
-    headers: CIMultiDict[str]
-    conn: _Conn
-    reusable: bool
-
-
-def _replica_peer(url: str, limit: int) -> _Peer:
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-
-    def connect() -> Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        return asyncio.open_connection(host, port)
-
-    return _Peer(url, Level.REPLICA, parts.netloc.encode(), connect, asyncio.Semaphore(limit))
-
-
-def _worker_peer(index: int, path: str, limit: int) -> _Peer:
-    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        # Connected by hand: uvloop refuses abstract names (a leading NUL) in open_unix_connection.
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.get_running_loop().sock_connect(sock, path)
-        except BaseException:
-            sock.close()
-            raise
-        return await asyncio.open_unix_connection(sock=sock)
-
-    return _Peer(f"worker-{index}", Level.WORKER, b"localhost", connect, asyncio.Semaphore(limit))
+    @property
+    def trust(self) -> Trust:
+        return Trust(supervisor=self.supervisor)
 
 
 def arrived_privately(request: web.BaseRequest) -> bool:
@@ -211,6 +162,16 @@ def arrived_privately(request: web.BaseRequest) -> bool:
     if transport is None:
         return False
     return isinstance(transport.get_extra_info("sockname"), str | bytes)
+
+
+def _tls_client(settings: Settings) -> ssl.SSLContext | None:
+    ca = settings.cluster.tls_ca_file
+    if not ca:
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cluster.tls_ca_file: cannot load {ca}: {exc}") from None
 
 
 class Cluster:
@@ -229,27 +190,39 @@ class Cluster:
         self.settings = settings
         self.self_url = c.self_url.rstrip("/")
         self.worker = worker
-        self.resolver: Resolver = resolver or resolve_peers
+        self._tls = _tls_client(settings)
+        self.resolver: Resolver = resolver or _resolver("https" if self._tls is not None else "http")
         self._timeout = c.connect_timeout_seconds
         self._idle = settings.timeouts.stream_idle_seconds
         self._limit = c.max_forwards_per_peer
-        self._secret = b""
+        self.auth = PeerAuth()
         self._members: tuple[str, ...] = ()
-        self._replicas: dict[str, _Peer] = {}
-        self._workers: dict[str, _Peer] = {}
+        self._replicas: dict[str, Peer] = {}
+        self._workers: dict[str, Peer] = {}
         self._worker_names: tuple[str, ...] = ()
         self._refresh: asyncio.Task[None] | None = None
         self._websocket = settings.mode == "websocket"
         self._handoff: Handoff | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self.received: Counter[str] = Counter()
+        """Replica forwards this cluster received, by marker check (``true``/``false``/``unsigned``):
+        the metric's count for this instance alone (in-process replicas share the registry)."""
+        self.sent: Counter[ForwardOutcome] = Counter()
+        """Forwards this cluster sent, by outcome (likewise)."""
         if c.peers:
             self.set_members(peer_urls(c.peers))
         if worker is not None and worker.count > 1:
+            trust = worker.trust
+
+            def check(sock: Any) -> None:
+                check_peer(sock, trust)
+
             self._worker_names = tuple(f"worker-{i}" for i in range(worker.count))
             for i, path in enumerate(worker.sockets):
                 if i != worker.index:
-                    self._workers[f"worker-{i}"] = _worker_peer(i, path, self._limit)
+                    self._workers[f"worker-{i}"] = worker_peer(i, path, self._limit, check)
             if c.handoff and len(worker.handoffs) == worker.count:
-                self._handoff = Handoff(worker.handoffs, self._limit, self._timeout)
+                self._handoff = Handoff(worker.handoffs, self._limit, self._timeout, trust)
         self._gauges()
 
     def _gauges(self) -> None:
@@ -261,7 +234,7 @@ class Cluster:
             CLUSTER_PEERS.labels("worker", "up").set_function(lambda: self._count(self._workers, up=True))
             CLUSTER_PEERS.labels("worker", "down").set_function(lambda: self._count(self._workers, up=False))
 
-    def _count(self, peers: dict[str, _Peer], *, up: bool) -> float:
+    def _count(self, peers: dict[str, Peer], *, up: bool) -> float:
         now = time.monotonic()
         down = sum(1 for p in peers.values() if p.down_until > now)
         total = len(peers) + (1 if (peers is self._replicas and self.self_url in self._members) else 0)
@@ -286,35 +259,56 @@ class Cluster:
             return
         log.info("cluster peers: %d (%s)", len(members), ", ".join(members))
         for name in set(self._replicas) - set(members):
-            self._replicas.pop(name).close()
+            self._close_later(self._replicas.pop(name))
         for name in members:
             if name != self.self_url and name not in self._replicas:
-                self._replicas[name] = _replica_peer(name, self._limit)
+                self._replicas[name] = replica_peer(name, self._limit, self._tls, self.settings.cluster.tls_server_name)
         self._members = members
+
+    def _close_later(self, peer: Peer) -> None:
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing was ever opened
+            task = asyncio.get_running_loop().create_task(peer.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Read the secret, resolve ``peers_dns`` once, start its refresh."""
+        """Read the secrets, check the transport, resolve ``peers_dns`` once, start its refresh.
+
+        Raises:
+            ConfigError: an unreadable secret file, or replicas over plain HTTP without
+                ``cluster.plain_http_peers``.
+        """
         c = self.settings.cluster
-        if c.secret_file:
-            try:
-                with open(c.secret_file, "rb") as fh:
-                    self._secret = fh.read().strip()
-            except OSError as exc:
-                raise ConfigError(f"cluster.secret_file: cannot read {c.secret_file}: {exc.strerror or exc}") from None
+        self.auth = PeerAuth.load(c.secret_file)
+        if c.peers or c.peers_dns:
+            plain = [u for u in (peer_urls(c.peers) if c.peers else ()) if u.startswith("http://")]
+            if c.peers_dns and self._tls is None:
+                plain.append(f"http://{c.peers_dns}")
+            if plain and not c.plain_http_peers:
+                raise ConfigError(
+                    "cluster: forwards between replicas carry the apps' keys; use https:// peers "
+                    "(cluster.tls_ca_file, cluster.tls_cert_file, cluster.peer_listen) or set "
+                    f"cluster.plain_http_peers: true (loopback tests only): {', '.join(plain)}"
+                )
+            if plain:
+                log.warning("cluster: forwards between replicas travel as plain HTTP (cluster.plain_http_peers)")
+            if not self.auth.enabled:
+                log.warning("cluster: no cluster.secret_file: replicas do not authenticate each other")
         if c.peers_dns:
             await self._resolve()
             self._refresh = asyncio.create_task(self._refresh_loop())
 
     async def close(self) -> None:
-        """Stop the refresh and close idle forwarding connections."""
+        """Stop the refresh and close forwarding connections."""
         if self._refresh is not None:
             self._refresh.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresh
         for peer in [*self._replicas.values(), *self._workers.values()]:
-            peer.close()
+            await peer.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def _resolve(self) -> None:
         host, port = parse_hostport(self.settings.cluster.peers_dns)
@@ -331,29 +325,37 @@ class Cluster:
             await asyncio.sleep(self.settings.cluster.dns_refresh_seconds)
             await self._resolve()
 
-    # -- the marker ----------------------------------------------------------------------------
-
-    def _sign(self, text: str) -> str:
-        if not self._secret:
-            return ""
-        return hmac.new(self._secret, text.encode(), hashlib.sha256).hexdigest()[:32]
-
-    def marker(self, hop: str) -> str:
-        """The ``x-upshift-forwarded`` value of a replica forward."""
-        text = f"{Level.REPLICA};{hop}"
-        return f"{text};{self._sign(text)}"
-
-    def verify(self, value: str) -> str:
-        """``true``/``false`` (signature checked against the secret) or ``unsigned``."""
-        if not self._secret:
-            return "unsigned"
-        text, _, sig = value.rpartition(";")
-        return "true" if hmac.compare_digest(self._sign(text), sig) else "false"
+    # -- the receiving side --------------------------------------------------------------------
 
     def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """Mark answers to forwarded requests, so the forwarder knows an upshift answered."""
         if MARKER in request.headers or arrived_privately(request):
             response.headers[OWNER_HEADER] = self.self_url or "1"
+
+    async def prove(self, request: web.Request) -> web.Response:
+        """``GET /.upshift/peer``: answer a replica's challenge with the proof of the secret."""
+        proof = self.auth.prove(request.headers.get(CHALLENGE_HEADER, ""))
+        if not proof:
+            return web.Response(status=404)
+        return web.Response(status=204, headers={PROOF_HEADER: proof})
+
+    def _received(self, request: web.Request, marker: str, body: bytes) -> web.Response | None:
+        """Count a replica forward received; the refusal when it is not authentic."""
+        verdict = "unsigned"
+        if self.auth.enabled:
+            verdict = "true" if self.auth.verify(marker, request.method, request.raw_path, body) else "false"
+        FORWARDS_RECEIVED.labels(Level.REPLICA, verdict).inc()
+        self.received[verdict] += 1
+        if verdict != "false":
+            return None
+        peer = request.remote or "?"
+        log.warning("cluster: refused a forward from %s that is not signed with the cluster secret", peer)
+        return web.Response(
+            body=json_body(_REFUSAL_BODY),
+            status=403,
+            content_type="application/json",
+            headers={REFUSED_HEADER: "forward_unauthenticated"},
+        )
 
     # -- the request path ------------------------------------------------------------------------
 
@@ -361,7 +363,13 @@ class Cluster:
         self, request: web.Request, body: bytes, identity: Identity, rec: Record
     ) -> web.StreamResponse | None:
         """Forward ``request`` to the owner of its conversation and return the answer, or
-        ``None`` when this process serves it (it owns it, or the owner cannot be reached)."""
+        ``None`` when this process serves it (it owns it, or the owner cannot be reached).
+        A marked request that is not authentic gets its refusal (403)."""
+        marker = request.headers.get(MARKER)
+        if marker is not None and (self.enabled or self.auth.enabled):
+            refusal = self._received(request, marker, body)
+            if refusal is not None:
+                return refusal
         if not self.enabled:
             return None
         if arrived_by_handoff(request):
@@ -369,9 +377,6 @@ class Cluster:
         if arrived_privately(request):
             FORWARDS_RECEIVED.labels(Level.WORKER, "unsigned").inc()
             return None
-        marker = request.headers.get(MARKER)
-        if marker is not None:
-            FORWARDS_RECEIVED.labels(Level.REPLICA, self.verify(marker)).inc()
         root = root_digest(body)
         if root is None:
             return None
@@ -405,6 +410,10 @@ class Cluster:
             peer = peers.get(name)
             if peer is None or peer.down_until > now:
                 continue
+            if level is Level.REPLICA and not await self._proven(peer):
+                FORWARDS.labels(level, ForwardOutcome.UNPROVEN).inc()
+                self.sent[ForwardOutcome.UNPROVEN] += 1
+                continue  # never sent a byte of the app's request: the next owner, as if down
             if level is Level.WORKER and self._handoff is not None:
                 handed = await self._handoff.offer(int(name.removeprefix("worker-")), request, body)
                 HANDOFFS.labels(handed).inc()
@@ -413,7 +422,7 @@ class Cluster:
                     return HANDED_OFF()
                 if handed in (HandoffOutcome.OWNER_DOWN, HandoffOutcome.TIMEOUT):
                     # What a forward to this owner would have found: skip it, as a forward does.
-                    self._mark_down(peer, f"handoff: {handed}")
+                    await self._mark_down(peer, f"handoff: {handed}")
                     failed = (
                         ForwardOutcome.OWNER_DOWN
                         if handed is HandoffOutcome.OWNER_DOWN
@@ -425,6 +434,7 @@ class Cluster:
                     continue
             answer, outcome = await self._forward(peer, request, body, rec)
             FORWARDS.labels(level, outcome).inc()
+            self.sent[outcome] += 1
             if answer is not None:
                 return answer
             failed = outcome
@@ -435,14 +445,53 @@ class Cluster:
             OWNER_MISSES.labels(failed).inc()
         return None
 
-    def _mark_down(self, peer: _Peer, why: str) -> None:
+    async def _proven(self, peer: Peer) -> bool:
+        """Whether ``peer`` proved it holds the cluster secret (asked at most every
+        :data:`~proxy.ingress.peerauth.PROOF_SECONDS`); always true without a secret."""
+        if not self.auth.enabled or peer.proven_until > time.monotonic():
+            return True
+        challenge = self.auth.challenge()
+        timeout = aiohttp.ClientTimeout(total=self._timeout)
+        try:
+            async with peer.client().get(
+                peer.url(PROOF_PATH),
+                headers={CHALLENGE_HEADER: challenge},
+                timeout=timeout,
+                allow_redirects=False,
+                server_hostname=peer.server_name,
+            ) as resp:
+                await resp.read()
+                proof = resp.headers.get(PROOF_HEADER, "")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            await self._mark_down(peer, f"no proof of the cluster secret: {type(exc).__name__}")
+            return False
+        if not self.auth.check_proof(challenge, proof):
+            await self._mark_down(peer, "it could not prove it holds the cluster secret")
+            return False
+        peer.proven_until = time.monotonic() + PROOF_SECONDS
+        return True
+
+    async def _mark_down(self, peer: Peer, why: str) -> None:
         if peer.down_until <= time.monotonic():
             log.warning("cluster: %s skipped for %g s (%s)", peer.name, self.settings.cluster.down_seconds, why)
         peer.down_until = time.monotonic() + self.settings.cluster.down_seconds
-        peer.close()
+        peer.proven_until = 0.0
+        await peer.close()
+
+    def _headers(self, peer: Peer, request: web.Request, body: bytes, rec: Record) -> CIMultiDict[str]:
+        listed = {h.strip().lower() for v in request.headers.getall("Connection", []) for h in v.split(",")}
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in request.raw_headers:
+            lowered = name.decode("latin-1").lower()
+            if lowered in _REQUEST_DROP or lowered in listed:
+                continue
+            headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
+        if peer.level is Level.REPLICA:
+            headers[MARKER] = self.auth.marker(request.method, request.raw_path, body, rec.request_id)
+        return headers
 
     async def _forward(
-        self, peer: _Peer, request: web.Request, body: bytes, rec: Record
+        self, peer: Peer, request: web.Request, body: bytes, rec: Record
     ) -> tuple[web.StreamResponse | None, ForwardOutcome]:
         try:
             await asyncio.wait_for(peer.slots.acquire(), self._timeout)
@@ -451,267 +500,33 @@ class Cluster:
         try:
             started = time.perf_counter()
             try:
-                answer = await self._send(peer, request, body, rec)
+                headers = self._headers(peer, request, body, rec)
+                answer = await send(peer, request, headers, body, connect=self._timeout, idle=self._idle)
             except TimeoutError:
-                self._mark_down(peer, "no answer within the connect timeout")
+                await self._mark_down(peer, "no answer within the connect timeout")
                 return None, ForwardOutcome.CONNECT_TIMEOUT
             except OSError as exc:
-                self._mark_down(peer, f"connect failed: {exc}")
+                await self._mark_down(peer, f"connect failed: {exc}")
                 return None, ForwardOutcome.OWNER_DOWN
-            except _PeerError as exc:
-                self._mark_down(peer, f"connection lost before the answer: {exc}")
+            except PeerError as exc:
+                await self._mark_down(peer, f"connection lost before the answer: {exc}")
                 return None, ForwardOutcome.FAILED_BEFORE_ANSWER
             finally:
                 rec.upstream_s += time.perf_counter() - started
-            if answer.status >= 500 and (OWNER_HEADER not in answer.headers or REFUSED_HEADER in answer.headers):
-                answer.conn.close()
-                if REFUSED_HEADER not in answer.headers:
-                    self._mark_down(peer, f"answered {answer.status} without an upshift owner")
+            upshift = OWNER_HEADER in answer.headers
+            if REFUSED_HEADER in answer.headers or (answer.status >= 500 and not upshift):
+                answer.response.close()
+                why = answer.headers.get(REFUSED_HEADER, "")
+                if why == "forward_unauthenticated":
+                    await self._mark_down(peer, "it refused our forward as unauthenticated (cluster.secret_file)")
+                elif not why:
+                    await self._mark_down(peer, f"answered {answer.status} without an upshift owner")
                 return None, ForwardOutcome.REFUSED
             rec.mode, rec.reason = Mode.FORWARDED, ForwardReason(peer.level.value)
             started = time.perf_counter()
             try:
-                return await self._relay(peer, request, answer)
+                return await relay(peer, request, answer, self._idle)
             finally:
                 rec.upstream_s += time.perf_counter() - started
         finally:
             peer.slots.release()
-
-    # -- HTTP/1.1 towards the owner ------------------------------------------------------------
-
-    def _head(self, peer: _Peer, request: web.Request, body: bytes, rec: Record) -> bytes:
-        lines = [b"POST ", request.raw_path.encode(), b" HTTP/1.1\r\nHost: ", peer.host_header, b"\r\n"]
-        listed = {h.strip().lower() for v in request.headers.getall("Connection", []) for h in v.split(",")}
-        for name, value in request.raw_headers:
-            lowered = name.decode("latin-1").lower()
-            if lowered in _REQUEST_DROP or lowered in listed:
-                continue
-            lines += [name, b": ", value, b"\r\n"]
-        if peer.level is Level.REPLICA:
-            lines += [MARKER.encode(), b": ", self.marker(rec.request_id).encode(), b"\r\n"]
-        lines += [b"Content-Length: ", str(len(body)).encode(), b"\r\n"]
-        if peer.level is Level.REPLICA:
-            lines.append(b"Expect: 100-continue\r\n")
-        lines.append(b"\r\n")
-        return b"".join(lines)
-
-    async def _connection(self, peer: _Peer) -> tuple[_Conn, bool]:
-        now = time.monotonic()
-        while peer.idle:
-            conn = peer.idle.pop()
-            if now - conn.idle_since < _IDLE_KEEP_SECONDS and not conn.reader.at_eof():
-                return conn, True
-            conn.close()
-        reader, writer = await peer.connect()
-        return _Conn(reader, writer), False
-
-    async def _send(self, peer: _Peer, request: web.Request, body: bytes, rec: Record) -> _Answer:
-        """Connect, send the head, wait for ``100 Continue``, send the body, read the answer's head.
-
-        A worker on the same machine is sent head and body at once (no ``Expect``): its unix
-        socket refuses a connection when the worker is gone, and the supervisor's watchdog
-        restarts a worker that hangs, so the round trip would buy nothing but latency.
-        """
-        head = self._head(peer, request, body, rec)
-        if peer.level is Level.WORKER:
-            return await self._send_at_once(peer, head + body)
-        async with asyncio.timeout(self._timeout):
-            for _ in range(2):
-                conn, reused = await self._connection(peer)
-                try:
-                    conn.writer.write(head)
-                    await conn.writer.drain()
-                    answer = await _read_head(conn)
-                    break
-                except (_PeerError, OSError, asyncio.IncompleteReadError) as exc:
-                    conn.close()
-                    if not reused:  # a fresh connection that fails is the owner's failure
-                        raise _PeerError(str(exc) or type(exc).__name__) from None
-                    # a kept-alive connection the owner had closed meanwhile: once more, fresh
-                except BaseException:
-                    conn.close()  # the connect timeout (a cancellation) or a cancelled request
-                    raise
-            else:  # pragma: no cover - the loop always breaks or raises
-                raise _PeerError("no connection")
-        if answer.status != 100:
-            answer.reusable = False  # answered without reading the body: the body is never sent
-            return answer
-        try:
-            conn.writer.write(body)
-            async with asyncio.timeout(self._idle):
-                await conn.writer.drain()
-                return await _read_head(conn)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-            conn.close()
-            raise _PeerError(str(exc) or type(exc).__name__) from None
-        except BaseException:
-            conn.close()  # the app went away while the owner worked
-            raise
-
-    async def _send_at_once(self, peer: _Peer, data: bytes) -> _Answer:
-        for _ in range(2):
-            async with asyncio.timeout(self._timeout):
-                conn, reused = await self._connection(peer)
-            try:
-                conn.writer.write(data)
-                async with asyncio.timeout(self._idle):
-                    await conn.writer.drain()
-                    return await _read_head(conn)
-            except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
-                conn.close()
-                if not reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
-                    raise _PeerError(str(exc) or type(exc).__name__) from None
-                # the worker had closed this kept-alive connection: once more, on a fresh one
-            except (_PeerError, OSError, TimeoutError) as exc:
-                conn.close()
-                raise _PeerError(str(exc) or type(exc).__name__) from None
-            except BaseException:
-                conn.close()
-                raise
-        raise _PeerError("no connection")  # pragma: no cover - the second attempt is fresh
-
-    async def _relay(
-        self, peer: _Peer, request: web.Request, answer: _Answer
-    ) -> tuple[web.StreamResponse, ForwardOutcome]:
-        headers = CIMultiDict((k, v) for k, v in answer.headers.items() if k.lower() not in _RESPONSE_DROP)
-        listed = {h.strip().lower() for v in answer.headers.getall("Connection", []) for h in v.split(",")}
-        for name in listed:
-            headers.popall(name, None)
-        if answer.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return await self._relay_stream(peer, request, answer, headers)
-        try:
-            async with asyncio.timeout(self._idle):
-                data = b"".join([chunk async for chunk in _body(answer, _MAX_JSON_ANSWER)])
-        except (OSError, asyncio.IncompleteReadError, TimeoutError, _PeerError) as exc:
-            answer.conn.close()
-            log.info("forwarded answer from %s cut: %s", peer.name, type(exc).__name__)
-            err = UpstreamClosed("The connection to the owning process broke before the answer was complete.")
-            response = web.Response(body=json_body(err.body()), status=err.status, content_type="application/json")
-            return response, ForwardOutcome.CUT
-        self._keep(peer, answer)
-        return web.Response(body=data, status=answer.status, headers=headers), ForwardOutcome.OK
-
-    async def _relay_stream(
-        self, peer: _Peer, request: web.Request, answer: _Answer, headers: CIMultiDict[str]
-    ) -> tuple[web.StreamResponse, ForwardOutcome]:
-        response = web.StreamResponse(status=answer.status, headers=headers)
-        await response.prepare(request)
-        pending = b""
-        last = b""
-        chunks = _body(answer, None)
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(self._idle):
-                        chunk = await anext(chunks, None)
-                except (OSError, asyncio.IncompleteReadError, TimeoutError, _PeerError) as exc:
-                    answer.conn.close()
-                    log.info("forwarded stream from %s cut: %s", peer.name, type(exc).__name__)
-                    await _write_cut(response, last)
-                    return response, ForwardOutcome.CUT
-                if chunk is None:
-                    break
-                pending += chunk
-                end = pending.rfind(b"\n\n")
-                if end < 0:
-                    continue
-                ready, pending = pending[: end + 2], pending[end + 2 :]
-                start = ready.rfind(b"\n\n", 0, len(ready) - 2)
-                last = ready[start + 2 :] if start >= 0 else ready
-                try:
-                    await response.write(ready)
-                except ConnectionResetError:
-                    # The app left: stop reading; the owner sees its connection go and drains
-                    # the upstream response itself.
-                    answer.conn.close()
-                    return response, ForwardOutcome.OK
-            if pending:
-                await response.write(pending)
-            await response.write_eof()
-        except ConnectionResetError:
-            answer.conn.close()
-            return response, ForwardOutcome.OK
-        self._keep(peer, answer)
-        return response, ForwardOutcome.OK
-
-    def _keep(self, peer: _Peer, answer: _Answer) -> None:
-        conn = answer.conn
-        if not answer.reusable or len(peer.idle) >= self._limit or conn.reader.at_eof():
-            conn.close()
-            return
-        conn.idle_since = time.monotonic()
-        peer.idle.append(conn)
-
-
-async def _write_cut(response: web.StreamResponse, last: bytes) -> None:
-    """End a cut stream with one nested error event numbered after the last relayed one."""
-    sequence = 0
-    data = b"".join(line[5:].strip() for line in last.splitlines() if line.startswith(b"data:"))
-    with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
-        event: Any = orjson.loads(data)
-        if isinstance(event, dict) and isinstance(event.get("sequence_number"), int):
-            sequence = event["sequence_number"] + 1
-    err = UpstreamClosed("The connection to the owning process broke before the response finished; retry the request.")
-    out = nested_error(sequence, type=err.type, code=err.code, message=err.message)
-    with contextlib.suppress(ConnectionResetError):
-        await response.write(encode_event("error", orjson.dumps(out)))
-        await response.write_eof()
-
-
-async def _read_head(conn: _Conn) -> _Answer:
-    """Read one response head; a ``100 Continue`` comes back as status 100."""
-    raw = await conn.reader.readuntil(b"\r\n\r\n")
-    lines = raw[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise _PeerError("not an HTTP/1.x answer")
-    headers: CIMultiDict[str] = CIMultiDict()
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            raise _PeerError("malformed header line")
-        headers.add(name.strip().decode("latin-1"), value.strip().decode("utf-8", "surrogateescape"))
-    keep = parts[0] == b"HTTP/1.1" and "close" not in headers.get("Connection", "").lower()
-    return _Answer(int(parts[1]), parts[2] if len(parts) > 2 else b"", headers, conn, keep)
-
-
-async def _body(answer: _Answer, limit: int | None) -> AsyncIterator[bytes]:
-    """The answer's body, chunk by chunk (Content-Length, chunked, or up to the close)."""
-    reader = answer.conn.reader
-    headers = answer.headers
-    size = 0
-    if answer.status in (204, 304) or 100 <= answer.status < 200:
-        return
-    if "chunked" in headers.get("Transfer-Encoding", "").lower():
-        while True:
-            line = await reader.readuntil(b"\r\n")
-            try:
-                length = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise _PeerError("bad chunk size") from None
-            if length == 0:
-                while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                    pass
-                return
-            data = await reader.readexactly(length + 2)
-            size += length
-            if limit is not None and size > limit:
-                raise _PeerError("answer too large")
-            yield data[:-2]
-    elif (declared := headers.get("Content-Length")) is not None:
-        remaining = int(declared)
-        if limit is not None and remaining > limit:
-            raise _PeerError("answer too large")
-        while remaining > 0:
-            data = await reader.read(min(remaining, 1 << 16))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", remaining)
-            remaining -= len(data)
-            yield data
-    else:
-        answer.reusable = False
-        while data := await reader.read(1 << 16):
-            size += len(data)
-            if limit is not None and size > limit:
-                raise _PeerError("answer too large")
-            yield data

@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 
 from aiohttp import web
 
+from proxy.config import Settings, parse_hostport
 from proxy.core.reasons import RequestOutcome
-from proxy.errors import RequestError
-from proxy.ingress.cluster import Cluster
+from proxy.errors import ConfigError, RequestError
+from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
+from proxy.ingress.handoff import Receiver
+from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
+from proxy.ingress.peerauth import PROOF_PATH
 from proxy.ops.metrics import INFLIGHT, REQUEST_BYTES
 from proxy.serve.handlers import SERVICES, Arrival, refuse, serve
 from proxy.serve.memory import MemoryRefused
 from proxy.serve.streaming import Record, new_request_id, read_body
 
-__all__ = ["CLUSTER", "post_responses"]
+__all__ = ["CLUSTER", "Cluster", "Ingress", "Resolver", "WorkerPlacement", "post_responses"]
 
 CLUSTER = web.AppKey("upshift_cluster", Cluster)
 """Conversation affinity: forwards a request to the process owning it (absent: serve here)."""
@@ -78,3 +83,83 @@ async def _route(request: web.Request, arrival: Arrival) -> web.StreamResponse |
     if cluster is None:
         return None
     return await cluster.maybe_forward(request, arrival.body, arrival.identity, arrival.rec)
+
+
+class Ingress:
+    """The ingress layer of one process, built for :class:`proxy.server.Server` (which imports
+    nothing of the cluster, the handoff or the workers): the conversation-affinity cluster,
+    the API listener's sites (TCP; a worker's private unix socket; the TLS peer listener), and
+    a worker's handoff receiver.
+
+    Args:
+        settings: All settings.
+        worker: This process's place among ``--workers`` (``None``: a single process).
+        resolver: How ``cluster.peers_dns`` is resolved (tests inject one).
+    """
+
+    def __init__(
+        self, settings: Settings, *, worker: WorkerPlacement | None = None, resolver: Resolver | None = None
+    ) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.cluster = Cluster(settings, worker=worker, resolver=resolver)
+        self._handoffs: Receiver | None = None
+        self.peer_address: tuple[str, int] | None = None
+        """Bound (host, port) of the peer listener (``cluster.peer_listen``), if any."""
+
+    def install(self, app: web.Application) -> None:
+        """Wire the cluster into the API app (call before its catch-all routes)."""
+        app[CLUSTER] = self.cluster
+        app.router.add_get(PROOF_PATH, self.cluster.prove)
+        app.on_response_prepare.append(self._mark_owner)
+
+    async def _mark_owner(self, request: web.Request, response: web.StreamResponse) -> None:
+        self.cluster.on_prepare(request, response)
+
+    async def start(self, runner: web.BaseRunner, guard: Guard) -> tuple[str, int]:
+        """Start the cluster and every API site of ``runner``; the bound API (host, port)."""
+        await self.cluster.start()
+        settings, worker = self.settings, self.worker
+        host, port = parse_hostport(settings.listen)
+        api = HardenedTCPSite(runner, host, port, guard, reuse_port=worker is not None)
+        await api.start()
+        c = settings.cluster
+        if c.peer_listen:
+            peer_host, peer_port = parse_hostport(c.peer_listen)
+            peer = HardenedTCPSite(runner, peer_host, peer_port, guard, tls=_tls_server(settings))
+            await peer.start()
+            self.peer_address = (peer_host, peer.port)
+        if worker is not None:
+            await HardenedUnixSite(runner, worker.sockets[worker.index], guard).start()
+            if c.handoff and worker.handoffs:
+                self._handoffs = Receiver(
+                    worker.handoffs[worker.index],
+                    protocol_factory(runner, guard, adopted=True),
+                    guard,
+                    max_prefix=settings.limits.max_body_bytes,
+                    sessions=c.max_forwards_per_peer * max(worker.count - 1, 1),
+                    timeout=2 * c.connect_timeout_seconds + 1.0,
+                    trust=worker.trust,
+                )
+                await self._handoffs.start()
+        return host, api.port
+
+    async def stop_handoffs(self) -> None:
+        """Stop taking handoffs (a sender in the middle of one falls back)."""
+        if self._handoffs is not None:
+            await self._handoffs.close()
+
+    async def close(self) -> None:
+        await self.cluster.close()
+
+
+def _tls_server(settings: Settings) -> ssl.SSLContext:
+    c = settings.cluster
+    if not (c.tls_cert_file and c.tls_key_file):
+        raise ConfigError("cluster.peer_listen needs cluster.tls_cert_file and cluster.tls_key_file")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(c.tls_cert_file, c.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cluster.tls_cert_file/tls_key_file: cannot load: {exc}") from None
+    return context

@@ -58,7 +58,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.ingress.listener import Guard, _Handler
+from proxy.ingress.listener import Guard, GuardedHandler
+from proxy.ingress.private import PeerRefused, Trust, check_peer, peer_credentials
 
 __all__ = ["HANDED_OFF", "Handoff", "HandoffOutcome", "Receiver", "arrived_by_handoff"]
 
@@ -113,7 +114,7 @@ def arrived_by_handoff(request: web.BaseRequest) -> bool:
     """Whether ``request`` is the first request of a connection handed over here (it says so
     once: the flag is cleared)."""
     handler = request.protocol
-    if isinstance(handler, _Handler) and handler.adopted:
+    if isinstance(handler, GuardedHandler) and handler.adopted:
         handler.adopted = False
         return True
     return False
@@ -131,7 +132,7 @@ def _prefix_head(request: web.BaseRequest, length: int) -> bytes:
 
 def _holds_only_this(request: web.BaseRequest) -> bool:
     handler = request.protocol
-    if not isinstance(handler, _Handler) or request.content_length is None:
+    if not isinstance(handler, GuardedHandler) or request.content_length is None:
         return False
     if "Transfer-Encoding" in request.headers:
         return False
@@ -161,11 +162,14 @@ class Handoff:
         paths: Handoff socket of every worker, by index (this worker's own entry unused).
         limit: Handoffs in flight per peer.
         timeout: Seconds for connect, send and the owner's ready.
+        trust: Who may listen on a handoff socket: checked (``SO_PEERCRED``) after connecting,
+            before the descriptor or a byte is sent.
     """
 
-    def __init__(self, paths: tuple[str, ...], limit: int, timeout: float) -> None:
+    def __init__(self, paths: tuple[str, ...], limit: int, timeout: float, trust: Trust | None = None) -> None:
         self.paths = paths
         self.timeout = timeout
+        self.trust = trust or Trust()
         self._slots = [asyncio.Semaphore(limit) for _ in paths]
 
     async def offer(self, index: int, request: web.BaseRequest, body: bytes) -> HandoffOutcome:
@@ -197,6 +201,7 @@ class Handoff:
         try:
             async with asyncio.timeout(self.timeout):
                 await loop.sock_connect(sock, path)
+                check_peer(sock, self.trust)  # before the descriptor or a byte goes anywhere
                 socket.send_fds(sock, [_HEADER.pack(_MAGIC, len(head) + len(body))], [fd])
                 await loop.sock_sendall(sock, head)
                 await loop.sock_sendall(sock, body)
@@ -209,6 +214,9 @@ class Handoff:
             return HandoffOutcome.ADOPTED
         except TimeoutError:
             return HandoffOutcome.TIMEOUT
+        except PeerRefused as exc:
+            log.warning("handoff to %r refused: %s", path, exc)
+            return HandoffOutcome.OWNER_DOWN
         except OSError as exc:
             log.debug("handoff to %r failed: %s", path, exc)
             return HandoffOutcome.OWNER_DOWN
@@ -220,12 +228,13 @@ class Receiver:
     """The owner side: a private unix socket adopting the connections other workers hand over.
 
     Args:
-        path: This worker's handoff socket (a leading NUL: an abstract name).
+        path: This worker's handoff socket (a filesystem path in the private runtime directory).
         factory: The API listener's protocol factory for adopted connections.
         guard: The API listener's connection count and limit.
         max_prefix: Largest request (head and body) accepted.
         sessions: Handoffs processed at once (more are refused).
         timeout: Seconds a session may take from accept to commit.
+        trust: Which processes may hand connections over (the same uid, our workers).
     """
 
     def __init__(
@@ -237,8 +246,10 @@ class Receiver:
         max_prefix: int,
         sessions: int,
         timeout: float,
+        trust: Trust | None = None,
     ) -> None:
         self.path = path
+        self.trust = trust or Trust()
         self.factory = factory
         self.guard = guard
         self.max_prefix = max_prefix + _HEAD_SLACK
@@ -252,6 +263,8 @@ class Receiver:
     async def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # left by this worker's previous life (the directory is ours alone)
         sock.bind(self.path)
         sock.listen(256)
         self._sock = sock
@@ -266,9 +279,8 @@ class Receiver:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
-            if not self.path.startswith("\0"):
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
     async def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -318,10 +330,10 @@ class Receiver:
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket
     ) -> tuple[socket.socket, bytes] | None:
         """The descriptor and the request bytes of one handoff (``None``: not a valid one)."""
-        if hasattr(socket, "SO_PEERCRED"):
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            if struct.unpack("3i", creds)[1] != os.getuid():
-                return None  # only processes of our own user hand over connections
+        creds = peer_credentials(conn)
+        if creds is not None and not self.trust.allows(*creds):
+            log.warning("handoff socket: refused pid %d uid %d (not one of our workers)", *creds)
+            return None  # only our own workers hand over connections
         await _wait_readable(loop, conn)
         header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
         if len(fds) != 1:

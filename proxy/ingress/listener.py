@@ -20,6 +20,10 @@ can tell that nothing of a next (pipelined) request has been read yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import ssl
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +31,18 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server as LowServer
 
+from proxy import contracts
 from proxy.config import ListenerSettings
+from proxy.core.reasons import ListenerClose
 from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
 
-__all__ = ["Guard", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
+__all__ = ["Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
 
 _HEAD_SCAN = 64 * 1024
 """A request head not complete within this many bytes is not tracked (no handoff for it)."""
+
+_STALL_SECONDS = 1.0
+"""A connection in its headers this long may be closed to admit a new one at the limit."""
 
 _REFUSAL_BODY = (
     b'{"error":{"message":"The sidecar has too many open connections; retry shortly.",'
@@ -47,20 +56,56 @@ _REFUSAL = (
 
 
 class Guard:
-    """Open-connection count and limits shared by the sites of one listener."""
+    """Open-connection count and limits shared by the sites of one listener.
+
+    At ``max_connections`` a new connection first makes room (issue 21): the least recently
+    active idle keep-alive connection is closed, else the one stalled longest in its headers
+    (for at least :data:`_STALL_SECONDS`, or half the header deadline when that is shorter).
+    A connection with a request in progress is never reaped (its body has its own deadline);
+    only when none can go is the new one refused.
+    """
 
     def __init__(self, settings: ListenerSettings) -> None:
         self.max_connections = settings.max_connections
         self.header_timeout = settings.header_timeout_seconds
         self.open = 0
+        self.connections: dict[GuardedHandler, None] = {}
+        """Open connections, least recently active first."""
+
+    def touch(self, handler: GuardedHandler) -> None:
+        connections = self.connections
+        if handler in connections:
+            del connections[handler]
+            connections[handler] = None
+
+    def make_room(self, now: float) -> bool:
+        """Close one idle or stalled connection to admit a new one; whether one was closed."""
+        stall = min(_STALL_SECONDS, self.header_timeout / 2) if self.header_timeout > 0 else _STALL_SECONDS
+        stalled: GuardedHandler | None = None
+        for handler in self.connections:
+            if handler.reapable_idle():
+                return self._reap(handler, ListenerClose.REAPED_IDLE)
+            if stalled is None and handler.stalled_since(now) >= stall:
+                stalled = handler
+        return stalled is not None and self._reap(stalled, ListenerClose.REAPED_STALLED)
+
+    def _reap(self, handler: GuardedHandler, why: ListenerClose) -> bool:
+        del self.connections[handler]
+        LISTENER_CLOSED.labels(why).inc()
+        handler.force_close()
+        return True
 
 
-class _Handler(RequestHandler):
+class GuardedHandler(RequestHandler):
+    """aiohttp's protocol for one connection, with the listener's deadline, count and the byte
+    accounting a handoff needs (:mod:`proxy.ingress.handoff`)."""
+
     __slots__ = (
         "_guard",
         "_head",
         "_head_start",
         "_last_payload",
+        "_armed_at",
         "_header_timer",
         "_refused",
         "adopted",
@@ -74,6 +119,7 @@ class _Handler(RequestHandler):
         super().__init__(manager, **kwargs)
         self._guard = guard
         self._header_timer: asyncio.TimerHandle | None = None
+        self._armed_at = 0.0
         self._refused = False
         self.adopted = adopted
         """Handed over by another worker (its first request came with it): admitted past
@@ -93,14 +139,16 @@ class _Handler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
-        if guard.open >= guard.max_connections and not self.adopted:
+        full = guard.open >= guard.max_connections and not self.adopted
+        if full and not guard.make_room(contracts.handler_loop(self).time()):
             self._refused = True
-            LISTENER_CLOSED.labels("max_connections").inc()
+            LISTENER_CLOSED.labels(ListenerClose.MAX_CONNECTIONS).inc()
             assert isinstance(transport, asyncio.Transport)
             transport.write(_REFUSAL)
             transport.close()
             return
         guard.open += 1
+        guard.connections[self] = None
         LISTENER_CONNECTIONS.inc()
         # Once per connection (a syscall under uvloop), not per request.
         self.private = isinstance(transport.get_extra_info("sockname"), str | bytes)
@@ -111,6 +159,7 @@ class _Handler(RequestHandler):
         if self._refused:
             return
         self._guard.open -= 1
+        self._guard.connections.pop(self, None)
         LISTENER_CONNECTIONS.dec()
         self._disarm()
         super().connection_lost(exc)
@@ -119,20 +168,22 @@ class _Handler(RequestHandler):
         if self._refused:
             return
         if data:
-            if self._header_timer is None and not self._request_in_progress and not self._messages:
+            self._guard.touch(self)
+            if self._header_timer is None and self._between_requests():
                 self._arm()  # the first byte of a later request on a kept-alive connection
             # Bytes after the last request's body are a new request's (on Python 3.11 the handler
             # task starts a loop turn after its message is dequeued: no handler state says it).
             last = self._last_payload
             self._account(data, last is None or last.is_eof())
-        before = self._request_count
+        before = contracts.handler_request_count(self)
         super().data_received(data)
-        if self._messages:
-            self._last_payload = self._messages[-1][1]
+        queued = contracts.handler_queued(self)
+        if queued:
+            self._last_payload = contracts.handler_last_payload(self)
         # Complete headers make a message (queued for the handler loop, which counts requests
         # later): the deadline is met. A timer left armed would fire on the idle moment after
         # this request and close the connection just as the client reuses it.
-        if self._messages or self._request_count != before or self._upgraded:
+        if queued or contracts.handler_request_count(self) != before or contracts.handler_upgraded(self):
             self._disarm()
 
     def _account(self, data: bytes, idle: bool) -> None:
@@ -167,16 +218,32 @@ class _Handler(RequestHandler):
         return (
             self.head_end >= 0
             and self.received == self.head_end + content_length
-            and not self._messages
-            and not self._message_tail
-            and not self._upgraded
-            and not self._reading_paused
-            and not self._buffer_paused
+            and contracts.handler_holds_nothing_more(self)
         )
+
+    def reapable_idle(self) -> bool:
+        """An idle keep-alive connection: no request in progress, none begun."""
+        return (
+            self._header_timer is None
+            and self._head is None
+            and self._between_requests()
+            and not contracts.handler_upgraded(self)
+        )
+
+    def stalled_since(self, now: float) -> float:
+        """Seconds this connection has been waiting for a request's complete headers (0: not)."""
+        if self._header_timer is None or not self._between_requests():
+            return 0.0
+        return now - self._armed_at
+
+    def _between_requests(self) -> bool:
+        return not contracts.handler_in_progress(self) and not contracts.handler_queued(self)
 
     def _arm(self) -> None:
         if self._header_timer is None and self._guard.header_timeout > 0:
-            self._header_timer = self._loop.call_later(self._guard.header_timeout, self._header_timeout)
+            loop = contracts.handler_loop(self)
+            self._armed_at = loop.time()
+            self._header_timer = loop.call_later(self._guard.header_timeout, self._header_timeout)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
@@ -185,19 +252,19 @@ class _Handler(RequestHandler):
 
     def _header_timeout(self) -> None:
         self._header_timer = None
-        if not self._request_in_progress and not self._messages:
-            LISTENER_CLOSED.labels("header_timeout").inc()
+        if self._between_requests():
+            LISTENER_CLOSED.labels(ListenerClose.HEADER_TIMEOUT).inc()
             self.force_close()
 
 
-def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = False) -> Callable[[], _Handler]:
+def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = False) -> Callable[[], GuardedHandler]:
     """The protocol factory of the listener sites of ``runner`` (``adopted``: for connections
     handed over by another worker, :mod:`proxy.ingress.handoff`)."""
     server = runner.server
     assert server is not None, "runner.setup() not called"
 
-    def make() -> _Handler:
-        return _Handler(guard, server, adopted=adopted, loop=server._loop, **server._kwargs)
+    def make() -> GuardedHandler:
+        return GuardedHandler(guard, server, adopted=adopted, **contracts.handler_arguments(server))
 
     return make
 
@@ -205,36 +272,62 @@ def protocol_factory(runner: web.BaseRunner, guard: Guard, *, adopted: bool = Fa
 _factory = protocol_factory
 
 
-class HardenedTCPSite(web.TCPSite):
-    """``web.TCPSite`` whose connections go through :class:`Guard` (optionally ``SO_REUSEPORT``)."""
+class HardenedTCPSite(web.BaseSite):
+    """A TCP site whose connections go through :class:`Guard` (optionally ``SO_REUSEPORT``)."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, *, reuse_port: bool = False) -> None:
-        super().__init__(runner, host, port, reuse_port=reuse_port or None, backlog=1024)
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        guard: Guard,
+        *,
+        reuse_port: bool = False,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(runner, backlog=1024)
+        self.host, self.port, self.reuse_port, self.tls = host, port, reuse_port, tls
         self.guard = guard
 
+    @property
+    def name(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
     async def start(self) -> None:
-        await web.BaseSite.start(self)
+        await super().start()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            _factory(self._runner, self.guard),
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_port=self._reuse_port,
+        server = await loop.create_server(
+            _factory(contracts.site_runner(self), self.guard),
+            self.host,
+            self.port,
+            backlog=contracts.site_backlog(self),
+            reuse_port=self.reuse_port or None,
+            ssl=self.tls,
         )
-        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+        contracts.site_listening(self, server)
+        if server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
 
 
-class HardenedUnixSite(web.UnixSite):
-    """``web.UnixSite`` (a path, or an abstract name starting with NUL) through :class:`Guard`."""
+class HardenedUnixSite(web.BaseSite):
+    """A unix-socket site (a filesystem path, never an abstract name) through :class:`Guard`."""
 
     def __init__(self, runner: web.BaseRunner, path: str, guard: Guard) -> None:
-        super().__init__(runner, path, backlog=1024)
+        super().__init__(runner, backlog=1024)
+        self.path = path
         self.guard = guard
 
+    @property
+    def name(self) -> str:
+        return f"http://unix:{self.path}:"
+
     async def start(self) -> None:
-        await web.BaseSite.start(self)
+        await super().start()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(
-            _factory(self._runner, self.guard), self._path, backlog=self._backlog
-        )
+        factory = _factory(contracts.site_runner(self), self.guard)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)  # left by this worker's previous life (the directory is ours alone)
+        server = await loop.create_unix_server(factory, self.path, backlog=contracts.site_backlog(self))
+        contracts.site_listening(self, server)

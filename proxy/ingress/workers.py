@@ -4,9 +4,12 @@ The supervisor (``upshift --workers N``) reserves the API address (a bound, non-
 ``SO_REUSEPORT`` socket, so port 0 becomes one concrete port that survives worker restarts)
 and starts N workers (``python -m proxy.ingress.workers``, settings passed on stdin). Each worker is a
 complete :class:`~proxy.server.Server` whose API listener shares the address with
-``SO_REUSEPORT`` (the kernel spreads connections), plus two private unix sockets (abstract
-names on Linux): its API, which takes requests the other workers forward to it because it
-owns their conversation (:mod:`proxy.ingress.cluster`), and its admin app.
+``SO_REUSEPORT`` (the kernel spreads connections), plus private unix sockets in the
+supervisor's runtime directory (mode 0700, :mod:`proxy.ingress.private`; never abstract
+names): its API, which takes requests the other workers forward to it because it owns their
+conversation (:mod:`proxy.ingress.cluster`), its handoff socket and its admin app. The
+supervisor's probes and scrapes check (``SO_PEERCRED``) that the process listening on an
+admin socket is the worker it started before they send a byte.
 
 The supervisor serves the one admin listener:
 
@@ -34,11 +37,11 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
@@ -47,7 +50,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from proxy.config import Settings, parse_hostport
+from proxy.contracts import CheckedUnixConnector
 from proxy.errors import ConfigError
+from proxy.ingress.cluster import WorkerPlacement
+from proxy.ingress.listener import Guard, HardenedTCPSite
+from proxy.ingress.private import Trust, check_peer, runtime_dir
 from proxy.ops.health import Lifecycle
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
@@ -63,15 +70,9 @@ _WATCHDOG_FAILURES = 3
 _BACKOFF_MAX = 10.0
 
 
-def _socket_names(count: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str | None]:
-    """Private API, admin and handoff socket names of every worker (abstract on Linux)."""
-    tag = f"upshift-{os.getpid()}-{os.urandom(4).hex()}"
-    if sys.platform.startswith("linux"):
-        api = tuple(f"\0{tag}-api-{i}" for i in range(count))
-        admin = tuple(f"\0{tag}-admin-{i}" for i in range(count))
-        handoff = tuple(f"\0{tag}-handoff-{i}" for i in range(count))
-        return api, admin, handoff, None
-    folder = tempfile.mkdtemp(prefix="upshift-")
+def _socket_names(count: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str]:
+    """Private API, admin and handoff socket paths of every worker, in a fresh 0700 directory."""
+    folder = runtime_dir()
     api = tuple(os.path.join(folder, f"api-{i}.sock") for i in range(count))
     admin = tuple(os.path.join(folder, f"admin-{i}.sock") for i in range(count))
     handoff = tuple(os.path.join(folder, f"handoff-{i}.sock") for i in range(count))
@@ -96,33 +97,19 @@ def _reserve(listen: str) -> tuple[socket.socket, str]:
     return sock, (f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}")
 
 
-async def _get(path: str, target: str, timeout: float = _PROBE_TIMEOUT) -> tuple[int, bytes]:
-    """``GET target`` over a unix socket; (status, body)."""
-    async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_unix_connection(path)
-        try:
-            writer.write(f"GET {target} HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n\r\n".encode())
-            await writer.drain()
-            raw = await reader.read(-1)
-        finally:
-            writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    if b"transfer-encoding: chunked" in head.lower():
-        body = _dechunk(body)
-    return status, body
+async def _get(path: str, target: str, trust: Trust, timeout: float = _PROBE_TIMEOUT) -> tuple[int, bytes]:
+    """``GET target`` over a worker's private admin socket (its listener checked first); (status, body)."""
+
+    def check(sock: Any) -> None:
+        check_peer(sock, trust)
+
+    connector = CheckedUnixConnector(path, check, force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        async with session.get(f"http://worker{target}", allow_redirects=False) as resp:
+            return resp.status, await resp.read()
 
 
-def _dechunk(data: bytes) -> bytes:
-    out = []
-    while data:
-        line, _, data = data.partition(b"\r\n")
-        size = int(line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out.append(data[:size])
-        data = data[size + 2 :]
-    return b"".join(out)
+_PROBE_ERRORS = (OSError, TimeoutError, aiohttp.ClientError)
 
 
 def merge_metrics(texts: Iterable[tuple[int, str]]) -> list[Metric]:
@@ -164,17 +151,24 @@ class _Supervisor:
         self.settings = settings
         self.count = settings.workers
         self.api, self.admin, self.handoff, self.folder = _socket_names(self.count)
+        self.trust = Trust(pids=self._pids)
         self.lifecycle = Lifecycle()
         self.workers = [_Worker(i) for i in range(self.count)]
         self.stopping = False
         self.reserved, listen = _reserve(settings.listen)
         self.worker_settings = dataclasses.replace(settings, listen=listen, workers=1)
 
+    def _pids(self) -> frozenset[int]:
+        """The workers running now (the only processes its probes talk to)."""
+        return frozenset(w.proc.pid for w in self.workers if w.proc is not None and w.proc.returncode is None)
+
     async def _spawn(self, worker: _Worker) -> None:
         argv = (sys.executable, "-m", "proxy.ingress.workers")
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
         assert proc.stdin is not None
-        spec = pickle.dumps((self.worker_settings, worker.index, self.api, self.handoff, self.admin[worker.index]))
+        spec = pickle.dumps(
+            (self.worker_settings, worker.index, self.api, self.handoff, self.admin[worker.index], os.getpid())
+        )
         proc.stdin.write(struct.pack(">Q", len(spec)) + spec)
         await proc.stdin.drain()  # stdin stays open: the worker drains when it closes
         worker.proc, worker.started = proc, time.monotonic()
@@ -214,8 +208,8 @@ class _Supervisor:
     async def _probe(self, target: str) -> list[bool]:
         async def one(path: str) -> bool:
             try:
-                status, _ = await _get(path, target)
-            except (OSError, TimeoutError, ValueError, IndexError):
+                status, _ = await _get(path, target, self.trust)
+            except _PROBE_ERRORS:
                 return False
             return status == 200
 
@@ -240,8 +234,8 @@ class _Supervisor:
     async def _metrics(self, request: web.Request) -> web.Response:
         async def scrape(index: int) -> tuple[int, str] | None:
             try:
-                status, body = await _get(self.admin[index], "/metrics")
-            except (OSError, TimeoutError, ValueError, IndexError):
+                status, body = await _get(self.admin[index], "/metrics", self.trust)
+            except _PROBE_ERRORS:
                 return None
             return (index, body.decode()) if status == 200 else None
 
@@ -269,11 +263,17 @@ class _Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        runner = web.AppRunner(self._admin_app(), access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            self._admin_app(),
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self.settings.listener.keepalive_seconds,
+        )
         await runner.setup()
         host, port = parse_hostport(self.settings.admin_listen)
         try:
-            await web.TCPSite(runner, host, port).start()
+            # The API listener's limits (header deadline, connection bound): issue 21.
+            await HardenedTCPSite(runner, host, port, Guard(self.settings.listener)).start()
         except OSError as exc:
             log.error("cannot listen: %s", exc)
             await runner.cleanup()
@@ -310,11 +310,10 @@ class _Supervisor:
         await asyncio.gather(*keepers, watchdog, return_exceptions=True)
         await runner.cleanup()
         self.reserved.close()
-        if self.folder is not None:
-            with contextlib.suppress(OSError):
-                for name in os.listdir(self.folder):
-                    os.unlink(os.path.join(self.folder, name))
-                os.rmdir(self.folder)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.folder):
+                os.unlink(os.path.join(self.folder, name))
+            os.rmdir(self.folder)
         return 0
 
 
@@ -343,12 +342,12 @@ def supervise(settings: Settings) -> int:
 
 
 async def _serve_worker(
-    settings: Settings, index: int, sockets: tuple[str, ...], handoffs: tuple[str, ...], admin: str
+    settings: Settings, index: int, sockets: tuple[str, ...], handoffs: tuple[str, ...], admin: str, supervisor: int
 ) -> int:
-    from proxy.ingress.cluster import WorkerPlacement
-    from proxy.server import Server, serve
+    from proxy.server import Server, serve  # the worker's side only: the supervisor needs no server
 
-    server = Server(settings, worker=WorkerPlacement(index, sockets, handoffs), admin_path=admin)
+    placement = WorkerPlacement(index, sockets, handoffs, supervisor=supervisor)
+    server = Server(settings, worker=placement, admin_path=admin)
     stop = asyncio.Event()
 
     class Orphaned(asyncio.Protocol):  # the supervisor's end of stdin closed: it is gone
@@ -377,13 +376,12 @@ def _read_exactly(fd: int, size: int) -> bytes:
 def _worker_main() -> int:
     (size,) = struct.unpack(">Q", _read_exactly(0, 8))
     spec: Any = pickle.loads(_read_exactly(0, size))  # from our own supervisor, over a pipe
-    settings, index, sockets, handoffs, admin = spec
-    setup_logging(settings.logging)
+    setup_logging(spec[0].logging)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve_worker(settings, index, sockets, handoffs, admin))
-    result: int = uvloop.run(_serve_worker(settings, index, sockets, handoffs, admin))
+        return asyncio.run(_serve_worker(*spec))
+    result: int = uvloop.run(_serve_worker(*spec))
     return result
 
 

@@ -32,6 +32,8 @@ from typing import IO, Any
 import aiohttp
 import orjson
 
+from proxy.wire import sse
+
 __all__ = ["LoopResult", "main", "run_agent_loop"]
 
 MODEL = "gpt-5-codex"
@@ -124,22 +126,16 @@ async def _stream_response(session: aiohttp.ClientSession, url: str, body: bytes
         if resp.status != 200:
             text = (await resp.text())[:500]
             raise DemoError(f"POST {url} answered {resp.status}: {text}")
-        data: list[bytes] = []
-        async for raw in resp.content:
-            line = raw.rstrip(b"\r\n")
-            if line.startswith(b"data:"):
-                data.append(line[5:].lstrip())
-                continue
-            if line or not data:
-                continue
-            event = orjson.loads(b"\n".join(data))
-            data = []
-            kind = event.get("type")
-            if kind == "response.completed":
-                response: dict[str, Any] = event["response"]
-                return response
-            if kind in ("response.failed", "response.incomplete", "error"):
-                raise DemoError(f"POST {url}: {kind}: {orjson.dumps(event).decode()[:500]}")
+        decoder = sse.Decoder()
+        async for chunk in resp.content.iter_any():
+            for sse_event in decoder.feed(chunk):
+                event = orjson.loads(sse_event.data)
+                kind = event.get("type")
+                if kind == "response.completed":
+                    response: dict[str, Any] = event["response"]
+                    return response
+                if kind in ("response.failed", "response.incomplete", "error"):
+                    raise DemoError(f"POST {url}: {kind}: {orjson.dumps(event).decode()[:500]}")
     raise DemoError(f"POST {url}: the stream ended without response.completed")
 
 

@@ -25,6 +25,7 @@ from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, Explanation
 from proxy.core.request import parse_request
 from proxy.errors import InvalidRequest
+from proxy.wire import sse
 
 __all__ = ["main", "read_response"]
 
@@ -54,10 +55,8 @@ def read_response(data: bytes) -> dict[str, Any]:
             raise _Unusable("not a JSON object")
         return value
     found: dict[str, Any] | None = None
-    for line in data.splitlines():
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
+    for sse_event in sse.decode_all(data):
+        payload = sse_event.data.strip()
         if not payload or payload == b"[DONE]":
             continue
         try:

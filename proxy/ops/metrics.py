@@ -17,6 +17,7 @@ from proxy.core.channel import HoldPath
 from proxy.core.reasons import (
     ErrorCode,
     ForwardOutcome,
+    ListenerClose,
     MemoryRefusal,
     MissReason,
     Mode,
@@ -328,7 +329,8 @@ LISTENER_CLOSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-"""reason: header_timeout | max_connections."""
+"""reason: header_timeout | max_connections | reaped_idle | reaped_stalled
+(proxy.core.reasons.ListenerClose)."""
 
 WORKER_RESTARTS = Counter(
     "upshift_worker_restarts",
@@ -377,7 +379,8 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "mode": _values(Mode),
     "outcome": _values(RequestOutcome, ForwardOutcome) | {"failed"},  # upshift_reseeds_total: ok | failed
     "reason": _values(MissReason, PassthroughReason, ReplayCause, ForwardOutcome, MemoryRefusal)
-    | {"unknown", "header_timeout", "max_connections"},
+    | _values(ListenerClose)
+    | {"unknown"},
     "cause": _values(ReplayCause),
     "code": _values(ErrorCode),
     "state": _STATES,

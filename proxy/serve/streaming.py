@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from proxy import contracts
 from proxy.core.answer import Answer, AnswerKind, status_outcome
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.explain import Explanation
@@ -130,7 +131,7 @@ class Downstream:
                     headers={"Content-Type": CONTENT_TYPE, **self.headers, **self._overhead_header()},
                 )
                 # aiohttp then sends the headers with the first body bytes, in one write.
-                response._send_headers_immediately = False
+                contracts.send_headers_with_first_write(response)
                 self.response = response
                 await response.prepare(self.request)
             self.bytes_out += len(data)

@@ -31,6 +31,11 @@ class FakePeer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
+    def open_connections(self) -> int:
+        """Connections open to this peer right now."""
+        return len(self._tasks)
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

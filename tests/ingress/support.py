@@ -73,7 +73,7 @@ def replica_settings(upstream: str, url: str, peers: Sequence[str], **cluster: A
         listen=host_port,
         admin_listen=host_port.rpartition(":")[0] + ":0",
         shutdown=ShutdownSettings(grace_seconds=2.0),
-        cluster=ClusterSettings(peers=",".join(peers), self_url=url, **cluster),
+        cluster=ClusterSettings(peers=",".join(peers), self_url=url, **{"plain_http_peers": True, **cluster}),
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 from proxy.config import Settings, ShutdownSettings
 from proxy.emulator import Emulator
 from proxy.ingress.cluster import WorkerPlacement
+from proxy.ingress.private import runtime_dir
 from proxy.ops.metrics import FORWARDS, HANDOFFS
 from proxy.server import Server
 from tests.clients.support import Capture, assert_fidelity, run_loop_async, task_text
@@ -118,7 +119,7 @@ def worker_process(proc: SidecarProcess, index: int) -> psutil.Process:
     """The worker process ``index`` of a ``--workers`` supervisor (found by its handoff socket)."""
     for child in psutil.Process(proc.proc.pid).children():
         for conn in child.net_connections(kind="unix"):
-            if isinstance(conn.laddr, str) and conn.laddr.endswith(f"-handoff-{index}"):
+            if isinstance(conn.laddr, str) and conn.laddr.endswith(f"/handoff-{index}.sock"):
                 return child
     raise AssertionError(f"no worker {index}")
 
@@ -235,9 +236,9 @@ def _next_body(body: bytes, answer: bytes) -> bytes:
 
 
 async def _two_workers(upstream: str) -> tuple[list[Server], list[int]]:
-    tag = f"upshift-test-{os.getpid()}-{os.urandom(4).hex()}"
-    api = tuple(f"\0{tag}-api-{i}" for i in range(2))
-    hand = tuple(f"\0{tag}-handoff-{i}" for i in range(2))
+    folder = runtime_dir()  # as the supervisor makes it: 0700, filesystem sockets
+    api = tuple(os.path.join(folder, f"api-{i}.sock") for i in range(2))
+    hand = tuple(os.path.join(folder, f"handoff-{i}.sock") for i in range(2))
     ports = free_ports(2)
     servers = []
     for i, port in enumerate(ports):

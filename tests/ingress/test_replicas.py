@@ -83,7 +83,11 @@ async def test_three_replicas_round_robin_and_one_sigkilled(
 ) -> None:
     ports = free_ports(6)
     urls = [f"http://127.0.0.1:{p}" for p in ports[:3]]
-    env = {"UPSHIFT_CLUSTER_PEERS": ",".join(urls), "UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "256"}
+    env = {
+        "UPSHIFT_CLUSTER_PEERS": ",".join(urls),
+        "UPSHIFT_CLUSTER_PLAIN_HTTP_PEERS": "true",  # loopback: the documented opt-in
+        "UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "256",
+    }
     procs = []
     for url, admin in zip(urls, ports[3:], strict=True):
         proc = spawn(
@@ -146,7 +150,9 @@ async def test_a_fourth_replica_moves_only_its_own_conversations(emulator: Emula
             listen=url.removeprefix("http://"),
             admin_listen=url.removeprefix("http://").rpartition(":")[0] + ":0",
             shutdown=ShutdownSettings(grace_seconds=2.0),
-            cluster=ClusterSettings(peers_dns=f"upshift-peers:{port}", self_url=url, dns_refresh_seconds=0.05),
+            cluster=ClusterSettings(
+                peers_dns=f"upshift-peers:{port}", self_url=url, dns_refresh_seconds=0.05, plain_http_peers=True
+            ),
         )
         return Server(settings, resolver=resolve)
 
