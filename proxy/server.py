@@ -23,6 +23,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.ingress.browsers import browser_guard
 from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.ingress.front import CLUSTER, post_responses
 from proxy.ingress.handoff import Receiver
@@ -138,7 +139,8 @@ def build_app(services: Services) -> web.Application:
     # The body limit is enforced by handlers.read_body while reading; aiohttp's own limit would
     # answer its own 413 shape, so it is set above ours.
     app = web.Application(
-        client_max_size=services.settings.limits.max_body_bytes + 1, middlewares=[_bugs_as_openai_errors]
+        client_max_size=services.settings.limits.max_body_bytes + 1,
+        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings)],  # issue 21: no web pages
     )
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)

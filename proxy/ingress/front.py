@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 from aiohttp import web
 
-from proxy.errors import RequestError
+from proxy.core.reasons import BodyAbort
+from proxy.errors import BodyTimeout, RequestError
 from proxy.ingress.cluster import Cluster
-from proxy.ops.metrics import INFLIGHT, REQUEST_BYTES
+from proxy.ops.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
 from proxy.serve.handlers import SERVICES, Arrival, refuse, serve
 from proxy.serve.memory import MemoryRefused
-from proxy.serve.streaming import Record, new_request_id, read_body
+from proxy.serve.streaming import BodyClock, ClientGone, Record, body_length, new_request_id, read_body
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CLUSTER", "post_responses"]
 
@@ -38,21 +42,46 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
     rec = Record(new_request_id())
     INFLIGHT.inc()
     svc = request.app[SERVICES]
+    # issue 21: the body must be complete within limits.body_timeout_seconds of the head (and
+    # keep a minimum rate), waiting for memory included.
+    clock = BodyClock(svc.settings.limits, asyncio.get_running_loop().time())
     try:
+        try:
+            # The identity is known from the headers: the memory budget admits fairly by it.
+            length = body_length(request)
+            identity = svc.identity(request)
+        except RequestError as exc:
+            response: web.StreamResponse = refuse(exc, {"x-request-id": rec.request_id}, rec, started)
+            rec.status = response.status
+            return response
         # issue 12: the request's memory lease, from before its body is read until its answer
         # is written; a refusal (429/503 + retry-after) is answered here, nothing was read.
+        lease = (
+            svc.memory.lease(length, key=identity.digest, headers=_head_size(request), deadline=clock.deadline)
+            if svc.memory
+            else _NO_LEASE
+        )
         try:
-            async with svc.memory.lease(request.content_length) if svc.memory else _NO_LEASE as mem:
+            async with lease as mem:
                 try:
-                    body = await read_body(request, svc.settings.limits.max_body_bytes, mem)
+                    body = await read_body(request, svc.settings.limits.max_body_bytes, mem, clock)
                     rec.bytes_in = len(body)
                     REQUEST_BYTES.inc(len(body))
-                    arrival = Arrival(request, body, svc.identity(request), rec, started, mem)
+                    arrival = Arrival(request, body, identity, rec, started, mem)
                     routed = await _route(request, arrival)
+                except ClientGone:
+                    BODIES_ABORTED.labels(BodyAbort.CLIENT_GONE).inc()
+                    log.info("the app closed its connection before its request body was complete")
+                    rec.outcome, rec.status = "cancelled", 499
+                    return web.Response(status=400)  # nobody reads it: aiohttp drops it quietly
+                except BodyTimeout as exc:
+                    return await _timed_out(request, exc, rec, started)
                 except RequestError as exc:
-                    response: web.StreamResponse = refuse(exc, {"x-request-id": rec.request_id}, rec, started)
+                    response = refuse(exc, {"x-request-id": rec.request_id}, rec, started)
                 else:
                     response = routed if routed is not None else await serve(svc, arrival)
+        except BodyTimeout as exc:  # the deadline passed while it waited for memory
+            return await _timed_out(request, exc, rec, started)
         except MemoryRefused as exc:
             response = refuse(exc, exc.headers(rec.request_id), rec, started)
             rec.outcome = "proxy_error"
@@ -69,6 +98,25 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
         if not rec.added_s:
             rec.added_s = max(time.perf_counter() - started - rec.upstream_s, 0.0)
         rec.finish()
+
+
+def _head_size(request: web.Request) -> int:
+    """Bytes of the request's head (they count against the memory budget)."""
+    return len(request.raw_path) + sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 16
+
+
+async def _timed_out(request: web.Request, exc: BodyTimeout, rec: Record, started: float) -> web.StreamResponse:
+    """408 for a body that did not keep arriving, and the connection closed (never drained)."""
+    BODIES_ABORTED.labels(BodyAbort.TOO_SLOW if exc.slow else BodyAbort.TIMEOUT).inc()
+    why = "too slow" if exc.slow else "deadline"
+    log.info("closed a connection whose request body did not keep arriving (%s)", why)
+    response = refuse(exc, {"x-request-id": rec.request_id, "Connection": "close"}, rec, started)
+    rec.status = response.status
+    with contextlib.suppress(ConnectionError):
+        await response.prepare(request)
+        await response.write_eof()
+    request.protocol.force_close()  # the rest of the body is not waited for (no lingering)
+    return response
 
 
 async def _route(request: web.Request, arrival: Arrival) -> web.StreamResponse | None:

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = [
     "ADDED_LATENCY",
+    "BODIES_ABORTED",
+    "BROWSER_REFUSALS",
     "BUILD_INFO",
     "CLUSTER_PEERS",
     "CONTINUATION_MISSES",
@@ -299,6 +301,18 @@ LISTENER_CONNECTIONS = Gauge(
     registry=REGISTRY,
 )
 
+BODIES_ABORTED = Counter(
+    "upshift_request_bodies_aborted",
+    "Request bodies that never completed (the app went away, too slow, past the deadline), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+BROWSER_REFUSALS = Counter(
+    "upshift_browser_refusals",
+    "Requests refused as a web page's (a foreign Origin or Host), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
 LISTENER_CLOSED = Counter(
     "upshift_listener_closed_connections",
     "Connections the API listener closed on its own, by reason.",

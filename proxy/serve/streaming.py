@@ -24,11 +24,13 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
+from proxy.config import LimitsSettings
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.explain import Explanation
 from proxy.core.sse import CONTENT_TYPE, encode_events
-from proxy.errors import BodyTooLarge, InvalidRequest, UpstreamTimeout
+from proxy.errors import BodyTimeout, BodyTooLarge, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
 from proxy.ops.log import access_log
 from proxy.ops.metrics import (
     ADDED_LATENCY,
@@ -41,9 +43,25 @@ from proxy.ops.metrics import (
 from proxy.ops.misses import RECENT
 from proxy.serve.memory import BodyBuffer, Lease
 
+_AHEAD = 256 * 1024
+"""The lease is grown once the body read comes this close to what it pays for (what the
+server's read buffers may already hold beyond the bytes handed over)."""
+
 log = logging.getLogger("upshift.streaming")
 
-__all__ = ["Downstream", "Lane", "Record", "count_hold_back", "json_body", "new_request_id", "pump", "read_body"]
+__all__ = [
+    "BodyClock",
+    "ClientGone",
+    "Downstream",
+    "Lane",
+    "Record",
+    "body_length",
+    "count_hold_back",
+    "json_body",
+    "new_request_id",
+    "pump",
+    "read_body",
+]
 
 _MAX_BATCH = 64
 """Most events written to the app in one write."""
@@ -347,46 +365,217 @@ class Record:
         )
 
 
-async def read_body(request: web.Request, limit: int, lease: Lease | None = None) -> bytes:
-    """Read the body, refusing more than ``limit`` bytes while reading (never unbounded).
+class ClientGone(ConnectionResetError):
+    """The app closed its connection before its body was complete (not an error of ours: one
+    INFO line and ``upshift_request_bodies_aborted_total{reason="client_gone"}``)."""
 
-    With a memory ``lease`` (issue 12): a body with ``Content-Length`` was reserved before
-    this call and is read into one buffer; a chunked body reserves as it is read (the rest
-    stays unread, in the kernel, while memory is short).
+
+DECODED = frozenset({"gzip", "deflate"})
+"""``Content-Encoding`` values of a request body that are decoded (by aiohttp's payload parser,
+incrementally, as the body is read: a zip bomb stops at the body limit)."""
+
+
+def body_length(request: web.Request) -> int | None:
+    """The body's size as it will be read: ``Content-Length``, or None (chunked, or encoded: its
+    decoded size is known only once read).
 
     Raises:
-        BodyTooLarge: over the limit (declared or actual).
-        InvalidRequest: the body ended before its declared length.
-        MemoryRefused: a chunked body waited too long for memory.
+        UnsupportedEncoding: a ``Content-Encoding`` other than gzip or deflate (415, unread).
+    """
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is None or encoding.strip().lower() in ("", "identity"):
+        return request.content_length
+    if encoding.strip().lower() not in DECODED:
+        raise UnsupportedEncoding(
+            f"Content-Encoding {encoding.strip()[:40]!r} is not supported: send the body as it is, gzip or deflate."
+        )
+    return None
+
+
+class BodyClock:
+    """When a body must have arrived (issue 21): complete within ``body_timeout_seconds`` of its
+    head, and, once ``body_grace_seconds`` of reading passed, at ``body_min_bytes_per_second``
+    on average at least, never silent for longer than the grace. Time spent waiting for memory
+    stops the rate clock (the sidecar, not the app, held the body back then).
+
+    Args:
+        limits: The settings.
+        started: Loop time when the head arrived.
+    """
+
+    __slots__ = ("deadline", "grace", "rate", "timeout")
+
+    def __init__(self, limits: LimitsSettings, started: float) -> None:
+        self.timeout = limits.body_timeout_seconds
+        self.deadline = started + limits.body_timeout_seconds
+        self.rate = limits.body_min_bytes_per_second
+        self.grace = limits.body_grace_seconds
+
+
+class _Watch:
+    """Enforces a :class:`BodyClock` on one body with one timer (re-armed only when it fires,
+    at most once per grace period): nothing is done per chunk but counting."""
+
+    __slots__ = ("arrived", "began", "clock", "content", "fired", "handle", "last", "loop", "paused", "paused_since")
+
+    def __init__(self, clock: BodyClock, content: Any) -> None:
+        self.clock = clock
+        self.content = content
+        self.loop = asyncio.get_running_loop()
+        self.began = self.last = self.loop.time()
+        self.arrived = 0
+        self.paused = 0.0
+        self.paused_since: float | None = None
+        self.fired: BodyTimeout | None = None
+        self.handle: asyncio.TimerHandle | None = None
+        self._arm(self.began)
+
+    def _due(self, now: float) -> float:
+        c = self.clock
+        due = min(c.deadline, self.last + c.grace) if c.grace > 0 else c.deadline
+        if c.rate > 0:
+            due = min(due, self.began + self.paused + c.grace + self.arrived / c.rate)
+        return due
+
+    def _arm(self, now: float) -> None:
+        self.handle = self.loop.call_at(self._due(now), self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.paused_since is not None:  # waiting for memory: the app is not to blame
+            self.handle = self.loop.call_at(now + max(self.clock.grace, 0.5), self._check)
+            return
+        due = self._due(now)
+        if now + 0.001 < due:
+            self.handle = self.loop.call_at(due, self._check)
+            return
+        c = self.clock
+        if now >= c.deadline - 0.001:
+            exc = BodyTimeout(f"The request body was not complete within {c.timeout:g} s.", slow=False)
+        else:
+            exc = BodyTimeout(
+                f"The request body arrived too slowly (at least {c.rate} bytes per second after "
+                f"{c.grace:g} s, never silent for longer than that).",
+                slow=True,
+            )
+        self.fired = exc
+        self.content.set_exception(exc)
+
+    def chunk(self, size: int) -> None:
+        self.arrived += size
+        self.last = self.loop.time()
+
+    def pause(self) -> None:
+        self.paused_since = self.loop.time()
+
+    def resume(self) -> None:
+        if self.paused_since is not None:
+            now = self.loop.time()
+            self.paused += now - self.paused_since
+            self.last = now
+            self.paused_since = None
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
+async def read_body(
+    request: web.Request, limit: int, lease: Lease | None = None, clock: BodyClock | None = None
+) -> bytes:
+    """Read the body, refusing more than ``limit`` bytes while reading (never unbounded), in
+    time (``clock``, issue 21).
+
+    With a memory ``lease`` (issues 12, 21): the body pays as it arrives: the lease grows a step
+    ahead of the bytes read (the rest stays unread, in the kernel, while memory is short). A
+    body with ``Content-Length`` is read into one buffer (mapped at its size, resident as it
+    fills). A gzip or deflate body is decoded as it is read and its decoded size is what the
+    limit bounds (413 for a zip bomb, at the limit); any other encoding is a 415, unread.
+
+    Raises:
+        BodyTooLarge: over the limit (declared, actual or decoded).
+        BodyTimeout: not complete in time (the caller answers 408 and closes the connection).
+        UnsupportedEncoding: a ``Content-Encoding`` other than gzip or deflate.
+        InvalidRequest: the body ended before its declared length, or does not decode.
+        ClientGone: the app closed its connection mid-body.
+        MemoryRefused: a growth waited too long for memory.
     """
     message = f"The request body is larger than the sidecar's limit of {limit} bytes."
-    length = request.content_length
+    encoded = body_length(request) is None and request.content_length is not None
+    if encoded and (request.content_length or 0) > limit:
+        raise BodyTooLarge(message)
+    length = None if encoded else request.content_length
     content = request.content
-    if length is not None:
-        if length > limit:
-            raise BodyTooLarge(message)
-        # One buffer of the declared size, filled chunk by chunk as they arrive (aiohttp's
-        # readexactly keeps every chunk and joins them: twice the body at the end). readany()
-        # hands over one received chunk as it is (read(n) joins what is buffered: a copy); the
-        # payload parser never lets more than the declared length into the stream.
-        buffer = BodyBuffer(length)
-        while not buffer.full:
-            chunk = await content.readany()
-            if not chunk:
-                raise InvalidRequest("The request body ended before its Content-Length.")
-            buffer.write(chunk)
-        if lease is not None:
-            lease.read(length)
-        return buffer.value()
+    if length is not None and length > limit:
+        raise BodyTooLarge(message)
+    watch = _Watch(clock, content) if clock is not None else None
+    try:
+        if length is not None:
+            return await _read_known(content, length, lease, watch)
+        return await _read_unknown(content, limit, message, lease, watch)
+    except BodyTimeout:
+        raise
+    except ContentEncodingError:
+        raise InvalidRequest("The request body does not decode as its Content-Encoding says.") from None
+    except ConnectionResetError:
+        if watch is not None and watch.fired is not None:
+            raise watch.fired from None
+        raise ClientGone() from None
+    finally:
+        if watch is not None:
+            watch.stop()
+
+
+async def _grow(lease: Lease, size: int, watch: _Watch | None) -> None:
+    if watch is not None:
+        watch.pause()
+    try:
+        await lease.arrived(size)
+    finally:
+        if watch is not None:
+            watch.resume()
+
+
+async def _read_known(content: Any, length: int, lease: Lease | None, watch: _Watch | None) -> bytes:
+    # One buffer of the declared size, filled chunk by chunk as they arrive (aiohttp's
+    # readexactly keeps every chunk and joins them: twice the body at the end). readany()
+    # hands over one received chunk as it is (read(n) joins what is buffered: a copy); the
+    # payload parser never lets more than the declared length into the stream.
+    buffer = BodyBuffer(length)
+    covered = lease.covered if lease is not None else length
+    while not buffer.full:
+        chunk = await content.readany()
+        if not chunk:
+            raise InvalidRequest("The request body ended before its Content-Length.")
+        buffer.write(chunk)
+        if watch is not None:
+            watch.chunk(len(chunk))
+        if lease is not None and buffer.filled + _AHEAD > covered:
+            await _grow(lease, buffer.filled, watch)
+            covered = lease.covered
+    if lease is not None:
+        lease.read(length)
+    return buffer.value()
+
+
+async def _read_unknown(content: Any, limit: int, message: str, lease: Lease | None, watch: _Watch | None) -> bytes:
     chunks: list[bytes] = []
     size = 0
-    async for chunk in content.iter_any():
+    covered = lease.covered if lease is not None else limit
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            break
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(message)
-        if lease is not None:
-            await lease.grow(size)
+        if watch is not None:
+            watch.chunk(len(chunk))
         chunks.append(chunk)
+        if lease is not None and size + _AHEAD > covered:
+            await _grow(lease, size, watch)
+            covered = lease.covered
     body = b"".join(chunks)
     if lease is not None:
         lease.read(size)

@@ -13,6 +13,7 @@ connection takes the egress path of :mod:`proxy.upstream.egress` (forward proxy,
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import ssl
 import time
@@ -52,6 +53,8 @@ HOP_BY_HOP = frozenset(
 
 _REQUEST_DROP = HOP_BY_HOP | {"host", "authorization", "cookie", "expect", "content-length", "x-upshift-forwarded"}
 _RESPONSE_DROP = HOP_BY_HOP | {"set-cookie", "x-request-id", "content-length", "date", "server"}
+_DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
+"""Request ``Content-Encoding`` values aiohttp's server decodes as the body is read."""
 _SKIP_AUTO = frozenset({"Accept-Encoding", "User-Agent", "Content-Type", "Accept"})
 
 
@@ -64,6 +67,18 @@ class Forwarded:
     bytes_sent: int
     upstream_seconds: float
     added_seconds: float
+
+
+def _cleartext(url: str) -> bool:
+    """An ``http://``/``ws://`` upstream that is not loopback (issue 21: warned at startup)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "ws"):
+        return False
+    host = (parts.hostname or "").lower()
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host != "localhost"
 
 
 def error_response(exc: ProxyError, headers: dict[str, str]) -> web.Response:
@@ -81,11 +96,15 @@ def _forward_headers(
     listed = {h.strip().lower() for h in request.headers.getall("Connection", []) for h in h.split(",")}
     injected = {"api-key", key_header.lower()} if key_header else set()
     out: CIMultiDict[str] = CIMultiDict()
+    # aiohttp's parser decodes these request bodies: what is forwarded is no longer encoded.
+    decoded = request.headers.get("Content-Encoding", "").strip().lower() in _DECODED
     for name, value in request.headers.items():
         lowered = name.lower()
         if lowered in _REQUEST_DROP or lowered in listed or lowered in injected:
-            if not (keep_length and lowered == "content-length"):
+            if not (keep_length and lowered == "content-length" and not decoded):
                 continue
+        if decoded and lowered == "content-encoding":
+            continue
         out.add(name, value)
     if not authorization:
         return out
@@ -125,6 +144,11 @@ class Passthrough:
         """Open the client session (needs a running loop)."""
         t = self.settings.timeouts
         log.info("upstream %s, egress %s", redact_url(self.settings.upstream), self.egress.describe())
+        if _cleartext(self.settings.upstream):
+            log.warning(
+                "the upstream %s is plain http:// off this machine: keys and content travel unencrypted",
+                redact_url(self.settings.upstream),
+            )
         self._session = aiohttp.ClientSession(
             auto_decompress=False,  # pass the upstream's bytes through as they are
             cookie_jar=aiohttp.DummyCookieJar(),
@@ -225,7 +249,9 @@ class Passthrough:
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
-                if name.lower() not in _RESPONSE_DROP:
+                lowered = name.lower()
+                # issue 21: never a CORS grant to a web page (access-control-*).
+                if lowered not in _RESPONSE_DROP and not lowered.startswith("access-control-"):
                     response.headers.add(name, value)
             if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
                 response.content_length = upstream.content_length
