@@ -39,6 +39,7 @@ from proxy.core.reasons import BrowserRefusal
 from proxy.errors import ForeignHost, ForeignOrigin, RequestError
 from proxy.ingress.cluster import arrived_privately
 from proxy.ops.metrics import BROWSER_REFUSALS, ERRORS
+from proxy.serve.streaming import new_request_id
 
 __all__ = ["browser_guard"]
 
@@ -147,7 +148,8 @@ def _local_port(request: web.Request) -> int | None:
 def _refused(exc: RequestError, reason: BrowserRefusal) -> web.Response:
     ERRORS.labels(exc.code).inc()
     BROWSER_REFUSALS.labels(reason).inc()
-    return web.json_response(exc.body(), status=exc.status, headers={"Connection": "close"})
+    headers = {"Connection": "close", "x-request-id": new_request_id()}
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
 def browser_guard(settings: Settings) -> Middleware:

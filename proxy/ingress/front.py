@@ -86,6 +86,8 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
             response = refuse(exc, exc.headers(rec.request_id), rec, started)
             rec.outcome = "proxy_error"
         rec.status = response.status
+        if response.status >= 400 and not request.content.is_eof():
+            _close_unread_at(request, clock.deadline)
         return response
     except asyncio.CancelledError:
         rec.outcome = "cancelled"
@@ -98,6 +100,17 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
         if not rec.added_s:
             rec.added_s = max(time.perf_counter() - started - rec.upstream_s, 0.0)
         rec.finish()
+
+
+def _close_unread_at(request: web.Request, deadline: float) -> None:
+    """A refusal answered with the body unread: aiohttp then reads and drops the rest for a
+    while (so the app sees the answer, not a reset); at the body's deadline it stops."""
+
+    def close() -> None:
+        if not request.content.is_eof() and request.transport is not None:
+            request.protocol.force_close()
+
+    asyncio.get_running_loop().call_at(deadline, close)
 
 
 def _head_size(request: web.Request) -> int:
