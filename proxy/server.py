@@ -226,6 +226,7 @@ class Server:
             shutdown_timeout=settings.shutdown.grace_seconds / 2,
             handle_signals=False,
             read_bufsize=_READ_BUFSIZE,
+            auto_decompress=False,  # issue 21: read_body decodes gzip/deflate within the limit
         )
         self._admin = web.AppRunner(make_admin_app(self.lifecycle), access_log=None, handle_signals=False)
         self.api_address: tuple[str, int] = ("", 0)

@@ -18,13 +18,13 @@ import asyncio
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
 
 from proxy.config import LimitsSettings
 from proxy.core.channel import TERMINAL, Channel, Out
@@ -371,8 +371,22 @@ class ClientGone(ConnectionResetError):
 
 
 DECODED = frozenset({"gzip", "deflate"})
-"""``Content-Encoding`` values of a request body that are decoded (by aiohttp's payload parser,
-incrementally, as the body is read: a zip bomb stops at the body limit)."""
+"""``Content-Encoding`` values of a request body that are decoded (incrementally, as the body is
+read, one step of output at a time: a zip bomb stops at the body limit)."""
+
+
+def _encoding(request: web.Request) -> str | None:
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is None:
+        return None
+    value = encoding.strip().lower()
+    if value in ("", "identity"):
+        return None
+    if value not in DECODED:
+        raise UnsupportedEncoding(
+            f"Content-Encoding {encoding.strip()[:40]!r} is not supported: send the body as it is, gzip or deflate."
+        )
+    return value
 
 
 def body_length(request: web.Request) -> int | None:
@@ -382,14 +396,50 @@ def body_length(request: web.Request) -> int | None:
     Raises:
         UnsupportedEncoding: a ``Content-Encoding`` other than gzip or deflate (415, unread).
     """
-    encoding = request.headers.get("Content-Encoding")
-    if encoding is None or encoding.strip().lower() in ("", "identity"):
-        return request.content_length
-    if encoding.strip().lower() not in DECODED:
-        raise UnsupportedEncoding(
-            f"Content-Encoding {encoding.strip()[:40]!r} is not supported: send the body as it is, gzip or deflate."
-        )
-    return None
+    return None if _encoding(request) is not None else request.content_length
+
+
+class _Decoder:
+    """gzip or deflate (zlib-wrapped, or raw as some clients send it), decoded a bounded step of
+    output at a time (``zlib``'s ``max_length``), never past ``limit`` decoded bytes."""
+
+    def __init__(self, encoding: str, limit: int, message: str) -> None:
+        self.encoding = encoding
+        self.limit = limit
+        self.message = message
+        self.size = 0
+        self._z: Any = zlib.decompressobj(31) if encoding == "gzip" else None
+        self._head = b""
+
+    def feed(self, data: bytes, out: list[bytes]) -> None:
+        if self._z is None:  # deflate: a zlib header (RFC 1950) or raw deflate
+            data = self._head + data
+            if len(data) < 2:
+                self._head = data
+                return
+            zlib_header = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            self._z = zlib.decompressobj(15 if zlib_header else -15)
+        while data:
+            try:
+                piece = self._z.decompress(data, _DECODE_STEP)
+            except zlib.error:
+                raise InvalidRequest("The request body does not decode as its Content-Encoding says.") from None
+            self.size += len(piece)
+            if self.size > self.limit:
+                raise BodyTooLarge(self.message)
+            if piece:
+                out.append(piece)
+            if self._z.eof and self._z.unused_data:
+                raise InvalidRequest("The request body has bytes after its compressed data.")
+            data = self._z.unconsumed_tail
+
+    def end(self) -> None:
+        if self._z is None or not self._z.eof:
+            raise InvalidRequest("The request body ended inside its compressed data.")
+
+
+_DECODE_STEP = 256 * 1024
+"""Most decoded bytes produced per step (then the limit and the memory lease are checked)."""
 
 
 class BodyClock:
@@ -490,8 +540,9 @@ async def read_body(
     With a memory ``lease`` (issues 12, 21): the body pays as it arrives: the lease grows a step
     ahead of the bytes read (the rest stays unread, in the kernel, while memory is short). A
     body with ``Content-Length`` is read into one buffer (mapped at its size, resident as it
-    fills). A gzip or deflate body is decoded as it is read and its decoded size is what the
-    limit bounds (413 for a zip bomb, at the limit); any other encoding is a 415, unread.
+    fills). A gzip or deflate body is decoded as it is read (the API listener leaves bodies as
+    they came, ``auto_decompress=False``) and its decoded size is what the limit bounds (413
+    for a zip bomb, at the limit); any other encoding is a 415, unread.
 
     Raises:
         BodyTooLarge: over the limit (declared, actual or decoded).
@@ -502,22 +553,20 @@ async def read_body(
         MemoryRefused: a growth waited too long for memory.
     """
     message = f"The request body is larger than the sidecar's limit of {limit} bytes."
-    encoded = body_length(request) is None and request.content_length is not None
-    if encoded and (request.content_length or 0) > limit:
-        raise BodyTooLarge(message)
-    length = None if encoded else request.content_length
+    encoding = _encoding(request)
+    length = request.content_length
     content = request.content
     if length is not None and length > limit:
-        raise BodyTooLarge(message)
+        raise BodyTooLarge(message)  # declared (for an encoded body: already its wire size)
     watch = _Watch(clock, content) if clock is not None else None
     try:
+        if encoding is not None:
+            return await _read_unknown(content, limit, message, lease, watch, _Decoder(encoding, limit, message))
         if length is not None:
             return await _read_known(content, length, lease, watch)
         return await _read_unknown(content, limit, message, lease, watch)
     except BodyTimeout:
         raise
-    except ContentEncodingError:
-        raise InvalidRequest("The request body does not decode as its Content-Encoding says.") from None
     except ConnectionResetError:
         if watch is not None and watch.fired is not None:
             raise watch.fired from None
@@ -559,23 +608,38 @@ async def _read_known(content: Any, length: int, lease: Lease | None, watch: _Wa
     return buffer.value()
 
 
-async def _read_unknown(content: Any, limit: int, message: str, lease: Lease | None, watch: _Watch | None) -> bytes:
+async def _read_unknown(
+    content: Any,
+    limit: int,
+    message: str,
+    lease: Lease | None,
+    watch: _Watch | None,
+    decoder: _Decoder | None = None,
+) -> bytes:
     chunks: list[bytes] = []
-    size = 0
+    size = wire = 0
     covered = lease.covered if lease is not None else limit
     while True:
         chunk = await content.readany()
         if not chunk:
             break
-        size += len(chunk)
-        if size > limit:
+        wire += len(chunk)
+        if wire > limit:
             raise BodyTooLarge(message)
         if watch is not None:
             watch.chunk(len(chunk))
-        chunks.append(chunk)
+        if decoder is None:
+            chunks.append(chunk)
+            size = wire
+        else:
+            decoder.feed(chunk, chunks)
+            size = decoder.size + wire  # the compressed bytes are in memory too, until the end
         if lease is not None and size + _AHEAD > covered:
             await _grow(lease, size, watch)
             covered = lease.covered
+    if decoder is not None:
+        decoder.end()
+        size = decoder.size
     body = b"".join(chunks)
     if lease is not None:
         lease.read(size)

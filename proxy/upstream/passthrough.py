@@ -53,8 +53,6 @@ HOP_BY_HOP = frozenset(
 
 _REQUEST_DROP = HOP_BY_HOP | {"host", "authorization", "cookie", "expect", "content-length", "x-upshift-forwarded"}
 _RESPONSE_DROP = HOP_BY_HOP | {"set-cookie", "x-request-id", "content-length", "date", "server"}
-_DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
-"""Request ``Content-Encoding`` values aiohttp's server decodes as the body is read."""
 _SKIP_AUTO = frozenset({"Accept-Encoding", "User-Agent", "Content-Type", "Accept"})
 
 
@@ -96,15 +94,13 @@ def _forward_headers(
     listed = {h.strip().lower() for h in request.headers.getall("Connection", []) for h in h.split(",")}
     injected = {"api-key", key_header.lower()} if key_header else set()
     out: CIMultiDict[str] = CIMultiDict()
-    # aiohttp's parser decodes these request bodies: what is forwarded is no longer encoded.
-    decoded = request.headers.get("Content-Encoding", "").strip().lower() in _DECODED
     for name, value in request.headers.items():
         lowered = name.lower()
         if lowered in _REQUEST_DROP or lowered in listed or lowered in injected:
-            if not (keep_length and lowered == "content-length" and not decoded):
+            if not (keep_length and lowered == "content-length"):
                 continue
-        if decoded and lowered == "content-encoding":
-            continue
+        if lowered == "content-encoding" and not keep_length:
+            continue  # a body read by the sidecar was decoded (read_body): it goes as it is now
         out.add(name, value)
     if not authorization:
         return out

@@ -25,7 +25,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import LoggingSettings, Settings, load_settings
 from proxy.core.budget import Kind
-from proxy.core.reasons import ErrorCode, MissReason, Mode, Outcome, PassthroughReason, ReplayCause, Route
+from proxy.core.reasons import (
+    BodyAbort,
+    BrowserRefusal,
+    ErrorCode,
+    MissReason,
+    Mode,
+    Outcome,
+    PassthroughReason,
+    ReplayCause,
+    Route,
+)
 from proxy.emulator import Emulator
 from proxy.emulator.state import identity_of
 from proxy.ingress.handoff import HandoffOutcome
@@ -266,6 +276,7 @@ _LABEL_VALUES["mode"] |= {"forwarded"}
 _LABEL_VALUES["outcome"] |= {"cut", "owner_down", "connect_timeout", "busy", "refused", "failed_before_answer"}
 _LABEL_VALUES["outcome"] |= set(HandoffOutcome)  # upshift_handoffs_total (proxy/ingress/handoff.py)
 _LABEL_VALUES["reason"] |= {"header_timeout", "max_connections"} | _LABEL_VALUES["outcome"]
+_LABEL_VALUES["reason"] |= set(BodyAbort) | set(BrowserRefusal)  # issue 21 (tests/security)
 _LABEL_VALUES["state"] |= {"up", "down"}
 
 
