@@ -102,15 +102,23 @@ async def post_responses(request: web.Request) -> web.StreamResponse:
         rec.finish()
 
 
+_LINGER = 10.0
+"""How long aiohttp reads and drops an unread body after the answer (its ``lingering_time``)."""
+
+
 def _close_unread_at(request: web.Request, deadline: float) -> None:
     """A refusal answered with the body unread: aiohttp then reads and drops the rest for a
-    while (so the app sees the answer, not a reset); at the body's deadline it stops."""
+    while (so the app sees the answer, not a reset), then closes; if the body's deadline comes
+    first, it stops there."""
+    loop = asyncio.get_running_loop()
+    if deadline >= loop.time() + _LINGER:
+        return  # the lingering ends first
 
     def close() -> None:
         if not request.content.is_eof() and request.transport is not None:
             request.protocol.force_close()
 
-    asyncio.get_running_loop().call_at(deadline, close)
+    loop.call_at(deadline, close)
 
 
 def _head_size(request: web.Request) -> int:
