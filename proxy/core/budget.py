@@ -15,11 +15,13 @@ Sans-I/O accounting (the async gate is :mod:`proxy.serve.memory`). Three kinds o
 
 A reservation or a growth that does not fit waits (the gate does not read the body meanwhile:
 TCP backpressure). Waiters are admitted in a fair order, round-robin over their keys (the
-caller's identity), first come first within a key, and **any waiter that fits is granted**: a
-large one never holds up small ones behind it. Bodies still being read are admitted and grown
-only while the set of them stays *safe* (the banker's rule over their declared needs): in some
-order every one of them can still complete once the rest of the in-flight memory drains, so
-bodies that pay as they arrive can never deadlock each other. One that could not fit even if
+caller's identity), first come first within a key, growths of bodies already being read
+before new requests, and **any waiter that fits is granted**: a large one never holds up small
+ones behind it. A body larger than one step is admitted only while it and every body being read
+could all grow to their declared needs at once: those promises are counted against each other
+(so bodies paying as they arrive never deadlock, each able to complete once the small requests
+drain), never reserved (small requests and growths use the memory until the bytes arrive), and
+a promise that is not kept is closed by the body deadline (:mod:`proxy.ingress.front`). One that could not fit even if
 nothing else were in flight and no body kept is refused at once (:attr:`Verdict.TOO_LARGE`).
 The budget never takes memory back from a ticket already granted: nothing that is streaming is
 cut for memory.
@@ -340,30 +342,24 @@ class Budget:
         extra.verdict = Verdict.RELEASED
         self.tickets -= 1
 
-    def _safe(self, ticket: Ticket, held: int) -> bool:
-        """Whether the bodies being read, with ``ticket`` holding ``held`` among them, can all
-        complete in some order once everything else in flight drained (banker's rule: the
-        smallest remaining need first; each one done gives back all it holds)."""
-        items = [(t.need - t.held, t.held) for t in self._reading if t is not ticket]
-        items.append((ticket.need - held, held))
-        avail = self.capacity - self.heads - sum(h for _, h in items)
-        for rest, h in sorted(items):
-            if rest > avail:
-                return False
-            avail += h
-        return True
+    def _promised(self) -> int:
+        """What the bodies being read may still grow by (their declared needs, not held)."""
+        return sum(t.need - t.held for t in self._reading)
 
     def _admissible(self, ticket: Ticket, out: Outcome) -> bool:
-        """A new ticket may be granted now (evicting kept bodies if that makes it fit)."""
-        if ticket.need > ticket.want and not self._safe(ticket, ticket.want):
-            return False
+        """A new ticket may be granted now (evicting kept bodies if that makes it fit). A body
+        still to arrive is admitted only while it and every body being read could all grow to
+        their needs at once; its promise is counted against other such bodies only, never
+        reserved: small requests and growths use the memory until the bytes arrive."""
+        if ticket.need > ticket.want:
+            rest = ticket.need - ticket.held + self._promised()
+            if rest > self.free + self.kept:
+                return False
         return self._fits(ticket.want - ticket.held, out)
 
     def _growable(self, ticket: Ticket, more: int, out: Outcome) -> bool:
         if ticket in self._reading:
             ticket.need = max(ticket.need, ticket.held + more)
-            if not self._safe(ticket, ticket.held + more):
-                return False
         return self._fits(more, out)
 
     def _add(self, ticket: Ticket, more: int) -> None:
@@ -421,7 +417,9 @@ class Budget:
         out = Outcome()
         if not self._waiting:
             return out
-        for ticket in self._fair_order():
+        order = self._fair_order()
+        # Growths first: they complete bodies already being read (and free memory soonest).
+        for ticket in [t for t in order if t.more] + [t for t in order if not t.more]:
             if ticket.verdict is Verdict.WAITING:
                 if ticket.need > self.capacity - self.heads:
                     self._dequeue(ticket)

@@ -45,8 +45,11 @@ async def _until_closed(reader: asyncio.StreamReader, timeout: float) -> bytes:
     """Everything the sidecar sends until it closes the connection."""
     data = b""
     async with asyncio.timeout(timeout):
-        while chunk := await reader.read(65536):
-            data += chunk
+        try:
+            while chunk := await reader.read(65536):
+                data += chunk
+        except ConnectionError:  # closed with the trickle's unread byte in its buffers: a reset
+            pass
     return data
 
 
