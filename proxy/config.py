@@ -25,7 +25,7 @@ from urllib.parse import unquote_plus, urlsplit
 import yaml
 
 from proxy.core.reasons import Tolerance
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, redact_url
 
 __all__ = [
     "CONFIG_ENV",
@@ -104,6 +104,15 @@ class LimitsSettings:
     largest body that fits it, at most 64 MiB)."""
     ws_frame_budget_bytes: int = 15 * 1024 * 1024
     """Largest ``response.create`` frame sent upstream; larger requests go over HTTP."""
+    body_timeout_seconds: float = 120.0
+    """A request body must be complete this long after its head arrived (waiting for memory
+    included); else 408 and the connection is closed."""
+    body_min_bytes_per_second: int = 16384
+    """After ``body_grace_seconds`` of reading, a body must have arrived at this average rate
+    at least (time waiting for memory not counted); else 408 and close. 0: no minimum."""
+    body_grace_seconds: float = 5.0
+    """When the minimum rate starts to count, and the longest a body may go silent (no byte
+    arriving) while it is read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +254,14 @@ class ListenerSettings:
     (or after the first byte of a later request) is closed."""
     keepalive_seconds: float = 75.0
     """Close a keep-alive connection idle between requests for this long."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins (``https://app.example``) whose requests are let through; a request with
+    any other ``Origin`` header gets 403 (web pages are not clients). The sidecar never grants
+    CORS itself."""
+    allowed_hosts: tuple[str, ...] = ()
+    """``Host`` names (``name`` or ``name:port``) the API listener answers to besides, on
+    loopback, its listen address, ``localhost`` and loopback IPs (DNS rebinding gets 403). On a
+    non-loopback listener (a gateway): its Service names; empty there: any ``Host``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +411,8 @@ _POSITIVE = frozenset(
         "workers",
         "listener.max_connections",
         "listener.header_timeout_seconds",
+        "limits.body_timeout_seconds",
+        "limits.body_grace_seconds",
         "cluster.dns_refresh_seconds",
         "cluster.connect_timeout_seconds",
         "cluster.max_forwards_per_peer",
@@ -587,6 +606,16 @@ def _check_list(key: str, values: tuple[str, ...]) -> None:
             if value.lower() in seen:
                 raise ValueError(f"header {value!r} is listed twice")
             seen.add(value.lower())
+    elif key == "listener.allowed_origins":
+        for value in values:
+            parts = urlsplit(value)
+            bad = parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/")
+            if value != "null" and bad:
+                raise ValueError(f"expected origins like https://app.example:8443; got {value!r}")
+    elif key == "listener.allowed_hosts":
+        for value in values:
+            if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:\d{1,5})?", value):
+                raise ValueError(f"expected host names like upshift.apps.svc or upshift:8080; got {value!r}")
 
 
 def _check_string(key: str, value: str) -> None:
@@ -616,16 +645,7 @@ def _check_string(key: str, value: str) -> None:
     elif key == "upstream":
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
-            raise ValueError(f"expected an http(s):// or ws(s):// URL; got {value!r}")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its userinfo replaced by ``***`` (proxy URLs may carry one)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}"
-    return parts._replace(netloc=netloc).geturl()
+            raise ValueError(f"expected an http(s):// or ws(s):// URL; got {redact_url(value)!r}")
 
 
 def _check_peer_url(url: str) -> None:

@@ -7,6 +7,10 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     ├─ RequestError                           4xx
     │  ├─ InvalidRequest(ValueError)          400 invalid_request_error
     │  ├─ BodyTooLarge                        413 request_too_large
+    │  ├─ BodyTimeout                         408 request_timeout (and the connection closed)
+    │  ├─ UnsupportedEncoding                 415 unsupported_content_encoding
+    │  ├─ ForeignOrigin                       403 origin_not_allowed
+    │  ├─ ForeignHost                         403 host_not_allowed
     │  ├─ ForeignResponse                     400 previous_response_not_found
     │  └─ UnsupportedRequest                  400 unsupported
     ├─ UpstreamError                          5xx
@@ -24,12 +28,18 @@ plan (wait, then HTTP). Codes are :class:`proxy.core.reasons.ErrorCode` values.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from proxy.core.reasons import ErrorCode
 
 __all__ = [
+    "BodyTimeout",
     "BodyTooLarge",
+    "ForeignHost",
+    "ForeignOrigin",
+    "UnsupportedEncoding",
     "ConfigError",
     "ForeignResponse",
     "InvalidRequest",
@@ -42,7 +52,44 @@ __all__ = [
     "UpstreamRefused",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "redact_url",
+    "redact_urls",
 ]
+
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+_KEEP_QUERY = frozenset({"api-version"})
+"""Query parameters shown as they are (Azure's version); every other value may be a secret."""
+_MASK = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` safe to print: the userinfo's password (or a lone user name, which may be a key)
+    and every query value but ``api-version`` replaced by ``***`` (``?api-key=...``, SAS
+    tokens). The one place URLs are redacted: logs, ``--print-config`` and error texts use it."""
+    try:
+        parts = urlsplit(url)
+        host = parts.netloc.rpartition("@")[2]
+        netloc = parts.netloc
+        if "@" in netloc:
+            user = parts.username or ""
+            netloc = f"{user}:{_MASK}@{host}" if parts.password is not None else f"{_MASK}@{host}"
+        query = parts.query
+        if query:
+            pairs = []
+            for pair in query.split("&"):
+                name, eq, _ = pair.partition("=")
+                pairs.append(pair if not eq or name.lower() in _KEEP_QUERY else f"{name}={_MASK}")
+            query = "&".join(pairs)
+        return parts._replace(netloc=netloc, query=query).geturl()
+    except ValueError:  # not a URL urllib can split (a bad port): print none of it
+        return "<url>"
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every URL in it passed through :func:`redact_url`."""
+    if "://" not in text:
+        return text
+    return _URL.sub(lambda m: redact_url(m.group(0)), text)
 
 
 class ProxyError(Exception):
@@ -56,6 +103,7 @@ class ProxyError(Exception):
     """OpenAI-style ``error.type``."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
+        message = redact_urls(message)  # an error text never carries a URL's secrets
         super().__init__(message)
         self.message = message
         self.param = param
@@ -91,6 +139,40 @@ class BodyTooLarge(RequestError):
 
     status = 413
     code = ErrorCode.REQUEST_TOO_LARGE
+
+
+class BodyTimeout(RequestError):
+    """The body did not keep arriving: not complete within ``limits.body_timeout_seconds``, or
+    slower than ``limits.body_min_bytes_per_second`` after the grace (the connection is closed)."""
+
+    status = 408
+    code = ErrorCode.REQUEST_TIMEOUT
+
+    def __init__(self, message: str, *, slow: bool = False) -> None:
+        super().__init__(message)
+        self.slow = slow
+        """Too slow (the minimum rate, or silent for the grace) rather than past the deadline."""
+
+
+class UnsupportedEncoding(RequestError):
+    """A ``Content-Encoding`` the sidecar does not decode (only gzip and deflate are)."""
+
+    status = 415
+    code = ErrorCode.UNSUPPORTED_CONTENT_ENCODING
+
+
+class ForeignOrigin(RequestError):
+    """A browser request (it carries ``Origin``) from an origin not in ``listener.allowed_origins``."""
+
+    status = 403
+    code = ErrorCode.ORIGIN_NOT_ALLOWED
+
+
+class ForeignHost(RequestError):
+    """A ``Host`` the listener does not answer to (a DNS-rebound page names its own)."""
+
+    status = 403
+    code = ErrorCode.HOST_NOT_ALLOWED
 
 
 class UnsupportedRequest(RequestError):

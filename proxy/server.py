@@ -24,6 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.reasons import Mode, Route
+from proxy.ingress.browsers import browser_guard
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.loop import loop_name
@@ -138,7 +139,8 @@ def build_app(services: Services, ingress: Ingress | None = None) -> web.Applica
     # The body limit is enforced by handlers.read_body while reading; aiohttp's own limit would
     # answer its own 413 shape, so it is set above ours.
     app = web.Application(
-        client_max_size=services.settings.limits.max_body_bytes + 1, middlewares=[_bugs_as_openai_errors]
+        client_max_size=services.settings.limits.max_body_bytes + 1,
+        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings)],  # issue 21: no web pages
     )
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)
@@ -230,6 +232,7 @@ class Server:
             shutdown_timeout=settings.shutdown.grace_seconds / 2,
             handle_signals=False,
             read_bufsize=_READ_BUFSIZE,
+            auto_decompress=False,  # issue 21: read_body decodes gzip/deflate within the limit
         )
         self._admin = web.AppRunner(
             make_admin_app(self.lifecycle),

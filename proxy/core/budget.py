@@ -2,18 +2,29 @@
 
 Sans-I/O accounting (the async gate is :mod:`proxy.serve.memory`). Three kinds of holders:
 
-* **in flight**: requests being received, parsed and sent (a :class:`Ticket` each, reserved
-  before the body is read, by ``Content-Length`` times :data:`AMPLIFICATION`, settled down to
-  the body once the frame is sent);
+* **in flight**: requests being received, parsed and sent (a :class:`Ticket` each). A body pays
+  as it arrives (issue 21): a ticket is granted its headers, :data:`MIN_RESERVATION` and
+  :data:`AMPLIFICATION` times at most one :data:`STEP` of body, and grows step by step as the
+  bytes actually arrive, up to its ``need`` (``Content-Length`` times the amplification); it is
+  settled down to the body once the frame is sent. A declared length is a promise, never a
+  reservation: a connection that declares 64 MiB and sends nothing holds one step;
 * **kept bodies**: previous request bodies a head keeps for the byte comparison of the next
   turn's prefix (:meth:`Budget.keep`); they give way first: a reservation that does not fit
   evicts the least recently kept ones (their heads fall back to the digest: same answer);
 * **heads**: the conversation heads and their sockets (:meth:`Budget.set_heads`).
 
-A reservation that does not fit waits in one FIFO queue (the gate does not read the body
-meanwhile: TCP backpressure). One that could not fit even if nothing else were in flight and
-no body kept is refused at once (:attr:`Verdict.TOO_LARGE`). The budget never takes memory
-back from a ticket already granted: nothing that is streaming is cut for memory.
+A reservation or a growth that does not fit waits (the gate does not read the body meanwhile:
+TCP backpressure). Waiters are admitted in a fair order, round-robin over their keys (the
+caller's identity), first come first within a key, growths of bodies already being read
+before new requests, and **any waiter that fits is granted**: a large one never holds up small
+ones behind it. A body larger than one step is admitted only while it and every body being read
+could all grow to their declared needs at once: those promises are counted against each other
+(so bodies paying as they arrive never deadlock, each able to complete once the small requests
+drain), never reserved (small requests and growths use the memory until the bytes arrive), and
+a promise that is not kept is closed by the body deadline (:mod:`proxy.ingress.front`). One that could not fit even if
+nothing else were in flight and no body kept is refused at once (:attr:`Verdict.TOO_LARGE`).
+The budget never takes memory back from a ticket already granted: nothing that is streaming is
+cut for memory.
 
 Every method returns what the caller must do (tickets to wake, kept bodies to drop); nothing
 here waits, sleeps or reads a clock.
@@ -30,7 +41,9 @@ __all__ = [
     "AMPLIFICATION",
     "DEFAULT_MEMORY_BYTES",
     "HEAD_COST",
+    "HEADER_ROOM",
     "MIN_RESERVATION",
+    "STEP",
     "Budget",
     "Derived",
     "Effects",
@@ -48,6 +61,13 @@ library (masked copy). Measured peak per in-flight byte, see bench/memory.py."""
 MIN_RESERVATION = 128 * 1024
 """Added to every request's reservation: its connection's buffers and objects, held even
 while it waits (bench: 200 connections at once cost ~25 MiB beyond their bodies)."""
+
+STEP = 1024 * 1024
+"""Body bytes a reading ticket may hold ahead of what arrived (issue 21): the bounded step it
+pays for before the bytes are read, and the unit it grows by."""
+
+HEADER_ROOM = 64 * 1024
+"""Left free by the derived body limit for the request's headers, which count too."""
 
 HEAD_COST = 24 * 1024
 """Bytes per conversation head, its upstream socket included (bench: ~23 KB)."""
@@ -96,6 +116,13 @@ class Ticket:
     verdict: Verdict = Verdict.WAITING
     waited: bool = False
     """Whether it had to queue."""
+    key: Hashable = None
+    """Whose request it is (the identity): waiters are admitted round-robin over keys."""
+    need: int = 0
+    """The most it will hold once its body is read (above ``want``: a body still arriving,
+    granted step by step, see :meth:`Budget.ask`)."""
+    more: int = 0
+    """A growth waiting in the queue (a granted ticket whose next step did not fit)."""
 
 
 @dataclass(slots=True)
@@ -131,7 +158,7 @@ def derive(memory_bytes: int, baseline: int) -> Derived:
     return Derived(
         memory_bytes=memory_bytes,
         capacity=capacity,
-        max_body_bytes=min(64 * 1024 * 1024, (capacity - MIN_RESERVATION) // AMPLIFICATION),
+        max_body_bytes=min(64 * 1024 * 1024, (capacity - MIN_RESERVATION - HEADER_ROOM) // AMPLIFICATION),
         hot_prefix_bytes=capacity // 2,
     )
 
@@ -149,14 +176,18 @@ class Budget:
         self.kept = 0
         self.heads = 0
         self._kept: OrderedDict[Hashable, int] = OrderedDict()
-        self._queue: deque[Ticket] = deque()
+        self._queues: OrderedDict[Hashable, deque[Ticket]] = OrderedDict()
+        """Waiters by key, in the round-robin order of their keys."""
+        self._waiting = 0
+        self._reading: dict[Ticket, None] = {}
+        """Granted tickets whose body is still arriving (``need`` above ``held``)."""
         self.tickets = 0
         """Granted tickets not yet released."""
 
     def __repr__(self) -> str:
         return (
             f"<Budget {self.used}/{self.capacity} in_flight={self.in_flight} kept={self.kept} "
-            f"heads={self.heads} waiting={len(self._queue)}>"
+            f"heads={self.heads} waiting={self._waiting} reading={len(self._reading)}>"
         )
 
     @property
@@ -169,64 +200,97 @@ class Budget:
 
     @property
     def waiting(self) -> int:
-        """Tickets queued."""
-        return len(self._queue)
+        """Tickets (and growths) queued."""
+        return self._waiting
 
     @property
     def idle(self) -> bool:
         """Nothing in flight and nobody waiting."""
-        return self.tickets == 0 and not self._queue
+        return self.tickets == 0 and not self._waiting
 
     # -- requests --------------------------------------------------------------------------
 
-    def ask(self, want: int, buffered: int = 0) -> tuple[Ticket, Effects]:
+    def ask(self, want: int, buffered: int = 0, *, key: Hashable = None, need: int = 0) -> tuple[Ticket, Effects]:
         """Reserve ``want`` bytes: granted now (maybe evicting kept bodies), queued, or refused
         because it could not fit even into an empty budget.
 
         ``buffered``: bytes the request holds even while it waits (the start of its body that
         the server's read buffers took in before backpressure set in); counted at once, even
         over the capacity, because they are in memory either way.
+
+        ``need`` (above ``want``): the ticket is a body still arriving that will grow up to
+        ``need`` (:meth:`grow`, :meth:`ask_more`) until :meth:`done_reading`; it is admitted only
+        while every body being read can still complete (see the module docstring).
+        ``key``: whose request it is (fair admission).
         """
-        ticket = Ticket(max(want, 0))
+        ticket = Ticket(max(want, 0), key=key)
+        ticket.need = max(need, ticket.want)
         out = Effects()
-        if ticket.want > self.capacity - self.heads:
+        if ticket.need > self.capacity - self.heads:
             ticket.verdict = Verdict.TOO_LARGE
             return ticket, out
-        if not self._queue and self._fits(ticket.want, out):
+        if self._admissible(ticket, out):
             self._grant(ticket)
             return ticket, out
         ticket.waited = True
         ticket.held = min(max(buffered, 0), ticket.want)
         self.in_flight += ticket.held
-        self._queue.append(ticket)
+        self._enqueue(ticket)
         return ticket, out
 
     def grow(self, ticket: Ticket, more: int) -> tuple[bool, Effects]:
-        """Add ``more`` bytes to a granted ticket if they fit now (evicting kept bodies), without
-        queueing: for a chunked body reserved as it is read."""
+        """Add ``more`` bytes to a granted ticket if they fit now (evicting kept bodies) and the
+        bodies being read stay safe, without queueing."""
         out = Effects()
         if ticket.verdict is not Verdict.GRANTED:
             raise ValueError(f"grow on a {ticket.verdict} ticket")
         if more <= 0:
             return True, out
-        if not self._fits(more, out):
+        if not self._growable(ticket, more, out):
             return False, out
-        ticket.want += more
-        ticket.held += more
-        self.in_flight += more
+        self._add(ticket, more)
         return True, out
+
+    def ask_more(self, ticket: Ticket, more: int) -> tuple[bool, Effects]:
+        """:meth:`grow`, or else queue the growth (granted later by a wake-up: the ticket is then
+        in :attr:`Effects.granted` and its ``more`` is 0 again)."""
+        ok, out = self.grow(ticket, more)
+        if not ok:
+            ticket.more = more
+            self._enqueue(ticket)
+        return ok, out
+
+    def cancel_more(self, ticket: Ticket) -> Effects:
+        """A queued growth is given up (the wait timed out)."""
+        if ticket.more and self._dequeue(ticket):
+            ticket.more = 0
+            return self._admit()
+        return Effects()
+
+    def done_reading(self, ticket: Ticket) -> Effects:
+        """The ticket's body is complete: it leaves the bodies being read (and never grows again)."""
+        ticket.need = ticket.held
+        if ticket in self._reading:
+            del self._reading[ticket]
+            return self._admit()
+        return Effects()
 
     def settle(self, ticket: Ticket, hold: int) -> Effects:
         """Lower a granted ticket to ``hold`` bytes (never raises it); wakes waiters that fit."""
         if ticket.verdict is not Verdict.GRANTED or hold >= ticket.want:
             return Effects()
+        self._reading.pop(ticket, None)
         self.in_flight -= ticket.want - max(hold, 0)
-        ticket.want = ticket.held = max(hold, 0)
+        ticket.want = ticket.held = ticket.need = max(hold, 0)
         return self._admit()
 
     def release(self, ticket: Ticket) -> Effects:
         """The request is over (any way): its bytes return; a waiting ticket leaves the queue."""
         if ticket.verdict is Verdict.GRANTED:
+            if ticket.more:
+                self._dequeue(ticket)
+                ticket.more = 0
+            self._reading.pop(ticket, None)
             self.in_flight -= ticket.held
             self.tickets -= 1
             ticket.held, ticket.verdict = 0, Verdict.RELEASED
@@ -234,10 +298,8 @@ class Budget:
         if ticket.verdict is Verdict.WAITING:
             self.in_flight -= ticket.held
             ticket.held, ticket.verdict = 0, Verdict.CANCELLED
-            head = bool(self._queue) and self._queue[0] is ticket
-            self._queue.remove(ticket)
-            if head:
-                return self._admit()
+            self._dequeue(ticket)
+            return self._admit()
         return Effects()
 
     # -- kept bodies and heads -------------------------------------------------------------
@@ -247,7 +309,7 @@ class Budget:
         while no request waits (kept bodies never make a request wait)."""
         if key in self._kept:
             self.unkeep(key)
-        if self._queue or size > self.free:
+        if self._waiting or size > self.free:
             return False
         self._kept[key] = size
         self.kept += size
@@ -270,14 +332,40 @@ class Budget:
     # -- internals -------------------------------------------------------------------------
 
     def merge(self, ticket: Ticket, extra: Ticket) -> None:
-        """Fold a granted ``extra`` ticket into ``ticket`` (a chunked body's growth)."""
+        """Fold a granted ``extra`` ticket into ``ticket``."""
         if ticket.verdict is not Verdict.GRANTED or extra.verdict is not Verdict.GRANTED:
             raise ValueError("merge of tickets not both granted")
         ticket.want += extra.want
         ticket.held += extra.held
+        ticket.need = max(ticket.need, ticket.held)
         extra.want = extra.held = 0
         extra.verdict = Verdict.RELEASED
         self.tickets -= 1
+
+    def _promised(self) -> int:
+        """What the bodies being read may still grow by (their declared needs, not held)."""
+        return sum(t.need - t.held for t in self._reading)
+
+    def _admissible(self, ticket: Ticket, out: Effects) -> bool:
+        """A new ticket may be granted now (evicting kept bodies if that makes it fit). A body
+        still to arrive is admitted only while it and every body being read could all grow to
+        their needs at once; its promise is counted against other such bodies only, never
+        reserved: small requests and growths use the memory until the bytes arrive."""
+        if ticket.need > ticket.want:
+            rest = ticket.need - ticket.held + self._promised()
+            if rest > self.free + self.kept:
+                return False
+        return self._fits(ticket.want - ticket.held, out)
+
+    def _growable(self, ticket: Ticket, more: int, out: Effects) -> bool:
+        if ticket in self._reading:
+            ticket.need = max(ticket.need, ticket.held + more)
+        return self._fits(more, out)
+
+    def _add(self, ticket: Ticket, more: int) -> None:
+        ticket.want += more
+        ticket.held += more
+        self.in_flight += more
 
     def _fits(self, want: int, out: Effects) -> bool:
         """Whether ``want`` fits, evicting kept bodies (oldest first) if that makes it fit."""
@@ -296,21 +384,62 @@ class Budget:
         self.in_flight += ticket.want - ticket.held
         ticket.held = ticket.want
         self.tickets += 1
+        if ticket.need > ticket.held:
+            self._reading[ticket] = None
+
+    def _enqueue(self, ticket: Ticket) -> None:
+        self._queues.setdefault(ticket.key, deque()).append(ticket)
+        self._waiting += 1
+
+    def _dequeue(self, ticket: Ticket) -> bool:
+        queue = self._queues.get(ticket.key)
+        if queue is None or ticket not in queue:
+            return False
+        queue.remove(ticket)
+        self._waiting -= 1
+        if not queue:
+            del self._queues[ticket.key]
+        return True
+
+    def _fair_order(self) -> list[Ticket]:
+        """The waiters round-robin over their keys (in the keys' rotation order), first come
+        first within a key."""
+        queues = [list(q) for q in self._queues.values()]
+        order: list[Ticket] = []
+        depth = max((len(q) for q in queues), default=0)
+        for i in range(depth):
+            order.extend(q[i] for q in queues if i < len(q))
+        return order
 
     def _admit(self) -> Effects:
-        """Grant queued tickets in order while the first one fits."""
+        """Grant every waiter that fits now, in the fair order (a waiter that does not fit
+        holds up nobody behind it)."""
         out = Effects()
-        while self._queue:
-            ticket = self._queue[0]
-            if ticket.want > self.capacity - self.heads:
-                self._queue.popleft()
-                self.in_flight -= ticket.held
-                ticket.held, ticket.verdict = 0, Verdict.TOO_LARGE
-                out.granted.append(ticket)  # woken to be refused
+        if not self._waiting:
+            return out
+        order = self._fair_order()
+        # Growths first: they complete bodies already being read (and free memory soonest).
+        for ticket in [t for t in order if t.more] + [t for t in order if not t.more]:
+            if ticket.verdict is Verdict.WAITING:
+                if ticket.need > self.capacity - self.heads:
+                    self._dequeue(ticket)
+                    self.in_flight -= ticket.held
+                    ticket.held, ticket.verdict = 0, Verdict.TOO_LARGE
+                    out.granted.append(ticket)  # woken to be refused
+                    continue
+                if not self._admissible(ticket, out):
+                    continue
+                self._dequeue(ticket)
+                self._grant(ticket)
+            elif ticket.more:
+                if not self._growable(ticket, ticket.more, out):
+                    continue
+                self._dequeue(ticket)
+                self._add(ticket, ticket.more)
+                ticket.more = 0
+            else:  # pragma: no cover - nothing else is ever queued
                 continue
-            if not self._fits(ticket.want - ticket.held, out):
-                break
-            self._queue.popleft()
-            self._grant(ticket)
             out.granted.append(ticket)
+            if ticket.key in self._queues:
+                self._queues.move_to_end(ticket.key)  # the next grant goes to another key first
         return out

@@ -11,6 +11,8 @@ import enum
 from typing import TypeAlias
 
 __all__ = [
+    "BodyAbort",
+    "BrowserRefusal",
     "ErrorCode",
     "ForwardOutcome",
     "ForwardReason",
@@ -119,6 +121,34 @@ class ErrorCode(enum.StrEnum):
     """The request cannot fit even into an empty memory budget: 503."""
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
+    REQUEST_TIMEOUT = "request_timeout"
+    """The body did not arrive within ``limits.body_timeout_seconds`` or kept below the minimum rate: 408."""
+    UNSUPPORTED_CONTENT_ENCODING = "unsupported_content_encoding"
+    """A request body in a ``Content-Encoding`` other than gzip or deflate: 415."""
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+    """A browser request (``Origin``) from an origin not in ``listener.allowed_origins``: 403."""
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    """A ``Host`` this listener does not answer to (DNS rebinding): 403."""
+
+
+class BodyAbort(enum.StrEnum):
+    """``upshift_request_bodies_aborted_total{reason}``: request bodies that never completed."""
+
+    CLIENT_GONE = "client_gone"
+    """The app closed its connection mid-body (logged as one INFO line)."""
+    TIMEOUT = "timeout"
+    """Not complete within ``limits.body_timeout_seconds``: 408 and close."""
+    TOO_SLOW = "too_slow"
+    """Below ``limits.body_min_bytes_per_second`` after the grace, or silent for longer than it: 408 and close."""
+
+
+class BrowserRefusal(enum.StrEnum):
+    """``upshift_browser_refusals_total{reason}``: requests refused as coming from a web page."""
+
+    ORIGIN = "origin"
+    """``Origin`` not in ``listener.allowed_origins``."""
+    HOST = "host"
+    """``Host`` not the listen address, ``localhost:PORT`` or in ``listener.allowed_hosts``."""
 
 
 class MemoryRefusal(enum.StrEnum):

@@ -330,7 +330,9 @@ class Cluster:
     def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """Mark answers to forwarded requests, so the forwarder knows an upshift answered."""
         if MARKER in request.headers or arrived_privately(request):
-            response.headers[OWNER_HEADER] = self.self_url or "1"
+            # issue 21: the pod URL reaches the app only with logging.level debug.
+            debug = self.settings.logging.level == "debug"
+            response.headers[OWNER_HEADER] = (self.self_url or "1") if debug else "1"
 
     async def prove(self, request: web.Request) -> web.Response:
         """``GET /.upshift/peer``: answer a replica's challenge with the proof of the secret."""

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
 from proxy.core.reasons import (
+    BodyAbort,
+    BrowserRefusal,
     ErrorCode,
     ForwardOutcome,
     ListenerClose,
@@ -30,6 +32,8 @@ from proxy.core.reasons import (
 
 __all__ = [
     "ADDED_LATENCY",
+    "BODIES_ABORTED",
+    "BROWSER_REFUSALS",
     "BUILD_INFO",
     "CLUSTER_PEERS",
     "CONTINUATION_MISSES",
@@ -323,6 +327,18 @@ LISTENER_CONNECTIONS = Gauge(
     registry=REGISTRY,
 )
 
+BODIES_ABORTED = Counter(
+    "upshift_request_bodies_aborted",
+    "Request bodies that never completed (the app went away, too slow, past the deadline), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+BROWSER_REFUSALS = Counter(
+    "upshift_browser_refusals",
+    "Requests refused as a web page's (a foreign Origin or Host), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
 LISTENER_CLOSED = Counter(
     "upshift_listener_closed_connections",
     "Connections the API listener closed on its own, by reason.",
@@ -378,7 +394,9 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "route": _values(Route),
     "mode": _values(Mode),
     "outcome": _values(RequestOutcome, ForwardOutcome) | {"failed"},  # upshift_reseeds_total: ok | failed
-    "reason": _values(MissReason, PassthroughReason, ReplayCause, ForwardOutcome, MemoryRefusal)
+    "reason": _values(
+        MissReason, PassthroughReason, ReplayCause, ForwardOutcome, MemoryRefusal, BodyAbort, BrowserRefusal
+    )
     | _values(ListenerClose)
     | {"unknown"},
     "cause": _values(ReplayCause),

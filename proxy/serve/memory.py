@@ -1,19 +1,26 @@
 """The memory gate: the async shell around :class:`proxy.core.budget.Budget`.
 
-Every ``POST /v1/responses`` holds a :class:`Lease` (``async with gate.lease(length)``) from
-before its body is read until its answer is written. Entering the lease reserves
-``Content-Length`` × :data:`~proxy.core.budget.AMPLIFICATION`; when that does not fit, the
-body is simply not read yet (the app's TCP connection backs up) and the request waits in one
-FIFO queue, woken when memory frees, for at most ``limits.memory_wait_seconds`` (then 429 with
-``retry-after``). A request that cannot fit even into an empty budget is answered 503 with
-``retry-after`` at once. Kept bodies (the heads' byte-comparison copies) give way first.
-Chunked bodies reserve as they are read. Once the frame is handed to the upstream socket the
+Every ``POST /v1/responses`` holds a :class:`Lease` (``async with gate.lease(length, ...)``)
+from before its body is read until its answer is written. A body pays as it arrives (issue 21):
+entering the lease reserves the request's headers, :data:`~proxy.core.budget.MIN_RESERVATION`
+and :data:`~proxy.core.budget.AMPLIFICATION` times one :data:`~proxy.core.budget.STEP` of body
+(all of a body smaller than that); :meth:`Lease.arrived` grows it a step at a time as the bytes
+come in, up to ``Content-Length`` × the amplification. A declared length is a promise, not a
+reservation: a head declaring 64 MiB and sending nothing holds one step. When a reservation or
+a growth does not fit, the body is simply not read yet (the app's TCP connection backs up) and
+the request waits, woken when memory frees, for at most ``limits.memory_wait_seconds`` (then 429
+with ``retry-after``; an admission wait also ends at the body's deadline,
+``limits.body_timeout_seconds``: 408). Waiters are admitted round-robin over identities and any
+that fits is granted, so a large one never holds up small ones. A request that cannot fit even
+into an empty budget is answered 503 with ``retry-after`` at once. Kept bodies (the heads'
+byte-comparison copies) give way first. Once the frame is handed to the upstream socket the
 lease shrinks to the body itself (needed for a replay and for the next turn's prefix check).
 
 When the last lease ends, the gate asks glibc to hand freed memory back to the OS
 (``malloc_trim``), so RSS after a burst falls back towards idle. At startup it also pins glibc's
 mmap threshold, so large buffers (bodies, frames) are mapped and unmapped on their own instead
-of fragmenting the heap.
+of fragmenting the heap (a body's buffer is mapped at its declared size but only the pages
+written, those of bytes that arrived, are resident).
 
 The budget itself (``limits.memory_bytes``) defaults to a share of the container's cgroup
 memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else 1 GiB;
@@ -40,6 +47,7 @@ from proxy.core.budget import (
     DEFAULT_MEMORY_BYTES,
     HEAD_COST,
     MIN_RESERVATION,
+    STEP,
     Budget,
     Derived,
     Effects,
@@ -50,7 +58,7 @@ from proxy.core.budget import (
 )
 from proxy.core.conversation import PrefixCache
 from proxy.core.reasons import ErrorCode, MemoryRefusal
-from proxy.errors import ProxyError
+from proxy.errors import BodyTimeout, ProxyError
 from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
 
 __all__ = [
@@ -70,8 +78,6 @@ log = logging.getLogger(__name__)
 
 _UNLIMITED = 1 << 60
 """cgroup v1 writes "no limit" as a huge number (9223372036854771712)."""
-_GROW_STEP = 1024 * 1024
-"""A chunked body's reservation grows by at least this much at a time."""
 _BUFFERED = 256 * 1024
 """What a waiting connection's read buffers hold of its body before reading pauses (the API
 listener's aiohttp read buffer is 16 KiB, proxy/server.py; measured: a connection waiting with
@@ -297,7 +303,7 @@ class BodyBuffer:
 
 
 class MemoryGate:
-    """Admits requests into the memory budget; wakes waiters FIFO as memory frees.
+    """Admits requests into the memory budget; wakes waiters (fairly) as memory frees.
 
     Args:
         derived: The budget (see :func:`effective_settings`).
@@ -333,11 +339,25 @@ class MemoryGate:
     def __repr__(self) -> str:
         return f"<MemoryGate {self.budget!r}>"
 
-    def lease(self, length: int | None) -> Lease:
-        """A lease for one request whose body declares ``length`` bytes (``None``: chunked)."""
+    def lease(
+        self, length: int | None, *, key: Hashable = None, headers: int = 0, deadline: float | None = None
+    ) -> Lease:
+        """A lease for one request whose body declares ``length`` bytes (``None``: chunked or
+        encoded, its size known only once read).
+
+        Args:
+            key: Whose request it is (the identity's digest): waiters are admitted fairly by key.
+            headers: Bytes of the request's head (they count against the budget too).
+            deadline: Loop time by which the body must be complete (an admission wait ends there).
+        """
         if length is not None and self.max_body_bytes and length > self.max_body_bytes:
             length = 0  # a 413, answered before anything is read
-        return Lease(self, length)
+        return Lease(self, length, key=key, headers=headers, deadline=deadline)
+
+    @property
+    def body_limit(self) -> int:
+        """The largest body: a body of unknown length may grow up to it."""
+        return self.max_body_bytes or self.derived.max_body_bytes
 
     # -- PrefixCache keeper ----------------------------------------------------------------
 
@@ -351,26 +371,29 @@ class MemoryGate:
 
     # -- internals -------------------------------------------------------------------------
 
-    async def _acquire(self, want: int, buffered: int = 0) -> Ticket:
+    async def _acquire(
+        self, want: int, buffered: int = 0, *, key: Hashable = None, need: int = 0, deadline: float | None = None
+    ) -> Ticket:
         if self.heads is not None:
             self._apply(self.budget.set_heads(len(self.heads) * HEAD_COST))
-        ticket, out = self.budget.ask(want, buffered)
+        ticket, out = self.budget.ask(want, buffered, key=key, need=need)
         self._apply(out)
         if ticket.verdict is Verdict.TOO_LARGE:
             MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
             raise MemoryTooLarge(
-                f"The request needs about {want} bytes of memory, more than the sidecar's memory budget "
-                f"can ever hold ({self.budget.capacity - self.budget.heads} bytes free when idle)."
+                f"The request needs about {max(want, need)} bytes of memory, more than the sidecar's memory "
+                f"budget can ever hold ({self.budget.capacity - self.budget.heads} bytes free when idle)."
             )
         if ticket.verdict is Verdict.GRANTED:
             return ticket
-        MEMORY_WAITS.inc()
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket] = future
+        loop = asyncio.get_running_loop()
+        wait = self.wait_seconds if deadline is None else min(self.wait_seconds, deadline - loop.time())
         try:
-            await asyncio.wait_for(future, self.wait_seconds)
+            await self._wait(ticket, wait)
         except TimeoutError:
             self._apply(self.budget.release(ticket))  # granted in the same instant: given back
+            if deadline is not None and loop.time() >= deadline - 0.001 and wait < self.wait_seconds:
+                raise BodyTimeout("The request body did not arrive within the sidecar's body deadline.") from None
             MEMORY_REFUSALS.labels(MemoryRefusal.WAIT_TIMEOUT).inc()
             raise MemoryBusy(
                 f"The sidecar's memory budget stayed taken for {self.wait_seconds:g} s; retry the request."
@@ -378,12 +401,39 @@ class MemoryGate:
         except BaseException:
             self._apply(self.budget.release(ticket))  # the app went away while waiting
             raise
-        finally:
-            self._waiters.pop(ticket, None)
         if not _granted(ticket):  # woken to be refused: the heads grew meanwhile
             MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
             raise MemoryTooLarge("The request no longer fits the sidecar's memory budget.")
         return ticket
+
+    async def _more(self, ticket: Ticket, more: int) -> None:
+        """Grow a granted ticket by ``more``, waiting (unread) for at most ``wait_seconds``."""
+        ok, out = self.budget.ask_more(ticket, more)
+        self._apply(out)
+        if ok:
+            return
+        try:
+            await self._wait(ticket, self.wait_seconds)
+        except TimeoutError:
+            if not ticket.more:  # granted in the same instant: keep it
+                return
+            self._apply(self.budget.cancel_more(ticket))
+            MEMORY_REFUSALS.labels(MemoryRefusal.WAIT_TIMEOUT).inc()
+            raise MemoryBusy(
+                f"The sidecar's memory budget stayed taken for {self.wait_seconds:g} s; retry the request."
+            ) from None
+        except BaseException:
+            self._apply(self.budget.cancel_more(ticket))
+            raise
+
+    async def _wait(self, ticket: Ticket, seconds: float) -> None:
+        MEMORY_WAITS.inc()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = future
+        try:
+            await asyncio.wait_for(future, max(seconds, 0.0))
+        finally:
+            self._waiters.pop(ticket, None)
 
     def _apply(self, out: Effects) -> None:
         """Wake granted waiters and drop the kept bodies the budget gave away."""
@@ -426,16 +476,34 @@ def _granted(ticket: Ticket) -> bool:
 class Lease:
     """One request's memory, held from before its body is read until its answer is written.
 
-    ``async with gate.lease(length) as lease`` waits for memory (or raises
-    :class:`MemoryRefused`); leaving the block returns it on every path (completion, error,
+    ``async with gate.lease(length) as lease`` waits for the first step (or raises
+    :class:`MemoryRefused`); the reader calls :meth:`arrived` as bytes come in and :meth:`read`
+    at the end; leaving the block returns it all on every path (completion, error,
     cancellation, the app going away).
     """
 
-    def __init__(self, gate: MemoryGate, length: int | None) -> None:
+    def __init__(
+        self,
+        gate: MemoryGate,
+        length: int | None,
+        *,
+        key: Hashable = None,
+        headers: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         self.gate = gate
         self.length = length
+        self.key = key
+        self.base = MIN_RESERVATION + max(headers, 0)
+        """Held whatever the body: the connection's buffers and objects, and the head."""
+        self.deadline = deadline
         self.body = 0
         """Bytes of body read so far."""
+        self.covered = 0
+        """Body bytes the reservation pays for (read so far plus the step ahead)."""
+        self.waited = 0.0
+        """Seconds spent waiting for memory (the body's rate clock does not run meanwhile)."""
+        self._limit = length if length is not None else gate.body_limit
         self._ticket: Ticket | None = None
 
     @property
@@ -444,10 +512,19 @@ class Lease:
         return self._ticket.want if self._ticket is not None else 0
 
     async def __aenter__(self) -> Lease:
-        want = AMPLIFICATION * (self.length or 0) + MIN_RESERVATION
+        first = min(self._limit, STEP)
+        need = AMPLIFICATION * self._limit + self.base
+        if self.length is None:  # a promise of unknown size: at most what an empty budget holds
+            need = max(min(need, self.gate.budget.capacity - self.gate.budget.heads), AMPLIFICATION * first + self.base)
         # While it waits, the start of the body is in the server's read buffers already.
         buffered = min(self.length if self.length is not None else _BUFFERED, _BUFFERED) + MIN_RESERVATION
-        self._ticket = await self.gate._acquire(want, buffered)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._ticket = await self.gate._acquire(
+            AMPLIFICATION * first + self.base, buffered, key=self.key, need=need, deadline=self.deadline
+        )
+        self.waited += loop.time() - started
+        self.covered = first
         return self
 
     async def __aexit__(
@@ -457,29 +534,46 @@ class Lease:
             ticket, self._ticket = self._ticket, None
             self.gate._apply(self.gate.budget.release(ticket))
 
-    async def grow(self, size: int) -> None:
-        """The body read so far is ``size`` bytes (chunked): make sure its share is reserved,
-        waiting for memory like a new request if it is not free now (the rest of the body stays
-        unread meanwhile)."""
+    async def arrived(self, size: int) -> None:
+        """``size`` bytes of body are read: pay for the next step before more is read, waiting
+        for memory like a new request if it is not free now (the rest of the body stays
+        unread, in the kernel, meanwhile)."""
         self.body = size
+        if size + _BUFFERED <= self.covered or self.covered >= self._limit:
+            return
         ticket = self._ticket
-        assert ticket is not None, "grow outside the lease"
-        need = AMPLIFICATION * size + MIN_RESERVATION - ticket.want
-        if need <= 0:
+        assert ticket is not None, "arrived outside the lease"
+        most = (ticket.need - self.base) // AMPLIFICATION  # the body this ticket may ever hold
+        if size > most:
+            MEMORY_REFUSALS.labels("too_large").inc()
+            raise MemoryTooLarge("The request body grew larger than the sidecar's memory budget can hold.")
+        target = min(size + STEP, self._limit, most)
+        more = AMPLIFICATION * (target - self.covered)
+        if more <= 0:
             return
-        more = max(need, _GROW_STEP)
-        gate = self.gate
-        ok, out = gate.budget.grow(ticket, more)
-        gate._apply(out)
-        if ok:
-            return
-        gate.budget.merge(ticket, await gate._acquire(more))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await self.gate._more(ticket, more)
+        self.waited += loop.time() - started
+        self.covered = target
+
+    grow = arrived
+    """The former name of :meth:`arrived` (chunked bodies)."""
 
     def read(self, size: int) -> None:
-        """The whole body is read (``size`` bytes)."""
+        """The whole body is read (``size`` bytes): it no longer grows, and a step paid ahead
+        of a body of unknown length is given back."""
         self.body = size
+        ticket = self._ticket
+        if ticket is None:
+            return
+        budget = self.gate.budget
+        self.gate._apply(budget.done_reading(ticket))
+        if self.covered > size:
+            self.gate._apply(budget.settle(ticket, AMPLIFICATION * size + self.base))
+            self.covered = size
 
     def sent(self) -> None:
         """The frame went to the upstream socket: from now on the request holds its body only."""
         if self._ticket is not None:
-            self.gate._apply(self.gate.budget.settle(self._ticket, self.body + MIN_RESERVATION))
+            self.gate._apply(self.gate.budget.settle(self._ticket, self.body + self.base))

@@ -13,6 +13,7 @@ connection takes the egress path of :mod:`proxy.upstream.egress` (forward proxy,
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import ssl
 import time
@@ -66,6 +67,18 @@ class Forwarded:
     added_seconds: float
 
 
+def _cleartext(url: str) -> bool:
+    """An ``http://``/``ws://`` upstream that is not loopback (issue 21: warned at startup)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "ws"):
+        return False
+    host = (parts.hostname or "").lower()
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host != "localhost"
+
+
 def error_response(exc: ProxyError, headers: dict[str, str]) -> web.Response:
     """An OpenAI-shaped JSON error answer for ``exc``."""
     return web.json_response(exc.body(), status=exc.status, headers=headers)
@@ -86,6 +99,8 @@ def _forward_headers(
         if lowered in _REQUEST_DROP or lowered in listed or lowered in injected:
             if not (keep_length and lowered == "content-length"):
                 continue
+        if lowered == "content-encoding" and not keep_length:
+            continue  # a body read by the sidecar was decoded (read_body): it goes as it is now
         out.add(name, value)
     if not authorization:
         return out
@@ -125,6 +140,11 @@ class Passthrough:
         """Open the client session (needs a running loop)."""
         t = self.settings.timeouts
         log.info("upstream %s, egress %s", redact_url(self.settings.upstream), self.egress.describe())
+        if _cleartext(self.settings.upstream):
+            log.warning(
+                "the upstream %s is plain http:// off this machine: keys and content travel unencrypted",
+                redact_url(self.settings.upstream),
+            )
         self._session = aiohttp.ClientSession(
             auto_decompress=False,  # pass the upstream's bytes through as they are
             cookie_jar=aiohttp.DummyCookieJar(),
@@ -225,7 +245,9 @@ class Passthrough:
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
-                if name.lower() not in _RESPONSE_DROP:
+                lowered = name.lower()
+                # issue 21: never a CORS grant to a web page (access-control-*).
+                if lowered not in _RESPONSE_DROP and not lowered.startswith("access-control-"):
                     response.headers.add(name, value)
             if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
                 response.content_length = upstream.content_length

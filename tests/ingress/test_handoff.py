@@ -186,7 +186,7 @@ async def test_an_owner_that_is_gone_or_stuck_leaves_the_turn_to_the_sender(
 
 def _request(body: bytes, extra: bytes = b"") -> bytes:
     head = (
-        b"POST /v1/responses HTTP/1.1\r\nHost: upshift\r\nAuthorization: " + HEADERS["Authorization"].encode()
+        b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: " + HEADERS["Authorization"].encode()
         + b"\r\nContent-Type: application/json\r\n" + extra + b"Content-Length: " + str(len(body)).encode()
         + b"\r\n\r\n"
     )  # fmt: skip

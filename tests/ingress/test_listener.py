@@ -145,7 +145,7 @@ async def test_connections_with_a_request_in_progress_are_never_reaped(make_side
     busy = []
     for _ in range(4):
         reader, writer = await asyncio.open_connection("127.0.0.1", sidecar.port)
-        writer.write(b'POST /v1/responses HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n{"model"')
+        writer.write(b'POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"model"')
         await writer.drain()
         busy.append((reader, writer))
     await asyncio.sleep(1.2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.budget import AMPLIFICATION, BASELINE_SLACK, Budget, Verdict, derive
+from proxy.core.budget import AMPLIFICATION, BASELINE_SLACK, HEADER_ROOM, MIN_RESERVATION, Budget, Verdict, derive
 
 MIB = 1024 * 1024
 
@@ -20,15 +20,89 @@ def test_a_reservation_that_fits_is_granted_and_released() -> None:
     assert budget.in_flight == 0
 
 
-def test_waiters_are_granted_in_arrival_order_when_memory_frees() -> None:
+def test_a_waiter_that_does_not_fit_never_holds_up_a_smaller_one_behind_it() -> None:
+    # issue 21: the queue used to be strict FIFO (a 60-byte waiter held a 10-byte one behind it).
     budget = Budget(100)
     first, _ = budget.ask(70)
     big, _ = budget.ask(60)
-    small, _ = budget.ask(10)  # would fit now, but queues behind the first waiter (FIFO)
-    assert (big.verdict, small.verdict, budget.waiting) == (Verdict.WAITING, Verdict.WAITING, 2)
+    small, _ = budget.ask(10)  # fits now: granted at once, past the waiting large one
+    assert (big.verdict, small.verdict, budget.waiting) == (Verdict.WAITING, Verdict.GRANTED, 1)
     out = budget.release(first)
-    assert out.granted == [big, small]
-    assert (big.verdict, small.verdict, budget.in_flight, budget.waiting) == (Verdict.GRANTED, Verdict.GRANTED, 70, 0)
+    assert out.granted == [big]
+    assert (big.verdict, budget.in_flight, budget.waiting) == (Verdict.GRANTED, 70, 0)
+
+
+def test_waiters_are_admitted_round_robin_over_identities() -> None:
+    budget = Budget(100)
+    first, _ = budget.ask(100)
+    alice = [budget.ask(10, key="alice")[0] for _ in range(5)]
+    bob = [budget.ask(10, key="bob")[0] for _ in range(2)]
+    budget.settle(first, 60)  # room for four
+    granted = [t for t in alice + bob if t.verdict is Verdict.GRANTED]
+    # Alice queued five first, yet Bob's two are among the four granted.
+    assert len(granted) == 4 and bob[0] in granted and bob[1] in granted, granted
+    assert [t.verdict for t in alice[:2]] == [Verdict.GRANTED] * 2
+
+
+def test_a_body_pays_as_it_arrives_and_a_promise_reserves_nothing() -> None:
+    budget = Budget(1000)
+    # A head that declares a body needing 990 bytes holds its first step (40) only.
+    stalled, _ = budget.ask(40, key="mallory", need=990)
+    assert stalled.verdict is Verdict.GRANTED and budget.in_flight == 40
+    # Small requests of another identity still fit (the promise is not a reservation).
+    small = [budget.ask(50, key="alice")[0] for _ in range(10)]
+    assert all(t.verdict is Verdict.GRANTED for t in small) and budget.in_flight == 540
+    for t in small:
+        budget.release(t)
+    # The body grows step by step as it arrives, then is read in full.
+    assert budget.grow(stalled, 100)[0] and stalled.held == 140
+    budget.done_reading(stalled)
+    assert stalled.need == 140  # it never grows again
+
+
+def test_bodies_being_read_are_admitted_only_while_all_can_complete_at_once() -> None:
+    # Twelve bodies of 40 needing 90 each in a budget of 200: if all started at once (480),
+    # none could finish (deadlock). Only as many start as could all grow to their needs at once.
+    budget = Budget(200)
+    tickets = [budget.ask(40, key=f"k{i}", need=90)[0] for i in range(12)]
+    started = [t for t in tickets if t.verdict is Verdict.GRANTED]
+    assert len(started) == 2, budget  # 2 x 90 = 180 <= 200; a third would promise 270
+    # The started ones grow to completion without any release ...
+    for t in started:
+        assert budget.grow(t, 50)[0]
+        budget.done_reading(t)
+    # ... while a small request (one step, nothing to grow) is never held up by the promises.
+    small, _ = budget.ask(15, key="small")
+    assert small.verdict is Verdict.GRANTED
+    budget.release(small)
+    # Each that completes and is answered lets the next start: every body gets through.
+    finished = 0
+    while finished < 12:
+        reading = [t for t in tickets if t.verdict is Verdict.GRANTED]
+        assert reading, budget
+        for t in reading:
+            if t.held < t.need:
+                ok, _ = budget.grow(t, t.need - t.held)
+                if not ok:
+                    continue
+            budget.done_reading(t)
+            budget.release(t)
+            finished += 1
+    assert budget.idle and budget.in_flight == 0
+
+
+def test_a_queued_growth_is_granted_when_memory_frees_and_can_be_given_up() -> None:
+    budget = Budget(100)
+    other, _ = budget.ask(60)
+    reading, _ = budget.ask(20, need=40)
+    ok, _ = budget.ask_more(reading, 30)
+    assert not ok and reading.more == 30 and budget.waiting == 1
+    out = budget.release(other)
+    assert out.granted == [reading] and reading.held == 50 and reading.more == 0
+    ok, _ = budget.ask_more(reading, 60)
+    assert not ok
+    budget.cancel_more(reading)
+    assert budget.waiting == 0 and reading.held == 50
 
 
 def test_a_request_that_cannot_fit_an_empty_budget_is_refused_at_once() -> None:
@@ -72,13 +146,14 @@ def test_settle_shrinks_a_grant_and_wakes_waiters() -> None:
     assert first.want == 20
 
 
-def test_a_waiter_that_gives_up_leaves_the_queue_and_unblocks_the_next() -> None:
+def test_a_waiter_that_gives_up_leaves_the_queue() -> None:
     budget = Budget(100)
     first, _ = budget.ask(90)
     head, _ = budget.ask(95)
-    behind, _ = budget.ask(10)
+    behind, _ = budget.ask(10)  # fits: granted at once (no head-of-line blocking)
+    assert behind.verdict is Verdict.GRANTED
     out = budget.release(head)  # timed out or the app went away
-    assert head.verdict is Verdict.CANCELLED and out.granted == [behind]
+    assert head.verdict is Verdict.CANCELLED and out.granted == []
     assert budget.in_flight == 100 and budget.waiting == 0
     budget.release(first)
     budget.release(behind)
@@ -129,6 +204,6 @@ def test_heads_shrinking_wakes_waiters_and_growing_refuses_the_queue_head() -> N
 def test_the_derived_limits_fit_the_budget() -> None:
     d = derive(256 * MIB, 45 * MIB)
     assert d.capacity == 256 * MIB - 45 * MIB - int(256 * MIB * BASELINE_SLACK)
-    assert d.max_body_bytes * AMPLIFICATION <= d.capacity
+    assert d.max_body_bytes * AMPLIFICATION + MIN_RESERVATION + HEADER_ROOM <= d.capacity
     assert d.hot_prefix_bytes == d.capacity // 2
     assert derive(4096 * MIB, 45 * MIB).max_body_bytes == 64 * MIB  # never above the old default

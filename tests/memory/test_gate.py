@@ -9,10 +9,12 @@ import orjson
 import pytest
 
 from proxy.config import LimitsSettings, Settings
-from proxy.core.budget import AMPLIFICATION, MIN_RESERVATION, Derived, derive
+from proxy.core.budget import AMPLIFICATION, HEADER_ROOM, MIN_RESERVATION, STEP, Derived, derive
 from proxy.core.conversation import HeadTable
+from proxy.errors import BodyTimeout
 from proxy.serve.memory import (
     BodyBuffer,
+    Lease,
     MemoryBusy,
     MemoryGate,
     MemoryTooLarge,
@@ -60,7 +62,7 @@ def test_effective_settings_derive_the_size_limits_from_the_budget() -> None:
     assert derived == derive(256 * MIB, 45 * MIB)
     assert settings.limits.memory_bytes == 256 * MIB
     assert settings.limits.max_body_bytes == derived.max_body_bytes
-    assert derived.max_body_bytes * AMPLIFICATION + MIN_RESERVATION <= derived.capacity
+    assert derived.max_body_bytes * AMPLIFICATION + MIN_RESERVATION + HEADER_ROOM <= derived.capacity
     assert settings.matching.hot_prefix_bytes == derived.capacity // 2
     explicit = Settings(limits=LimitsSettings(memory_bytes=256 * MIB, max_body_bytes=1000))
     assert effective_settings(explicit, baseline=45 * MIB)[0].limits.max_body_bytes == 1000
@@ -86,36 +88,50 @@ def _gate(capacity: int, wait: float = 30.0, heads: HeadTable | None = None) -> 
     return MemoryGate(Derived(capacity * 2, capacity, capacity, capacity), prefixes, heads=heads, wait_seconds=wait)
 
 
-async def test_a_lease_waits_unread_until_memory_frees_then_in_order() -> None:
+async def _taken(gate: MemoryGate, length: int) -> Lease:
+    """A lease whose ``length``-byte body has all arrived (it holds its whole need)."""
+    lease = gate.lease(length)
+    await lease.__aenter__()
+    await lease.arrived(length)
+    return lease
+
+
+async def test_a_lease_pays_as_its_body_arrives_and_small_ones_never_wait_behind_large() -> None:
+    # issue 21: entering a lease used to reserve 4 x the declared length; now the first step.
     gate = _gate(10 * MIB)
-    order: list[str] = []
-    async with gate.lease(2 * MIB) as first:
+    first = gate.lease(2 * MIB)
+    async with first:
+        assert first.held == STEP * AMPLIFICATION + MIN_RESERVATION
+        await first.arrived(2 * MIB)
         assert first.held == 2 * MIB * AMPLIFICATION + MIN_RESERVATION
+        order: list[str] = []
 
         async def later(name: str, size: int) -> None:
             async with gate.lease(size):
                 order.append(name)
 
-        tasks = [asyncio.ensure_future(later("b", 1 * MIB)), asyncio.ensure_future(later("c", 1))]
-        while gate.budget.waiting < 2:
+        big = asyncio.ensure_future(later("b", 1 * MIB))
+        while gate.budget.waiting < 1:
             await asyncio.sleep(0)
-        assert order == []  # "c" would fit, but waits behind "b" (FIFO)
+        await later("c", 1)  # fits: granted at once, past the waiting "b" (no head-of-line blocking)
+        assert order == ["c"]
         first.read(2 * MIB)
         first.sent()  # the frame is gone: only the body stays
         assert first.held == 2 * MIB + MIN_RESERVATION
-        await asyncio.gather(*tasks)
-    assert sorted(order) == ["b", "c"]
+        await big
+    assert order == ["c", "b"]
     assert gate.budget.in_flight == 0 and gate.budget.idle
 
 
 async def test_a_lease_that_waits_too_long_is_a_429_and_gives_its_place_back() -> None:
     gate = _gate(10 * MIB, wait=0.05)
-    async with gate.lease(2 * MIB):
-        with pytest.raises(MemoryBusy) as busy:
-            async with gate.lease(1 * MIB):
-                raise AssertionError("granted while the budget is taken")
-        assert busy.value.status == 429 and busy.value.headers("req_1")["retry-after"] == "1"
-        assert gate.budget.waiting == 0
+    taken = await _taken(gate, 2 * MIB)
+    with pytest.raises(MemoryBusy) as busy:
+        async with gate.lease(1 * MIB):
+            raise AssertionError("granted while the budget is taken")
+    assert busy.value.status == 429 and busy.value.headers("req_1")["retry-after"] == "1"
+    assert gate.budget.waiting == 0
+    await taken.__aexit__(None, None, None)
     assert gate.budget.in_flight == 0
 
 
@@ -130,24 +146,51 @@ async def test_a_lease_too_large_for_an_empty_budget_is_a_503_at_once() -> None:
 
 async def test_a_waiting_lease_cancelled_by_a_disconnect_is_released() -> None:
     gate = _gate(10 * MIB)
-    async with gate.lease(2 * MIB):
-        waiter = asyncio.ensure_future(gate.lease(1 * MIB).__aenter__())
-        while gate.budget.waiting == 0:
-            await asyncio.sleep(0)
-        waiter.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        assert gate.budget.waiting == 0
+    taken = await _taken(gate, 2 * MIB)
+    waiter = asyncio.ensure_future(gate.lease(1 * MIB).__aenter__())
+    while gate.budget.waiting == 0:
+        await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert gate.budget.waiting == 0
+    await taken.__aexit__(None, None, None)
     assert gate.budget.in_flight == 0 and gate.budget.idle
+
+
+async def test_an_admission_wait_ends_at_the_body_deadline_with_a_408() -> None:
+    gate = _gate(10 * MIB)
+    taken = await _taken(gate, 2 * MIB)
+    deadline = asyncio.get_running_loop().time() + 0.05
+    with pytest.raises(BodyTimeout) as late:
+        async with gate.lease(1 * MIB, deadline=deadline):
+            raise AssertionError("granted while the budget is taken")
+    assert late.value.status == 408 and gate.budget.waiting == 0
+    await taken.__aexit__(None, None, None)
+
+
+async def test_a_growth_that_waits_too_long_is_a_429() -> None:
+    gate = _gate(10 * MIB, wait=0.05)
+    async with gate.lease(2 * MIB) as growing:
+        taken = await _taken(gate, 1 * MIB)  # 4 MiB more: 4 + 4 + ... the growth cannot fit
+        with pytest.raises(MemoryBusy):
+            await growing.arrived(2 * MIB)
+        assert gate.budget.waiting == 0
+        await taken.__aexit__(None, None, None)
+        await growing.arrived(2 * MIB)  # now it fits
+        assert growing.held == 2 * MIB * AMPLIFICATION + MIN_RESERVATION
+    assert gate.budget.in_flight == 0
 
 
 async def test_a_chunked_lease_grows_as_it_reads() -> None:
     gate = _gate(10 * MIB)
     async with gate.lease(None) as lease:
-        await lease.grow(MIB)
+        await lease.arrived(MIB)
         assert lease.held >= AMPLIFICATION * MIB
-        await lease.grow(2 * MIB)
+        await lease.arrived(2 * MIB)
         assert lease.held >= AMPLIFICATION * 2 * MIB
+        lease.read(2 * MIB + 5)  # the step paid ahead of a body of unknown size is given back
+        assert lease.held == AMPLIFICATION * (2 * MIB + 5) + MIN_RESERVATION
     assert gate.budget.in_flight == 0 and gate.budget.tickets == 0
 
 
