@@ -9,6 +9,7 @@ internal (CI runs it at the lowest and highest allowed versions, ``.ci/constrain
 from __future__ import annotations
 
 import asyncio
+from typing import Any, cast
 
 from websockets.protocol import Protocol
 
@@ -43,9 +44,10 @@ def ws_take_over(connection: object, protocol: asyncio.Protocol) -> tuple[asynci
     Returns:
         ``(transport, sans-I/O protocol, bytes held by the library's reader)``.
     """
-    transport = getattr(connection, "transport", None)
+    transport: Any = getattr(connection, "transport", None)
     sans_io = getattr(connection, "protocol", None)
-    if not isinstance(transport, asyncio.Transport) or not isinstance(sans_io, Protocol):
+    # asyncio's or uvloop's transport (uvloop's does not subclass asyncio.Transport).
+    if not callable(getattr(transport, "set_protocol", None)) or not isinstance(sans_io, Protocol):
         raise ContractBroken("websockets: ClientConnection.transport / .protocol are not a transport / Protocol")
     reader = getattr(sans_io, "reader", None)
     buffer = getattr(reader, "buffer", None)
@@ -53,7 +55,7 @@ def ws_take_over(connection: object, protocol: asyncio.Protocol) -> tuple[asynci
         raise ContractBroken("websockets: Protocol.reader.buffer (the received, unparsed bytes) is gone")
     held = bytes(buffer)
     transport.set_protocol(protocol)
-    return transport, sans_io, held
+    return cast(asyncio.Transport, transport), sans_io, held
 
 
 def ws_parser_error(protocol: Protocol) -> Exception | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 import proxy.contracts
 
 # --- aiohttp -------------------------------------------------------------------------------
@@ -39,7 +41,19 @@ class _Sink(asyncio.Protocol):
         self.got.set()
 
 
-async def test_websockets_connection_can_be_taken_over_after_the_handshake() -> None:
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_websockets_connection_can_be_taken_over_after_the_handshake(loop_kind: str) -> None:
+    """Under both event loops the sidecar runs on (uvloop's transports are no asyncio.Transport)."""
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    else:
+        runner = asyncio.Runner()
+    with runner:
+        runner.run(_take_over())
+
+
+async def _take_over() -> None:
     """ws_take_over: ClientConnection.transport/.protocol and Protocol.reader.buffer exist, and
     after the take-over our protocol receives the connection's bytes (websockets' own reader
     no longer does)."""
