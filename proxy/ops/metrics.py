@@ -21,6 +21,7 @@ __all__ = [
     "FORWARDS_RECEIVED",
     "HANDOFFS",
     "HELD_LIFECYCLE",
+    "HTTP_CONTINUATIONS",
     "HYDRATED",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
@@ -44,6 +45,8 @@ __all__ = [
     "RESEEDS",
     "SOCKETS",
     "SOCKET_AGE_AT_ROTATION",
+    "SOCKET_CAP",
+    "UPGRADE_REFUSALS",
     "UPSTREAM_BYTES_SENT",
     "UPSTREAM_DURATION",
     "WORKERS_READY",
@@ -150,6 +153,29 @@ LANES = Gauge(
     registry=REGISTRY,
 )
 """state: busy | idle | draining."""
+
+HTTP_CONTINUATIONS = Counter(
+    "upshift_http_continuations",
+    "Stored conversations continued over plain HTTP (previous_response_id + new items) when no lane could be had.",
+    ["sent"],
+    registry=REGISTRY,
+)
+"""sent: continuation | full (previous_response_not_found: the full history went instead)."""
+
+UPGRADE_REFUSALS = Counter(
+    "upshift_upgrade_refusals",
+    "Upstream WebSocket upgrades refused (cap: 429 or websocket_connection_limit_reached, which teach the socket cap).",
+    ["refusal"],
+    registry=REGISTRY,
+)
+"""refusal: cap | other."""
+
+SOCKET_CAP = Gauge(
+    "upshift_upstream_socket_cap",
+    "Sockets per credential the upstream allows, as learned from refused upgrades (the lowest of the "
+    "credentials that met a cap; 0: none did).",
+    registry=REGISTRY,
+)
 
 LANES_FALLBACKS = Counter(
     "upshift_lane_fallbacks",

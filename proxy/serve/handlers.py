@@ -39,6 +39,7 @@ from proxy.errors import (
 from proxy.ops.metrics import (
     DROPPED_REASONING,
     ERRORS,
+    HTTP_CONTINUATIONS,
     HYDRATED,
     REPLAYS,
     UPSTREAM_BYTES_SENT,
@@ -48,7 +49,7 @@ from proxy.serve.identity import Identity, request_identity
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import Lease, MemoryGate
 from proxy.serve.streaming import Downstream, Record, count_hold_back, json_body, pump
-from proxy.upstream.passthrough import Passthrough
+from proxy.upstream.passthrough import Passthrough, http_continuation_body
 from proxy.upstream.pool import Pool, Turn
 
 __all__ = ["SERVICES", "Arrival", "Services", "refuse", "serve"]
@@ -150,6 +151,7 @@ async def _passthrough(
     headers: dict[str, str],
     started: float,
     reason: str,
+    adopt: Identity | None = None,
 ) -> web.StreamResponse:
     rec.mode, rec.reason = "passthrough", reason
     headers["x-upshift-mode"] = "passthrough"
@@ -157,7 +159,9 @@ async def _passthrough(
         # A warm-up over HTTP is a real, billed generation or a 400 (pitfall 18): never send it.
         msg = "The 'generate' parameter is only supported in WebSocket mode."
         return refuse(UnsupportedRequest(msg, param="generate"), headers, rec, started)
-    fwd = await svc.passthrough.forward(request, headers=headers, body=req.body, started=started)
+    fwd = await svc.passthrough.forward(request, headers=headers, body=req.body, started=started, capture=bool(adopt))
+    if adopt is not None and fwd.captured is not None:
+        svc.pool.adopt_http(adopt, req, fwd.captured)  # issue 23: its later turns are continued
     rec.items_sent, rec.bytes_sent = rec.items_in, fwd.bytes_sent
     rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
     return fwd.response
@@ -183,7 +187,10 @@ async def _websocket(
             rec.explain(svc.heads.explain_later(identity.digest, req, plan.reason), plan.reason)
         if plan.kind is PlanKind.HTTP:
             rec.upstream_s = down.upstream_wait
-            return await _passthrough(svc, request, req, rec, headers, started, plan.reason)
+            adopt = identity if req.store and req.previous_response_id is None else None
+            return await _passthrough(svc, request, req, rec, headers, started, plan.reason, adopt)
+        if plan.kind is PlanKind.HTTP_CONTINUE:
+            return await _http_continuation(svc, request, req, identity, rec, headers, started, plan)
         frame = _note_plan(rec, req, plan, attempt)
         headers["x-upshift-mode"] = rec.mode
         hold = svc.settings.streaming.hold_back_seconds if req.stream else None
@@ -229,6 +236,39 @@ async def _websocket(
             return await _passthrough(svc, request, req, rec, headers, started, PassthroughReason.FRAME_TOO_BIG)
         log.info("replaying with full input (%s)", decision.cause)
         attempt, rec.reason = attempt + 1, decision.cause
+
+
+async def _http_continuation(
+    svc: Services,
+    request: web.Request,
+    req: ParsedRequest,
+    identity: Identity,
+    rec: Record,
+    headers: dict[str, str],
+    started: float,
+    plan: Plan,
+) -> web.StreamResponse:
+    """A stored head with no lane now (issue 23): ``previous_response_id`` + the new items over
+    plain HTTP; the upstream hydrates the stored response. ``previous_response_not_found`` gets
+    the app's own body instead (the passthrough's ``fallback``)."""
+    rec.mode, rec.reason, rec.transport = Mode.CONTINUATION, "continuation", "http"
+    headers["x-upshift-mode"] = Mode.CONTINUATION
+    body = http_continuation_body(req, plan.response_id, plan.new_items or [])
+    fwd = await svc.passthrough.continuation(
+        request, headers=headers, body=body, full=req.body, anchor=str(plan.response_id), started=started
+    )
+    HTTP_CONTINUATIONS.labels("full" if fwd.fell_back else "continuation").inc()
+    if fwd.fell_back:
+        rec.mode, rec.reason, rec.items_sent = Mode.FULL, ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, rec.items_in
+        rec.replays += 1
+        REPLAYS.labels(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND).inc()
+    else:
+        rec.items_sent, rec.items_avoided = len(plan.new_items or ()), plan.items_avoided
+    if fwd.captured is not None and plan.response_id is not None:
+        svc.pool.adopt_http(identity, req, fwd.captured)
+    rec.bytes_sent = fwd.bytes_sent
+    rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+    return fwd.response
 
 
 def _note_plan(rec: Record, req: ParsedRequest, plan: Plan, attempt: int) -> bytes:

@@ -252,6 +252,8 @@ class Record:
     route: str = "responses"
     mode: str = "full"
     reason: str = ""
+    transport: str = ""
+    """``http`` for a continuation sent over plain HTTP (issue 23); empty otherwise."""
     items_in: int = 0
     items_sent: int = 0
     items_avoided: int = 0
@@ -342,6 +344,7 @@ class Record:
                 "replays": self.replays,
                 "upstream_ms": round(self.upstream_s * 1000, 3),
                 "added_ms": round(self.added_s * 1000, 3),
+                **({"transport": self.transport} if self.transport else {}),
                 **(exp.fields() if exp is not None else {}),
             }
         )

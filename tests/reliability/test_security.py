@@ -258,6 +258,8 @@ _LABEL_VALUES: dict[str, set[str]] = {
     "worker": {str(i) for i in range(32)},
     "path": {"output", "deadline", "terminal", "discarded"},
     "loop": {"uvloop", "asyncio"},
+    "refusal": {"cap", "other"},  # upshift_upgrade_refusals_total (proxy/upstream/pool.py)
+    "sent": {"continuation", "full"},  # upshift_http_continuations_total
     "version": set(),  # upshift_build_info: the package and Python versions (checked below)
     "python": set(),
 }
