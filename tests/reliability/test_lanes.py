@@ -371,7 +371,8 @@ async def test_upgrades_after_a_429_honour_retry_after_one_attempt_per_backoff_s
     assert key.refused >= 1  # the cap was met (and learned)
     assert key.refused <= 4, key.refused  # 2x the cap at most
     for refused in key.refused_at:
-        after = [t for t in key.attempts_at if t > refused + 1e-3]
+        # Handshakes already under way when the 429 went out (the slow start's) are not retries.
+        after = [t for t in key.attempts_at if t > refused + 0.05]
         assert not after or after[0] >= refused + 1.0 - 0.05, (refused, after[:3])  # retry-after honoured
     steps: dict[int, int] = {}
     for t in key.attempts_at:
