@@ -327,7 +327,9 @@ class Passthrough:
                 held = b""
             if b"previous_response_not_found" in _decoded(held, upstream.headers.get("Content-Encoding", "")):
                 upstream.release()
-                full = await self._forward(request, headers=headers, body=fallback, started=started, capture=capture)
+                # The answer is now a full send, and says so (x-upshift-mode).
+                shown = {**headers, "x-upshift-mode": "full"} if "x-upshift-mode" in headers else headers
+                full = await self._forward(request, headers=shown, body=fallback, started=started, capture=capture)
                 full.fell_back = True
                 return full
         t_headers = time.perf_counter()

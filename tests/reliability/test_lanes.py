@@ -423,3 +423,36 @@ async def test_error_bodies_keep_every_field_the_upstream_sent(
         reply = await Conversation(http, sc.base_url, emu, name="m").send("hi")
     assert reply.status == 400
     assert reply.json["error"]["misalignment"] == misalignment
+
+
+async def test_an_http_continuation_keeps_the_chain_and_falls_back_to_the_full_history(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """One socket allowed, held by another conversation's long response: a stored
+    conversation's next turn goes as an HTTP continuation (``previous_response_id`` + the new
+    items; the app never sees the sidecar's anchor). When the upstream does not know the anchor,
+    the same turn goes with the full history instead, before anything reached the app."""
+    emu = await make_emulator(ws_stream_ids="reject", ws_max_connections_per_key=1)
+    sc = await sidecar_for(emu.base_url)
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        conv = Conversation(http, sc.base_url, emu, name="h", store=True)
+        await conv.turn()  # on the one socket, whose lane now holds the head
+        other = Conversation(http, sc.base_url, emu, name="other", store=True)
+        emu.faults.arm("hold", after_events=2, transport="ws")
+        held = asyncio.ensure_future(other.send("a long one", timeout=20))
+        assert await wait_for(lambda: len(emu.faults.held) == 1)
+        before = metric("upshift_http_continuations_total", sent="continuation")
+        for stream in (False, True):
+            reply = await conv.send(f"over http stream={stream}", stream=stream)
+            assert reply.mode == "continuation", reply.mode
+            record = conv.accept(reply)  # no anchor leaked, the exact context
+            assert record["continuation"] is True and record["transport"] == "http"
+        assert metric("upshift_http_continuations_total", sent="continuation") == before + 2
+        emu.faults.arm("miss", transport="http")
+        full = metric("upshift_http_continuations_total", sent="full")
+        reply = await conv.send("the anchor is gone")
+        record = conv.accept(reply)
+        assert record["continuation"] is False and reply.mode == "full"
+        assert metric("upshift_http_continuations_total", sent="full") == full + 1
+        emu.faults.release("continue")
+        other.accept(await held)
