@@ -154,7 +154,7 @@ class PoolSettings:
     """When no lane can be had for a stored conversation (every socket busy, the socket cap
     reached), continue it over plain HTTP with ``previous_response_id`` + the new items instead
     of its full history (the upstream hydrates the stored response)."""
-    http_continuation_after_seconds: float = 0.05
+    http_continuation_after_seconds: float = 0.01
     """How long such a turn waits for a lane before the HTTP continuation."""
     cap_probe_seconds: float = 600.0
     """After an upgrade was refused for the socket cap (429), how long before one upgrade above

@@ -271,7 +271,7 @@ async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_soc
     refused upgrades."""
     run = await _scarce_run(make_emulator, sidecar_for, conversations=30, store=True, seed=3)
     modes = run["modes"]
-    # A first turn that finds no lane within 50 ms goes over plain HTTP (its response adopted
+    # A first turn that finds no lane within 10 ms goes over plain HTTP (its response adopted
     # as a head); a later one never does.
     assert sum(modes.values()) == 150 and run["http_later"] == 0, run
     assert run["continued"] >= 0.99 * run["later"], run
