@@ -239,6 +239,8 @@ class Planner:
         self._ids = itertools.count(1)
         self._detached = itertools.count(1)
         self._hold_until: dict[str, float] = {}
+        self._slow_start = False
+        """The last open was held back by the slow start only."""
         self.caps: dict[str, SocketCap] = {}
         """Learned socket caps by identity (issue 23)."""
         self._max_slots: dict[int, int] = {}
@@ -353,10 +355,7 @@ class Planner:
         match = lookup.match
         if match is None:
             plan = self._full(identity, now, lookup.reason, may_open)
-            # A stored request that must wait may go over HTTP after a short wait instead (its
-            # response is adopted as a detached head: later turns continue it).
-            over_http = plan.kind is PlanKind.WAIT and req.store
-            return replace(plan, dropped_reasoning=lookup.dropped_reasoning, over_http=over_http)
+            return replace(plan, dropped_reasoning=lookup.dropped_reasoning)
         key = _lane_key(match.anchor)
         lane = self._idle_lane(key)
         if lane is not None and not self._sockets[key[0]].exclusive:
@@ -470,8 +469,11 @@ class Planner:
             lane = self._free_slot(sock)
             if lane is not None:
                 return lane, False, None
+        self._slow_start = False
         if may_open and self._can_open(identity, now, close):
             return self._open(identity, now), True, None
+        if self._slow_start:
+            return None  # a socket will open in a moment: wait for it rather than evict a head
         victim: Lane | None = None
         for sock in socks:
             if sock.state is not SocketState.OPEN:
@@ -493,6 +495,7 @@ class Planner:
             return False
         connecting = sum(1 for s in mine.values() if s.state is SocketState.CONNECTING)
         if connecting >= max(_SLOW_START, len(mine) - connecting):
+            self._slow_start = True  # a moment's wait, not a limit: no head is evicted for it
             return False  # slow start: at most as many handshakes at once as sockets open
         cap = self.caps.get(identity)
         if cap is not None:
