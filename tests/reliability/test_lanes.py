@@ -271,8 +271,8 @@ async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_soc
     refused upgrades."""
     run = await _scarce_run(make_emulator, sidecar_for, conversations=30, store=True, seed=3)
     modes = run["modes"]
-    # A first turn that finds no lane within 10 ms goes over plain HTTP (its response adopted
-    # as a head); a later one never does.
+    # A first turn that finds no lane within pool.wait_seconds goes over plain HTTP (its
+    # response adopted as a head); a later one never does.
     assert sum(modes.values()) == 150 and run["http_later"] == 0, run
     assert run["continued"] >= 0.99 * run["later"], run
     assert run["p99_ms"] <= 100, run
@@ -289,12 +289,11 @@ async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_soc
 async def test_300_stored_conversations_on_an_upstream_without_lanes_capped_at_8_sockets(
     make_emulator: EmulatorFactory, sidecar_for: SidecarFor
 ) -> None:
-    """The same at 300 conversations: 300 first turns at once cannot all wait for 8 sockets that
-    carry one response each; a stored first turn that cannot have a lane within
-    ``pool.http_continuation_after_seconds`` goes over plain HTTP and its response is adopted as
-    a head, so every later turn is continued (over a socket or HTTP). The added p99 is reported,
-    not asserted: on this shared 2-core machine it is the sidecar's CPU at 300 concurrent
-    conversations (see bench/lanes.py for the measured figures)."""
+    """The same at 300 conversations: 300 first turns at once cannot all have one of 8 sockets
+    that carry one response each within ``pool.wait_seconds``; those go over plain HTTP and
+    their responses are adopted as heads, so every later turn is continued (over a socket or
+    HTTP). The added p99 is reported, not asserted: on this shared 2-core machine it is those
+    first turns' wait and the sidecar's CPU at 300 concurrent conversations (bench/lanes.py)."""
     run = await _scarce_run(make_emulator, sidecar_for, conversations=300, store=True, seed=5)
     modes = run["modes"]
     print(
