@@ -99,6 +99,12 @@ class Demux:
         return self.support is LaneSupport.PROVEN
 
     @property
+    def probing(self) -> bool:
+        """Whether a named lane is in flight on a socket whose lanes are still unknown (its
+        first event proves or refuses them)."""
+        return self.support is LaneSupport.UNKNOWN and any(lane is not None for lane in self._flight)
+
+    @property
     def in_flight(self) -> int:
         """Responses in flight on the socket."""
         return len(self._flight)

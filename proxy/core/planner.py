@@ -383,6 +383,10 @@ class Planner:
             # Its own lane is free but its socket carries another response and may not
             # multiplex: a store: false head waits for it (elsewhere it would be a full send).
             return Plan(PlanKind.WAIT, MissReason.NO_HEAD)
+        if lane is not None and self._sockets[key[0]].demux.probing:
+            # Its socket is probing its lanes (a named lane's first event is on its way): the
+            # proof is a moment away and its own lane keeps the cache; wait for it, briefly.
+            return replace(cont, kind=PlanKind.WAIT, over_http=True)
         plan = self._full(identity, now, MissReason.NO_HEAD, may_open)
         if plan.lane is None:
             if plan.kind is PlanKind.WAIT:
