@@ -355,7 +355,11 @@ class Planner:
         match = lookup.match
         if match is None:
             plan = self._full(identity, now, lookup.reason, may_open)
-            return replace(plan, dropped_reasoning=lookup.dropped_reasoning)
+            # Against an upstream without lanes (one response per socket: a lane frees only
+            # when a whole response ends), a stored new conversation that must wait goes over
+            # plain HTTP after the short wait instead; its response is adopted as a head.
+            over_http = plan.kind is PlanKind.WAIT and req.store and not self.named_lanes
+            return replace(plan, dropped_reasoning=lookup.dropped_reasoning, over_http=over_http)
         key = _lane_key(match.anchor)
         lane = self._idle_lane(key)
         if lane is not None and not self._sockets[key[0]].exclusive:
