@@ -1,7 +1,14 @@
-"""Many conversations of one key over a per-key socket cap: lanes at scale (issue 9).
+"""Many conversations of one key over a per-key socket cap: lanes at scale (issues 9, 23).
 
-    python -m bench.lanes                                  # 300 and 1,000 conversations
+    python -m bench.lanes                                  # 300 and 1,000 conversations, both upstreams
     python -m bench.lanes --conversations 1000 --json out.json
+    python -m bench.lanes --upstreams no-lanes --conversations 30,300
+
+Two upstreams side by side (``--upstreams``): ``laned`` multiplexes ``stream_id`` lanes and caps
+a key at 32 sockets (``store: false`` conversations); ``no-lanes`` refuses ``stream_id``
+("Unknown parameter: 'stream_id'", the socket stays usable) and caps a key at 8 sockets, with
+stored (``store: true``) conversations, as issue 23 describes xAI and gateways. The sidecar runs
+with its default settings against both: nothing tells it the cap or the lanes.
 
 The emulator (``fast`` model preset: 50 ms overhead, 150 ms to first token, 1,000 tokens/s) runs
 as its own process and refuses a key's 33rd open WebSocket with 429 + ``retry-after`` (the field's
@@ -44,13 +51,20 @@ def _gauge(text: str, name: str, state: str) -> float:
     return 0.0
 
 
-async def one_run(conversations: int, turns: int, seed: int) -> dict[str, Any]:
+UPSTREAMS: dict[str, tuple[list[str], bool]] = {
+    "laned": (["--ws-max-connections-per-key", "32"], False),
+    "no-lanes": (["--ws-stream-ids", "reject", "--ws-max-connections-per-key", "8"], True),
+}
+"""Emulator flags and the conversations' ``store`` of each upstream kind."""
+
+
+async def one_run(conversations: int, turns: int, seed: int, upstream: str = "laned") -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="bench-lanes-"))
-    emu = EmulatorProc(logs, {}, ["--latency-preset", "fast", "--ws-max-connections-per-key", "32"])
+    flags, store = UPSTREAMS[upstream]
+    emu = EmulatorProc(logs, {}, ["--latency-preset", "fast", *flags])
     emu.start()
     await emu.ready()
-    side = SidecarProc(logs, emu.base_url, env={"UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "32",
-                                                  "UPSHIFT_POOL_MAX_SOCKETS_TOTAL": "256"})  # fmt: skip
+    side = SidecarProc(logs, emu.base_url, env={})  # the defaults a user has
     side.start()
     await side.ready()
     rng = random.Random(seed)
@@ -72,7 +86,7 @@ async def one_run(conversations: int, turns: int, seed: int) -> dict[str, Any]:
         items: list[Any] = [{"role": "user", "content": f"conversation {i}: fix the bug"}]
         await asyncio.sleep(rng.uniform(0, 0.5))
         for turn in range(turns):
-            body = {"model": "gpt-5", "input": items, "store": False}
+            body = {"model": "gpt-5", "input": items, "store": store}
             async with http.post(side.base_url + "/responses", json=body,
                                  headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
                 data = await resp.json()
@@ -104,6 +118,8 @@ async def one_run(conversations: int, turns: int, seed: int) -> dict[str, Any]:
     side.stop()
     emu.stop()
     return {
+        "upstream": upstream,
+        "store": store,
         "conversations": conversations,
         "turns": sum(modes.values()),
         "continued_turns_2_to_n": round(continued / later, 4) if later else 0.0,
@@ -126,15 +142,17 @@ async def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--conversations", default="300,1000")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--upstreams", default="laned,no-lanes", help="laned, no-lanes, or both (comma-separated)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     install_signal_handlers()
     results = []
     try:
         for n in (int(x) for x in args.conversations.split(",")):
-            result = await one_run(n, args.turns, args.seed)
-            print(json.dumps(result))
-            results.append(result)
+            for upstream in (u for u in args.upstreams.split(",") if u):
+                result = await one_run(n, args.turns, args.seed, upstream)
+                print(json.dumps(result))
+                results.append(result)
     finally:
         stop_all()
     if args.json:

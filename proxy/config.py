@@ -156,6 +156,22 @@ class PoolSettings:
     """``OpenAI-Beta`` header for the upgrade (empty: none, as the GA API expects)."""
     compression: bool = False
     """Offer permessage-deflate on upstream sockets."""
+    fragment_bytes: int = 0
+    """Send a ``response.create`` above this size as one message in fragments of this size
+    (0: one frame per message, as the official clients send; protocol.md §5 lists fragments as
+    untested against the real API)."""
+    http_continuations: bool = True
+    """When no lane can be had for a stored conversation (every socket busy, the socket cap
+    reached), continue it over plain HTTP with ``previous_response_id`` + the new items instead
+    of its full history (the upstream hydrates the stored response)."""
+    http_continuation_after_seconds: float = 0.01
+    """How long such a turn waits for a lane before the HTTP continuation."""
+    cap_probe_seconds: float = 600.0
+    """After an upgrade was refused for the socket cap (429), how long before one upgrade above
+    the learned cap tries whether the limit was raised."""
+    cap_state_dir: str = ""
+    """Private directory (0700) where the workers of a machine share learned socket caps; empty:
+    ``$XDG_RUNTIME_DIR/upshift``, else ``/tmp/upshift-<uid>``; ``off``: not shared."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from proxy.core.demux import Demux
+
 __all__ = [
     "LANE_TRANSITIONS",
     "SOCKET_TRANSITIONS",
@@ -178,8 +180,15 @@ class Socket:
     lanes: dict[str | None, Lane] = field(default_factory=dict)
     active: int = 0
     """Lanes that are BUSY or DRAINING (counted against ``max_active_per_socket``)."""
-    named_ok: bool = False
-    """A named lane of this socket completed a response: the upstream takes ``stream_id``."""
+    demux: Demux = field(default_factory=Demux)
+    """Its lanes in flight and whether its upstream takes ``stream_id`` (the one owner of that
+    fact: the socket's shell feeds it events, the planner reads :meth:`exclusive`)."""
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether the socket may carry no second response now: its lanes are not proven and
+        one response is in flight (issue 23: never two on a socket that may not multiplex)."""
+        return self.active > 0 and not self.demux.proven
 
     @property
     def live(self) -> bool:

@@ -24,6 +24,21 @@ A refused upgrade (429, 426, 401/403) holds off only *new* sockets of that ident
 lane exists go on, and a request that needed a socket takes another socket's lane or waits.
 A head whose lane is gone (socket closed, rotated, evicted) is continued on any lane when its
 response was stored: the upstream hydrates it (protocol.md §6).
+
+Scarce sockets (issue 23):
+
+- a socket whose lanes are not proven (``Socket.demux``, proxy/core/demux.py) carries one
+  response at a time (:attr:`~proxy.core.lanes.Socket.exclusive`); its first named lane is the
+  probe that proves or refuses them;
+- a 429 (or ``websocket_connection_limit_reached``) on an upgrade teaches the identity's socket
+  cap (:class:`SocketCap`): no upgrade before ``retry-after`` or the backoff (doubling, with the
+  caller's jitter), whichever is later, none above the cap but one probe every ``cap_probe_seconds`` (a raised limit is
+  found again); new sockets of an identity open with a slow start (at most as many handshakes
+  at once as sockets open, at least one), never in a burst;
+- a stored head whose lane cannot be had now is continued on another lane (hydrated), or the
+  plan is a WAIT the pool may turn into an HTTP continuation (:attr:`PlanKind.HTTP_CONTINUE`,
+  ``previous_response_id`` + the new items over plain HTTP) after a short wait; a ``store:
+  false`` head waits for its own lane.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.core.conversation import Head, HeadTable
+from proxy.core.demux import LaneSignal
 from proxy.core.lanes import (
     Lane,
     LaneEvent,
@@ -52,7 +68,17 @@ from proxy.core.reasons import Hit, MissReason, PassthroughReason
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import Kept, KeptContexts
 
-__all__ = ["LaneLimits", "Plan", "PlanKind", "Planner", "Reseed", "Tick", "hold_off_seconds"]
+__all__ = [
+    "LaneLimits",
+    "Plan",
+    "PlanKind",
+    "Planner",
+    "Reseed",
+    "SocketCap",
+    "Tick",
+    "hold_off_seconds",
+    "is_cap_refusal",
+]
 
 LANES_RETRY_SECONDS = 600.0
 """How long named lanes stay off after the upstream refused one."""
@@ -60,6 +86,32 @@ LANES_RETRY_SECONDS = 600.0
 _HOLD_426 = 300.0
 _HOLD_AUTH = 30.0
 _HOLD_MAX = 300.0
+_BACKOFF_BASE = 0.5
+"""First backoff after a cap refusal without ``retry-after`` (doubling per refusal in a row)."""
+_BACKOFF_MAX = 60.0
+_SLOW_START = 4
+"""Handshakes an identity may have under way at once before it has sockets open (then as many
+as it has open): a cap is met by at most about as many refusals as it allows, never a burst."""
+
+
+def is_cap_refusal(status: int | None, payload: bytes = b"") -> bool:
+    """Whether a refused upgrade says the credential's socket cap is reached: HTTP 429, or a
+    ``websocket_connection_limit_reached`` body (protocol.md §5.2: undocumented, so both)."""
+    return status == 429 or b"websocket_connection_limit_reached" in payload
+
+
+@dataclass(slots=True)
+class SocketCap:
+    """What an identity's refused upgrades taught (shared by the workers of one machine)."""
+
+    limit: int | None = None
+    """Sockets the upstream allows this credential (``None``: no refusal seen)."""
+    until: float = 0.0
+    """No upgrade before this (``retry-after``, backoff, jitter)."""
+    refusals: int = 0
+    """Cap refusals in a row (the backoff's exponent); a successful upgrade resets it."""
+    probe_at: float = 0.0
+    """When one upgrade above :attr:`limit` may try whether the limit was raised."""
 
 
 def hold_off_seconds(status: int | None, headers: Mapping[str, str]) -> float:
@@ -94,6 +146,8 @@ class LaneLimits:
     reseed: bool = False
     """Re-seed ``store: false`` heads of a socket rotated while idle (``proxy/core/reseed.py``)."""
     reseed_bytes: int = 64 * 1024 * 1024
+    cap_probe_seconds: float = 600.0
+    """After a cap refusal, how long until one upgrade above the learned cap probes again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +178,8 @@ class PlanKind(enum.StrEnum):
     FULL = "full"
     WAIT = "wait"
     HTTP = "http"
+    HTTP_CONTINUE = "http_continue"
+    """``previous_response_id`` + the new items over plain HTTP (a stored head, no lane now)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +206,8 @@ class Plan:
     """Sockets to close first (the total limit's least recently used)."""
     warm: int | None = None
     """A spare socket to open in the background (nobody waits for it)."""
+    over_http: bool = False
+    """A WAIT that may become an HTTP continuation (the head is stored): the pool decides when."""
 
     @property
     def stream_id(self) -> str | None:
@@ -183,6 +241,10 @@ class Planner:
         self._ids = itertools.count(1)
         self._detached = itertools.count(1)
         self._hold_until: dict[str, float] = {}
+        self._slow_start = False
+        """The last open was held back by the slow start only."""
+        self.caps: dict[str, SocketCap] = {}
+        """Learned socket caps by identity (issue 23)."""
         self._max_slots: dict[int, int] = {}
         self._now = 0.0
         self.lane_counts: Counter[LaneState] = Counter()
@@ -223,7 +285,11 @@ class Planner:
         return list(self._by_identity.get(identity, {}).values())
 
     def held_off(self, identity: str, now: float) -> bool:
-        """Whether new sockets of ``identity`` are held off after a refused upgrade."""
+        """Whether new sockets of ``identity`` are held off after a refused upgrade (a
+        ``retry-after`` or backoff of a cap refusal included)."""
+        cap = self.caps.get(identity)
+        if cap is not None and now < cap.until:
+            return True
         until = self._hold_until.get(identity)
         if until is None:
             return False
@@ -281,7 +347,7 @@ class Planner:
         if req.previous_response_id is not None:
             anchor = self.heads.anchor_for(identity, req.previous_response_id)
             lane = self._idle_lane(_lane_key(anchor)) if anchor is not None else None
-            if lane is not None:
+            if lane is not None and not self._sockets[lane.key[0]].exclusive:
                 self._begin(lane, now)
                 return Plan(PlanKind.FULL, MissReason.APP_CHAINED, lane.key)
             return self._full(identity, now, MissReason.APP_CHAINED, may_open)
@@ -292,10 +358,21 @@ class Planner:
         match = lookup.match
         if match is None:
             plan = self._full(identity, now, lookup.reason, may_open)
-            return replace(plan, dropped_reasoning=lookup.dropped_reasoning, dropped_phase=lookup.dropped_phase)
+            # Against an upstream without lanes (one response per socket: a lane frees only
+            # when a whole response ends), a stored new conversation that must wait goes over
+            # plain HTTP after the short wait instead; its response is adopted as a head.
+            over_http = plan.kind is PlanKind.WAIT and req.store and not self.named_lanes
+            return replace(
+                plan,
+                dropped_reasoning=lookup.dropped_reasoning,
+                dropped_phase=lookup.dropped_phase,
+                over_http=over_http,
+            )
         self.heads.touch(match.anchor, now)
-        lane = self._idle_lane(_lane_key(match.anchor))
-        if lane is not None:  # the usual case: built once (dataclasses.replace costs ~10 µs)
+        key = _lane_key(match.anchor)
+        lane = self._idle_lane(key)
+        if lane is not None and not self._sockets[key[0]].exclusive:
+            # the usual case: built once (dataclasses.replace costs ~10 µs)
             self._begin(lane, now)
             return Plan(
                 PlanKind.CONTINUE,
@@ -316,9 +393,20 @@ class Planner:
             dropped_reasoning=lookup.dropped_reasoning,
             dropped_phase=lookup.dropped_phase,
         )
+        head = self.heads.get(key)
+        if lane is not None and (head is None or not head.store):
+            # Its own lane is free but its socket carries another response and may not
+            # multiplex: a store: false head waits for it (elsewhere it would be a full send).
+            return Plan(PlanKind.WAIT, MissReason.NO_HEAD)
+        if lane is not None and self._sockets[key[0]].demux.probing:
+            # Its socket is probing its lanes (a named lane's first event is on its way): the
+            # proof is a moment away and its own lane keeps the cache; wait for it, briefly.
+            return replace(cont, kind=PlanKind.WAIT, over_http=True)
         plan = self._full(identity, now, MissReason.NO_HEAD, may_open)
         if plan.lane is None:
-            return plan
+            if plan.kind is PlanKind.WAIT:
+                return replace(cont, kind=PlanKind.WAIT, close=plan.close, over_http=True)
+            return replace(cont, kind=PlanKind.HTTP_CONTINUE, close=plan.close)
         taken = self.lane(plan.lane)
         assert taken is not None
         taken.from_head = _lane_key(match.anchor)
@@ -344,17 +432,30 @@ class Planner:
         slots = self.limits.lanes_per_socket if self.named_lanes else 1
         return min(slots, self._max_slots.get(sock.id, slots))
 
+    def _slot_lanes(self, sock: Socket) -> list[Lane]:
+        """The lanes of ``sock`` in the slots it may use now (slot 0: the default lane)."""
+        lanes = sock.lanes
+        return [lanes[name] for name in map(lane_name, range(self._slots(sock))) if name in lanes]
+
+    def _probe_first(self, sock: Socket) -> bool:
+        """Whether ``sock``'s first response goes on a named lane, the probe of its lanes: it is
+        not its identity's first socket (that one starts on the default lane), and named lanes
+        are not off (refused). A fresh socket then learns at its first event, instead of
+        carrying one response on its default lane before it can probe."""
+        if not self.named_lanes or sock.lanes or sock.demux.proven:
+            return False
+        return any(s is not sock for s in self._by_identity.get(sock.identity, {}).values())
+
     def _free_slot(self, sock: Socket) -> Lane | None:
         """An idle lane of ``sock`` with no head (creating the next slot if allowed)."""
         slots = self._slots(sock)
-        for index, lane in enumerate(sock.lanes.values()):
-            if index >= slots:
-                break
+        for lane in self._slot_lanes(sock):
             if lane.state is LaneState.IDLE and not (lane.head and self.heads.has(lane.key)):
                 lane.head = False
                 return lane
         if len(sock.lanes) < slots:
-            name = lane_name(len(sock.lanes))
+            first = 1 if self._probe_first(sock) else 0
+            name = next(n for n in map(lane_name, range(first, slots)) if n not in sock.lanes)
             lane = Lane((sock.id, name), used_at=self._now)
             sock.lanes[name] = lane
             self.lane_counts[LaneState.IDLE] += 1
@@ -369,7 +470,7 @@ class Planner:
         socks = [
             s
             for s in self._by_identity.get(identity, {}).values()
-            if s.live and not self._stale(s, now) and s.active < lim.max_active_per_socket
+            if s.live and not self._stale(s, now) and s.active < lim.max_active_per_socket and not s.exclusive
         ]
         # Open sockets first (no handshake to wait for), the least busy first.
         socks.sort(key=lambda s: (s.state is not SocketState.OPEN, s.active, -s.used_at))
@@ -387,16 +488,16 @@ class Planner:
             lane = self._free_slot(sock)
             if lane is not None:
                 return lane, False, None
+        self._slow_start = False
         if may_open and self._can_open(identity, now, close):
             return self._open(identity, now), True, None
+        if self._slow_start:
+            return None  # a socket will open in a moment: wait for it rather than evict a head
         victim: Lane | None = None
         for sock in socks:
             if sock.state is not SocketState.OPEN:
                 continue
-            slots = self._slots(sock)
-            for index, lane in enumerate(sock.lanes.values()):
-                if index >= slots:
-                    break
+            for lane in self._slot_lanes(sock):
                 if lane.state is LaneState.IDLE and (victim is None or lane.used_at < victim.used_at):
                     victim = lane
         if victim is None:
@@ -408,8 +509,19 @@ class Planner:
         lim = self.limits
         if self.held_off(identity, now):
             return False
-        if len(self._by_identity.get(identity, {})) >= lim.max_sockets_per_identity:
+        mine = self._by_identity.get(identity, {})
+        if len(mine) >= lim.max_sockets_per_identity:
             return False
+        connecting = sum(1 for s in mine.values() if s.state is SocketState.CONNECTING)
+        if connecting >= max(_SLOW_START, len(mine) - connecting):
+            self._slow_start = True  # a moment's wait, not a limit: no head is evicted for it
+            return False  # slow start: at most as many handshakes at once as sockets open
+        cap = self.caps.get(identity)
+        if cap is not None:
+            if cap.limit is not None and len(mine) >= cap.limit:
+                if now < cap.probe_at or connecting:
+                    return False  # above the learned cap: one probe at a time, now and then
+                cap.probe_at = now + lim.cap_probe_seconds
         if len(self._sockets) < lim.max_sockets_total:
             return True
         idle = [s for s in self._sockets.values() if s.active == 0 and s.state is SocketState.OPEN]
@@ -429,8 +541,9 @@ class Planner:
         self.socket_counts[SocketState.CONNECTING] += 1
         if not reserve:
             return Lane((sock.id, None), used_at=now)
-        lane = Lane((sock.id, None), used_at=now)
-        sock.lanes[None] = lane
+        name = lane_name(1) if self._probe_first(sock) else None
+        lane = Lane((sock.id, name), used_at=now)
+        sock.lanes[name] = lane
         self.lane_counts[LaneState.IDLE] += 1
         return lane
 
@@ -504,15 +617,75 @@ class Planner:
         sock.created_at = sock.used_at = now
         if sock.active > 0:
             self.busy_sockets += 1
+        cap = self.caps.get(sock.identity)
+        if cap is not None:
+            cap.refusals = 0
+            mine = len(self._by_identity.get(sock.identity, {}))
+            if cap.limit is not None and mine > cap.limit:
+                cap.limit = mine  # a probe above the cap got through: the limit was raised
 
-    def open_failed(self, socket_id: int, now: float, *, status: int | None, headers: Mapping[str, str]) -> None:
-        """The handshake failed; the lanes reserved on it are gone (their requests plan again)."""
+    def open_failed(
+        self,
+        socket_id: int,
+        now: float,
+        *,
+        status: int | None,
+        headers: Mapping[str, str],
+        payload: bytes = b"",
+        jitter: float = 0.0,
+    ) -> bool:
+        """The handshake failed; the lanes reserved on it are gone (their requests plan again).
+
+        Args:
+            jitter: A random fraction in [0, 1) from the caller: the backoff of a cap refusal
+                (when longer than its ``retry-after``) is stretched by up to a quarter of it, so
+                workers do not retry in step.
+
+        Returns:
+            Whether it taught the identity's socket cap (a 429 or a connection-limit body).
+        """
         sock = self._sockets.get(socket_id)
-        hold = hold_off_seconds(status, headers)
-        if sock is not None:
-            if hold > 0:
-                self._hold_until[sock.identity] = max(self._hold_until.get(sock.identity, 0.0), now + hold)
+        if sock is None:
+            return False
+        if is_cap_refusal(status, payload):
+            self._cap_refused(sock.identity, now, headers, jitter)
             self._forget(sock, SocketEvent.FAILED)
+            return True
+        hold = hold_off_seconds(status, headers)
+        if hold > 0:
+            self._hold_until[sock.identity] = max(self._hold_until.get(sock.identity, 0.0), now + hold)
+        self._forget(sock, SocketEvent.FAILED)
+        return False
+
+    def _cap_refused(self, identity: str, now: float, headers: Mapping[str, str], jitter: float) -> None:
+        """The upstream counts this identity's sockets and refused one more: the open ones are
+        the cap (at least one), and no upgrade before ``retry-after`` or the backoff."""
+        cap = self.caps.setdefault(identity, SocketCap())
+        open_now = sum(1 for s in self._by_identity.get(identity, {}).values() if s.state is not SocketState.CONNECTING)
+        cap.limit = max(1, open_now) if cap.limit is None else max(1, min(cap.limit, max(open_now, 1)))
+        try:
+            retry_after = max(0.0, float(headers.get("retry-after", "")))
+        except ValueError:
+            retry_after = 0.0
+        backoff = min(_BACKOFF_BASE * 2.0**cap.refusals, _BACKOFF_MAX)
+        cap.refusals += 1
+        # The upstream's retry-after exactly; our own backoff stretched by the jitter.
+        cap.until = max(cap.until, now + max(retry_after, backoff * (1.0 + 0.25 * jitter)))
+        cap.probe_at = max(cap.probe_at, now + self.limits.cap_probe_seconds)
+
+    def learned_cap(self, identity: str) -> int | None:
+        """The socket cap learned for ``identity`` (``None``: none seen)."""
+        cap = self.caps.get(identity)
+        return cap.limit if cap is not None else None
+
+    def merge_cap(self, identity: str, shared: SocketCap) -> None:
+        """Another worker's knowledge of ``identity``'s cap: the stricter of the two holds."""
+        cap = self.caps.setdefault(identity, SocketCap())
+        if shared.limit is not None:
+            cap.limit = shared.limit if cap.limit is None else min(cap.limit, shared.limit)
+        cap.until = max(cap.until, shared.until)
+        cap.probe_at = max(cap.probe_at, shared.probe_at)
+        cap.refusals = max(cap.refusals, shared.refusals)
 
     def finished(
         self,
@@ -555,8 +728,6 @@ class Planner:
             lane.head = self.heads.has(key)
             if origin is not None and origin != key:
                 self.heads.discard(origin)
-            if key[1] is not None:
-                sock.named_ok = True
         else:
             self.heads.discard(key)
             lane.head = False
@@ -608,6 +779,20 @@ class Planner:
             return False  # already off: the window is not extended
         self._lanes_off_until = now + LANES_RETRY_SECONDS
         return True
+
+    def adopt(self, identity: str, req: ParsedRequest, response: dict[str, Any], now: float) -> None:
+        """A stored request answered over plain HTTP completed with ``response``: it becomes a
+        head without a lane (continued on any lane, the upstream hydrating it, or over HTTP)."""
+        if req.store and req.previous_response_id is None:
+            self.heads.record(identity, (-next(self._detached), None), req, response, now)
+
+    def lanes_signal(self, signal: LaneSignal, now: float) -> bool:
+        """What a socket's demux learned about ``stream_id`` (the fact itself stays in that
+        socket's :class:`~proxy.core.demux.Demux`): a refusal, or lanes ignored, turns named
+        lanes off for every socket (:meth:`lanes_refused`). Returns whether that was a fallback."""
+        if signal is LaneSignal.PROVEN:
+            return False
+        return self.lanes_refused(now)
 
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``: that socket takes no more lanes."""

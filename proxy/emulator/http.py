@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import orjson
@@ -224,8 +225,11 @@ async def upgrade(request: web.Request) -> web.StreamResponse:
         return error_response(refuse.to_error())
     key = state.stats.key(owner)
     cap = state.config.ws_max_connections_per_key
+    at = time.monotonic()
+    key.attempts_at.append(at)
     if cap and key.open >= cap:
         key.refused += 1
+        key.refused_at.append(at)
         state.stats.ws_connections["refused"] += 1
         state.stats.ws_connections["refused_cap"] += 1
         return error_response(errors.connection_cap_reached(cap, state.config.ws_connection_retry_after_s))

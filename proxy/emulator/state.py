@@ -83,6 +83,10 @@ class KeyStats:
     opened: int = 0
     refused: int = 0
     """Upgrades refused with 429 by ``ws_max_connections_per_key``."""
+    refused_at: list[float] = field(default_factory=list)
+    """Monotonic times of those refusals (tests check ``retry-after`` was honoured)."""
+    attempts_at: list[float] = field(default_factory=list)
+    """Monotonic times of every upgrade attempt of this key (accepted or refused)."""
 
 
 def _per_transport() -> dict[str, int]:

@@ -44,6 +44,7 @@ __all__ = [
     "FORWARDS_RECEIVED",
     "HANDOFFS",
     "HELD_LIFECYCLE",
+    "HTTP_CONTINUATIONS",
     "HYDRATED",
     "INFLIGHT",
     "INPUT_ITEMS_AVOIDED",
@@ -68,6 +69,8 @@ __all__ = [
     "RESEEDS",
     "SOCKETS",
     "SOCKET_AGE_AT_ROTATION",
+    "SOCKET_CAP",
+    "UPGRADE_REFUSALS",
     "UPSTREAM_BYTES_SENT",
     "UPSTREAM_DURATION",
     "WORKERS_READY",
@@ -180,6 +183,29 @@ LANES = Gauge(
     registry=REGISTRY,
 )
 """state: busy | idle | draining."""
+
+HTTP_CONTINUATIONS = Counter(
+    "upshift_http_continuations",
+    "Stored conversations continued over plain HTTP (previous_response_id + new items) when no lane could be had.",
+    ["sent"],
+    registry=REGISTRY,
+)
+"""sent: continuation | full (previous_response_not_found: the full history went instead)."""
+
+UPGRADE_REFUSALS = Counter(
+    "upshift_upgrade_refusals",
+    "Upstream WebSocket upgrades refused (cap: 429 or websocket_connection_limit_reached, which teach the socket cap).",
+    ["refusal"],
+    registry=REGISTRY,
+)
+"""refusal: cap | other."""
+
+SOCKET_CAP = Gauge(
+    "upshift_upstream_socket_cap",
+    "Sockets per credential the upstream allows, as learned from refused upgrades (the lowest of the "
+    "credentials that met a cap; 0: none did).",
+    registry=REGISTRY,
+)
 
 LANES_FALLBACKS = Counter(
     "upshift_lane_fallbacks",
@@ -407,6 +433,8 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "transport": frozenset({"websocket", "http"}),
     "accepted": frozenset({"true", "false"}),
     "tolerance": _values(Tolerance),
+    "refusal": frozenset({"cap", "other"}),  # upshift_upgrade_refusals_total
+    "sent": frozenset({"continuation", "full"}),  # upshift_http_continuations_total
     "level": frozenset({"replica", "worker"}),
     "verified": frozenset({"true", "false", "unsigned"}),
     "worker": frozenset(str(i) for i in range(32)),

@@ -283,6 +283,12 @@ def render_status(
         for i, v, label in cards
     )
     sockets = _table(((k, _num(v)) for k, v in sorted(now.by("upshift_upstream_sockets", "state").items())))
+    cap = now.get("upshift_upstream_socket_cap")
+    if cap:  # issue 23: what 429s on upgrades taught
+        refused = now.get("upshift_upgrade_refusals_total", refusal="cap")
+        sockets += "<h2>Learned socket cap</h2>" + _table(
+            [("sockets per credential", _num(cap)), ("upgrades refused (cap)", _num(refused))]
+        )
     lanes = ""
     if now.has("upshift_upstream_lanes"):
         rows = sorted(now.by("upshift_upstream_lanes", "state").items())

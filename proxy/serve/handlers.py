@@ -44,6 +44,7 @@ from proxy.ops.metrics import (
     DROPPED_REASONING,
     ECHO_TOLERANCES,
     ERRORS,
+    HTTP_CONTINUATIONS,
     HYDRATED,
     REPLAYS,
     UPSTREAM_BYTES_SENT,
@@ -53,7 +54,7 @@ from proxy.serve.identity import Identity, request_identity
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import Lease, MemoryGate
 from proxy.serve.streaming import Downstream, Record, count_hold_back, json_body, pump
-from proxy.upstream.passthrough import Passthrough
+from proxy.upstream.passthrough import Passthrough, http_continuation_body
 from proxy.upstream.pool import Pool, Turn
 
 __all__ = ["SERVICES", "Arrival", "Services", "refuse", "serve"]
@@ -165,8 +166,10 @@ async def _perform(x: Exchange) -> web.StreamResponse:
     x.prefix = _hash_prefix_in_thread(x.req)
     while True:
         plan, _waited = await x.svc.pool.plan(x.arrival.identity, x.req, replay=x.attempt > 0)
-        if plan.kind is PlanKind.HTTP:
-            return await _over_http(x, plan.reason)
+        if plan.kind is PlanKind.HTTP:  # a stored new conversation's answer is adopted as a head
+            return await _over_http(x, plan.reason, adopt=bool(x.req.store) and x.req.previous_response_id is None)
+        if plan.kind is PlanKind.HTTP_CONTINUE:
+            return await _http_continuation(x, plan)
         channel, failure = await _lease_and_pump(x, plan)
         attempt = Attempt(x.attempt, plan.kind is PlanKind.CONTINUE, plan.stream_id is not None, x.req.stream)
         verdict = decide(channel, failure, attempt, x.down.written)
@@ -199,6 +202,36 @@ def _planned(x: Exchange, plan: Plan) -> bytes:
     x.down.headers["x-upshift-mode"] = x.rec.mode
     anchor = plan.response_id if cont else None
     return build_frame(req, previous_response_id=anchor, items=new, stream_id=plan.stream_id)
+
+
+async def _http_continuation(x: Exchange, plan: Plan) -> web.StreamResponse:
+    """A stored head with no lane now (issue 23): ``previous_response_id`` + the new items over
+    plain HTTP; the upstream hydrates the stored response. ``previous_response_not_found`` gets
+    the app's own body instead (the passthrough's ``fallback``)."""
+    new = plan.new_items or []
+    x.rec.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(new), plan.items_avoided)
+    x.rec.transport = Transport.HTTP
+    x.down.headers["x-upshift-mode"] = Mode.CONTINUATION
+    body = http_continuation_body(x.req, plan.response_id, new)
+    arrival = x.arrival
+    fwd = await x.svc.passthrough.continuation(
+        arrival.request,
+        headers=x.down.headers,
+        body=body,
+        full=x.req.body,
+        anchor=str(plan.response_id),
+        started=arrival.started,
+    )
+    HTTP_CONTINUATIONS.labels("full" if fwd.fell_back else "continuation").inc()
+    if fwd.fell_back:
+        x.rec.planned(Mode.FULL, ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, x.req.n_items, 0)
+        x.rec.replays += 1
+        REPLAYS.labels(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND).inc()
+    if fwd.captured is not None and plan.response_id is not None:
+        x.svc.pool.adopt_http(arrival.identity, x.req, fwd.captured)
+    x.rec.bytes_sent = fwd.bytes_sent
+    x.rec.upstream_s, x.rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+    return fwd.response
 
 
 async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamError | None]:
@@ -257,8 +290,9 @@ def _replay(x: Exchange, plan: Plan, replay: Replay) -> bool:
     return False
 
 
-async def _over_http(x: Exchange, reason: Reason | None) -> web.StreamResponse:
-    """Plain HTTP passthrough: slower, never wrong."""
+async def _over_http(x: Exchange, reason: Reason | None, adopt: bool = False) -> web.StreamResponse:
+    """Plain HTTP passthrough: slower, never wrong. ``adopt``: the completed response becomes
+    the conversation's head (issue 23: its later turns are continued)."""
     x.rec.over_http(reason, x.down.upstream_wait)
     x.down.headers["x-upshift-mode"] = Mode.PASSTHROUGH
     if "generate" in x.req.fields:  # over HTTP a warm-up is a real, billed generation or a 400 (pitfall 18)
@@ -266,8 +300,10 @@ async def _over_http(x: Exchange, reason: Reason | None) -> web.StreamResponse:
         return refuse(exc, x.down.headers, x.rec, x.arrival.started)
     arrival = x.arrival
     fwd = await x.svc.passthrough.forward(
-        arrival.request, headers=x.down.headers, body=x.req.body, started=arrival.started
+        arrival.request, headers=x.down.headers, body=x.req.body, started=arrival.started, capture=adopt
     )
+    if adopt and fwd.captured is not None:
+        x.svc.pool.adopt_http(arrival.identity, x.req, fwd.captured)
     x.rec.forwarded(fwd.bytes_sent, fwd.upstream_seconds, fwd.added_seconds)
     return fwd.response
 

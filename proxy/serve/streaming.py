@@ -32,6 +32,7 @@ from proxy.core.answer import Answer, AnswerKind, status_outcome
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.explain import Explanation
 from proxy.core.reasons import Mode, PassthroughReason, Reason, ReplayCause, RequestOutcome, Route
+from proxy.core.request import Transport
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTimeout, BodyTooLarge, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
 from proxy.ops.log import access_log
@@ -281,6 +282,8 @@ class Record:
     mode: Mode = Mode.FULL
     reason: Reason | None = None
     """``None`` is logged as ``""``: nothing to say (a continuation's is ``continuation``)."""
+    transport: Transport | None = None
+    """:attr:`Transport.HTTP` for a continuation sent over plain HTTP (issue 23); else ``None``."""
     items_in: int = 0
     items_sent: int = 0
     items_avoided: int = 0
@@ -404,6 +407,7 @@ class Record:
                 "replays": self.replays,
                 "upstream_ms": round(self.upstream_s * 1000, 3),
                 "added_ms": round(self.added_s * 1000, 3),
+                **({"transport": self.transport.value} if self.transport else {}),
                 **(exp.fields() if exp is not None else {}),
             }
         )

@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import ssl
 import time
+import zlib
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import Settings, merge_query, redact_url
+from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.ops.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.serve.keys import KeySource
@@ -54,6 +59,10 @@ HOP_BY_HOP = frozenset(
 _REQUEST_DROP = HOP_BY_HOP | {"host", "authorization", "cookie", "expect", "content-length", "x-upshift-forwarded"}
 _RESPONSE_DROP = HOP_BY_HOP | {"set-cookie", "x-request-id", "content-length", "date", "server"}
 _SKIP_AUTO = frozenset({"Accept-Encoding", "User-Agent", "Content-Type", "Accept"})
+CAPTURE_BYTES = 8 * 1024 * 1024
+"""Largest answer of a stored request over HTTP kept to adopt its response as a head."""
+_ERROR_PEEK = 64 * 1024
+"""Bytes of an HTTP continuation's 4xx answer read to look for ``previous_response_not_found``."""
 
 
 @dataclass(slots=True)
@@ -65,6 +74,62 @@ class Forwarded:
     bytes_sent: int
     upstream_seconds: float
     added_seconds: float
+    fell_back: bool = False
+    """An HTTP continuation got ``previous_response_not_found``: the full body went instead."""
+    captured: bytes | None = None
+    """The answer's body as sent to the app (``capture``: a 200 up to :data:`CAPTURE_BYTES`)."""
+
+
+class _Swap:
+    """Replaces every ``old`` by ``new`` in a byte stream cut anywhere (the last
+    ``len(old) - 1`` bytes of a chunk wait for the next one)."""
+
+    __slots__ = ("_keep", "_new", "_old", "_tail")
+
+    def __init__(self, old: bytes, new: bytes) -> None:
+        self._old, self._new, self._keep, self._tail = old, new, len(old) - 1, b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = (self._tail + chunk).replace(self._old, self._new)
+        # A match may start in the last len(old)-1 bytes: hold them (never part of a replacement,
+        # which ``new`` cannot complete: it does not end with a prefix of ``old``).
+        cut = max(len(data) - self._keep, 0)
+        self._tail = data[cut:]
+        return data[:cut]
+
+    def rest(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
+
+
+def _decoded(body: bytes, encoding: str) -> bytes:
+    """``body`` as text bytes for a look inside (gzip or deflate undone, at most 1 MiB)."""
+    encoding = encoding.strip().lower()
+    if encoding not in ("gzip", "deflate"):
+        return body
+    try:
+        return zlib.decompressobj(wbits=47).decompress(body, 1 << 20)
+    except zlib.error:
+        return body
+
+
+def http_continuation_body(req: ParsedRequest, response_id: str | None, items: list[Any]) -> bytes:
+    """The ``POST /v1/responses`` body of an HTTP continuation: the app's request with
+    ``previous_response_id`` set and ``input`` = the new items, its HTTP-only fields
+    (``stream``, ``stream_options``, ``background``) kept as the app sent them."""
+    frame = build_frame(req, previous_response_id=response_id, items=items)
+    try:
+        fields = orjson.loads(frame)
+    except orjson.JSONDecodeError:  # an integer beyond 64 bits: the stdlib keeps it exact
+        fields = json.loads(frame)
+    fields.pop("type", None)
+    for key in TRANSPORT_ONLY_FIELDS:
+        if key in req.fields:
+            fields[key] = req.fields[key]
+    try:
+        return orjson.dumps(fields)
+    except TypeError:
+        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _cleartext(url: str) -> bool:
@@ -181,7 +246,13 @@ class Passthrough:
         return URL(self._base + tail + ("?" + query if query else ""), encoded=True)
 
     async def forward(
-        self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
+        self,
+        request: web.Request,
+        *,
+        headers: dict[str, str],
+        body: bytes | None,
+        started: float,
+        capture: bool = False,
     ) -> Forwarded:
         """Relay ``request`` and stream the answer back.
 
@@ -198,10 +269,34 @@ class Passthrough:
         waited = time.perf_counter()
         async with self._slots:
             POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
-            return await self._forward(request, headers=headers, body=body, started=started)
+            return await self._forward(request, headers=headers, body=body, started=started, capture=capture)
+
+    async def continuation(
+        self, request: web.Request, *, headers: dict[str, str], body: bytes, full: bytes, anchor: str, started: float
+    ) -> Forwarded:
+        """Relay an HTTP continuation (``body``: ``previous_response_id`` = ``anchor`` + the new
+        items) and stream the answer back, the anchor shown to the app as it sent it (none:
+        ``null``), as over a socket; if the upstream does not know the anchor
+        (``previous_response_not_found``, before anything reached the app), send ``full``, the
+        app's own body, instead (issue 23)."""
+        waited = time.perf_counter()
+        async with self._slots:
+            POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
+            rewrite = (b'"previous_response_id":' + orjson.dumps(anchor), b'"previous_response_id":null')
+            return await self._forward(
+                request, headers=headers, body=body, started=started, fallback=full, rewrite=rewrite, capture=True
+            )
 
     async def _forward(
-        self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
+        self,
+        request: web.Request,
+        *,
+        headers: dict[str, str],
+        body: bytes | None,
+        started: float,
+        fallback: bytes | None = None,
+        rewrite: tuple[bytes, bytes] | None = None,
+        capture: bool = False,
     ) -> Forwarded:
         assert self._session is not None, "Passthrough.start() not called"
         try:
@@ -214,6 +309,8 @@ class Passthrough:
         if body is None and request.body_exists:
             data = request.content
         out_headers = _forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
+        if rewrite is not None or capture:
+            out_headers["Accept-Encoding"] = "identity"  # its bytes are rewritten or read on the way
         sent = len(body) if body is not None else request.content_length or 0
         t_send = time.perf_counter()
         try:
@@ -241,7 +338,22 @@ class Passthrough:
             err = UpstreamUnavailable(f"The upstream is unreachable: {exc}")
             return self._failed(err, headers, started, t_send)
         UPSTREAM_BYTES_SENT.labels("http").inc(sent)
+        held = b""
+        if fallback is not None and upstream.status in (400, 404):
+            # An error answer is small: read it whole to see whether the anchor was unknown.
+            try:
+                held = await upstream.content.read(_ERROR_PEEK)
+            except (aiohttp.ClientError, TimeoutError):
+                held = b""
+            if b"previous_response_not_found" in _decoded(held, upstream.headers.get("Content-Encoding", "")):
+                upstream.release()
+                # The answer is now a full send, and says so (x-upshift-mode).
+                shown = {**headers, "x-upshift-mode": "full"} if "x-upshift-mode" in headers else headers
+                full = await self._forward(request, headers=shown, body=fallback, started=started, capture=capture)
+                full.fell_back = True
+                return full
         t_headers = time.perf_counter()
+        captured: bytes | None = None
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -249,7 +361,8 @@ class Passthrough:
                 # issue 21: never a CORS grant to a web page (access-control-*).
                 if lowered not in _RESPONSE_DROP and not lowered.startswith("access-control-"):
                     response.headers.add(name, value)
-            if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
+            swap = _Swap(*rewrite) if rewrite is not None and "Content-Encoding" not in upstream.headers else None
+            if swap is None and upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
                 response.content_length = upstream.content_length
             response.headers.update(headers)
             prep = time.perf_counter() - t_headers
@@ -257,16 +370,32 @@ class Passthrough:
             response.headers["x-upshift-overhead-ms"] = f"{added * 1000:.3f}"
             await response.prepare(request)
             try:
+                kept: list[bytes] | None = [] if capture and upstream.status == 200 else None
+                kept_size = 0
+                if held:
+                    await response.write(swap.feed(held) if swap is not None else held)
                 async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                    out = swap.feed(chunk) if swap is not None else chunk
+                    if kept is not None:
+                        kept.append(out)
+                        kept_size += len(out)
+                        if kept_size > CAPTURE_BYTES:
+                            kept = None
+                    await response.write(out)
+                if swap is not None:
+                    rest = swap.rest()
+                    if kept is not None:
+                        kept.append(rest)
+                    await response.write(rest)
                 await response.write_eof()
+                captured = b"".join(kept) if kept is not None else None
             except (ConnectionResetError, aiohttp.ClientError, TimeoutError) as exc:
                 # After the headers there is no way to tell the app but to cut the connection.
                 log.info("passthrough stream ended early: %s", type(exc).__name__)
                 if request.transport is not None:
                     request.transport.close()
         upstream_seconds = time.perf_counter() - t_send - prep
-        return Forwarded(response, upstream.status, sent, upstream_seconds, added)
+        return Forwarded(response, upstream.status, sent, upstream_seconds, added, captured=captured)
 
     def _failed(self, exc: UpstreamError, headers: dict[str, str], started: float, t_send: float) -> Forwarded:
         response = error_response(exc, headers)

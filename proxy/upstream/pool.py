@@ -17,23 +17,63 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
+
+import orjson
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.demux import LaneSignal
 from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
 from proxy.core.reasons import PassthroughReason
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
-from proxy.ops.metrics import LANES, LANES_FALLBACKS, POOL_WAIT, RESEEDS, SOCKET_AGE_AT_ROTATION, SOCKETS
+from proxy.ops.metrics import (
+    LANES,
+    LANES_FALLBACKS,
+    POOL_WAIT,
+    RESEEDS,
+    SOCKET_AGE_AT_ROTATION,
+    SOCKET_CAP,
+    SOCKETS,
+    UPGRADE_REFUSALS,
+)
 from proxy.serve.identity import Identity
+from proxy.upstream.caps import CapFile
 from proxy.upstream.ws import Inbox, UpstreamSocket, open_websocket
 
-__all__ = ["Pool", "SocketUse", "Turn"]
+__all__ = ["Pool", "SocketUse", "Turn", "completed_response"]
+
+log = logging.getLogger(__name__)
+
+
+def completed_response(body: bytes) -> dict[str, Any] | None:
+    """The ``response`` of a ``response.completed`` in an SSE body, or a completed response
+    object as a JSON body; ``None`` otherwise."""
+    if body[:1] == b"{":
+        try:
+            found = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        return found if isinstance(found, dict) and found.get("status") == "completed" else None
+    at = body.rfind(b'"type":"response.completed"')
+    if at < 0:
+        return None
+    start = body.rfind(b"data:", 0, at)
+    end = body.find(b"\n", at)
+    try:
+        event = orjson.loads(body[start + 5 : end if end >= 0 else len(body)])
+    except orjson.JSONDecodeError:
+        return None
+    response = event.get("response") if isinstance(event, dict) else None
+    return response if isinstance(response, dict) and response.get("status") == "completed" else None
 
 
 _GAUGES = (
@@ -130,9 +170,12 @@ class Pool:
                 rotate_after_seconds=p.rotate_after_seconds,
                 reseed=p.reseed,
                 reseed_bytes=p.reseed_bytes,
+                cap_probe_seconds=p.cap_probe_seconds,
             ),
             heads,
         )
+        self.caps = CapFile(p.cap_state_dir)
+        """The learned socket caps shared with the other workers of this machine."""
         self._clock = clock
         self._socks: dict[int, UpstreamSocket] = {}
         self._identities: dict[str, Identity] = {}
@@ -198,8 +241,22 @@ class Pool:
             plan = self.planner.plan(identity.digest, req, now, replay=replay, may_open=may_open)
             self._close_soon(plan.close)
             self._publish()
+            if plan.kind is PlanKind.HTTP_CONTINUE and not self.settings.pool.http_continuations:
+                return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED), now - started
             if plan.kind is PlanKind.WAIT:
-                deadline = deadline if deadline is not None else now + self.settings.pool.wait_seconds
+                pool = self.settings.pool
+                deadline = deadline if deadline is not None else now + pool.wait_seconds
+                if plan.over_http and pool.http_continuations:
+                    # Stored: a short wait for a lane, then an HTTP continuation (a new head: a
+                    # plain HTTP send whose response is adopted, see adopt_http).
+                    switch = started + pool.http_continuation_after_seconds
+                    if now >= switch:
+                        POOL_WAIT.labels("lanes").observe(now - started)
+                        if plan.response_id is None:
+                            return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL), now - started
+                        return replace(plan, kind=PlanKind.HTTP_CONTINUE, over_http=False), now - started
+                    await self._wait_change(min(switch, deadline) - now)
+                    continue
                 if now >= deadline:
                     POOL_WAIT.labels("lanes").observe(now - started)
                     return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL), now - started
@@ -267,7 +324,7 @@ class Pool:
         try:
             yield turn
         except UpstreamClosed:
-            if key[1] is not None and not sock.proven and not inbox.seen:
+            if key[1] is not None and not sock.demux.proven and not inbox.seen:
                 # Closed right after a named lane's first create on a socket that never routed
                 # a stream_id: an upstream that refuses lanes by closing (then retried later).
                 self.lanes_refused()
@@ -323,6 +380,20 @@ class Pool:
         if self.planner.lanes_refused(self._clock()):
             LANES_FALLBACKS.inc()
 
+    def adopt_http(self, identity: Identity, req: ParsedRequest, body: bytes) -> None:
+        """The answer of a stored request sent over plain HTTP (SSE or JSON): its completed
+        response becomes a head without a lane (issue 23: its later turns are continued)."""
+        response = completed_response(body)
+        if response is not None:
+            self.planner.adopt(identity.digest, req, response, self._clock())
+
+    def _lanes_signal(self, signal: LaneSignal) -> None:
+        """A socket's demux learned whether the upstream takes ``stream_id``."""
+        if self.planner.lanes_signal(signal, self._clock()):
+            LANES_FALLBACKS.inc()
+        if signal is LaneSignal.PROVEN:
+            self._wake()  # that socket may carry more responses now
+
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``'s socket."""
         self.planner.stream_limit(key)
@@ -341,9 +412,19 @@ class Pool:
         try:
             ws = await open_websocket(identity.ws_url, identity.headers, self.settings)
         except BaseException as exc:
+            refused = isinstance(exc, UpstreamRefused)
             status = exc.http_status if isinstance(exc, UpstreamRefused) else None
             headers = exc.headers if isinstance(exc, UpstreamRefused) else {}
-            self.planner.open_failed(sid, self._clock(), status=status, headers=headers)
+            payload = exc.payload if isinstance(exc, UpstreamRefused) else b""
+            planned = self.planner.socket(sid)
+            capped = self.planner.open_failed(
+                sid, self._clock(), status=status, headers=headers, payload=payload, jitter=random.random()
+            )
+            if refused:
+                UPGRADE_REFUSALS.labels("cap" if capped else "other").inc()
+            if capped and planned is not None:
+                self.caps.publish(self.planner, planned.identity, self._clock())
+                self._publish_cap(planned.identity)
             error = exc if isinstance(exc, UpstreamUnavailable) else UpstreamUnavailable("Connecting was cancelled.")
             ready.set_exception(error)
             if not isinstance(exc, Exception):
@@ -354,16 +435,29 @@ class Pool:
             self._wake()
             self._publish()
         now = self._clock()
-        sock = UpstreamSocket(
-            sid,
-            ws,
-            now,
-            on_closed=self._lost,
-            on_lanes_ignored=lambda s: self.lanes_refused(),
-            ping_interval=self.settings.pool.ping_interval_seconds,
-            ping_timeout=self.settings.pool.ping_timeout_seconds,
-        )
-        if self._closed or self.planner.socket(sid) is None:  # the pool closed meanwhile
+        record = self.planner.socket(sid)
+        try:
+            sock = UpstreamSocket(
+                sid,
+                ws,
+                now,
+                demux=record.demux if record is not None else None,
+                on_closed=self._lost,
+                on_signal=self._lanes_signal,
+                ping_interval=self.settings.pool.ping_interval_seconds,
+                ping_timeout=self.settings.pool.ping_timeout_seconds,
+                fragment_bytes=self.settings.pool.fragment_bytes,
+            )
+        except Exception as exc:  # a library change the contracts did not foresee: never a hang
+            log.exception("taking the upstream socket over failed")
+            with contextlib.suppress(Exception):
+                ws.transport.abort()
+            self.planner.open_failed(sid, now, status=None, headers={})
+            ready.set_exception(UpstreamUnavailable(f"The upstream socket could not be used: {exc}"))
+            self._wake()
+            self._publish()
+            return
+        if self._closed or record is None:  # the pool closed meanwhile
             self._socks[sid] = sock
             self._close_soon([sid], 1001)
             ready.set_exception(UpstreamUnavailable("The sidecar is shutting down."))
@@ -371,6 +465,7 @@ class Pool:
         self._socks[sid] = sock
         self.planner.opened(sid, now)
         ready.set_result(None)
+        self._publish_cap(record.identity)
         self._publish()
 
     def _lost(self, sock: UpstreamSocket) -> None:
@@ -429,8 +524,13 @@ class Pool:
             await asyncio.sleep(interval)
             self.sweep()
 
+    def _publish_cap(self, identity: str) -> None:
+        if self.planner.learned_cap(identity) is not None:
+            SOCKET_CAP.set(min(c.limit for c in self.planner.caps.values() if c.limit is not None))
+
     def sweep(self) -> None:
         """One housekeeping pass (also run by tests)."""
+        self.caps.merge_into(self.planner, self._clock())
         tick = self.planner.tick(self._clock())
         for age in tick.ages:
             SOCKET_AGE_AT_ROTATION.observe(age)

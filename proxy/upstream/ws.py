@@ -4,8 +4,9 @@ exceptions become :mod:`proxy.errors`.
 websockets' client opens the connection (proxy tunnel, TLS, upgrade: :func:`open_websocket`
 maps its handshake failures); then :class:`UpstreamSocket` takes the transport over. Every send
 goes through :meth:`UpstreamSocket.send` (websockets' sans-I/O protocol builds the frames), and
-every frame is parsed once, in the transport's ``data_received``, and routed to the inbox of
-its lane: one write path, one read path, each mapping closes and OS errors once.
+every frame is read once, in the transport's ``data_received``, by the codec of
+:mod:`proxy.wire.wsframe`, and placed by :class:`proxy.core.demux.Demux` in the inbox of its
+lane: one write path, one read path, each mapping closes and OS errors once.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from websockets.exceptions import (
     ProtocolError,
     ProxyError,
 )
-from websockets.frames import Close, CloseCode, Frame, Opcode
+from websockets.frames import Close, CloseCode
 from websockets.protocol import State
 
 from proxy.config import Settings
+from proxy.contracts import ws_parser_error, ws_take_over
+from proxy.core.demux import Demux, LaneSignal, Routed, Unroutable
 from proxy.errors import (
     UpstreamClosed,
     UpstreamError,
@@ -43,6 +46,7 @@ from proxy.errors import (
 )
 from proxy.serve.identity import USER_AGENT
 from proxy.upstream.egress import egress_for
+from proxy.wire.wsframe import FrameReader, LibraryReader, PeerClosed, Ping, Pong, Violation
 
 __all__ = [
     "MAX_RECEIVED_FRAME",
@@ -61,13 +65,8 @@ _CLOSE_TIMEOUT = 2.0
 """Seconds to wait for the closing handshake before dropping the TCP connection."""
 
 
-_CONT, _TEXT, _BINARY = int(Opcode.CONT), int(Opcode.TEXT), int(Opcode.BINARY)
-_CLOSE, _PING, _PONG = int(Opcode.CLOSE), int(Opcode.PING), int(Opcode.PONG)
 _UNSENDABLE = frozenset({CloseCode.NO_STATUS_RCVD, CloseCode.ABNORMAL_CLOSURE, CloseCode.TLS_HANDSHAKE})
 """Close codes that may be received but never sent: such a close is echoed without a code."""
-
-_FRAGMENT = 1024 * 1024
-"""Frames above this go as a fragmented message (issue 12: memory per byte sent)."""
 
 
 def closed_error(rcvd: Close | None, sent: Close | None) -> UpstreamClosed:
@@ -144,7 +143,6 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
 
 
 _TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "response.done", "error"})
-_LANE_ERRORS = frozenset({"invalid_stream_id", "websocket_stream_limit_reached", "unknown_parameter"})
 
 
 class Inbox:
@@ -234,31 +232,33 @@ def _wake_up(waiter: asyncio.Future[None]) -> None:
 
 
 class UpstreamSocket(asyncio.Protocol):
-    """An open upstream connection, the inboxes of its lanes in flight, and its keepalive.
+    """Moves bytes between one upstream connection and its codecs: received bytes go through
+    the frame reader (:mod:`proxy.wire.wsframe`) and the lane demultiplexer
+    (:class:`proxy.core.demux.Demux`) into the inboxes of the lanes in flight; sends go through
+    websockets' sans-I/O protocol; and the keepalive pings.
 
     After the handshake (websockets' client) the socket takes the transport over as its
-    protocol: bytes in, frames out, parsed once and routed in the same callback (no reader
-    task, no message queue between them). Without an extension the socket parses the frames
-    itself (:meth:`_parse`, with RFC 6455's rules for control frames and the closing
-    handshake); with one (compression) websockets' sans-I/O
-    :class:`~websockets.client.ClientProtocol` parses them. Sends always go through the
-    library's protocol.
+    protocol (:func:`proxy.contracts.ws_take_over`): bytes in, messages out, routed in the same
+    callback (no reader task, no message queue between them). Without an extension the frames
+    are read by :class:`~proxy.wire.wsframe.FrameReader`; with one (compression) by websockets'
+    own protocol (:class:`~proxy.wire.wsframe.LibraryReader`).
 
-    Every event is routed by ``stream_id`` (the ``stream_id`` is taken out of the event: the app
-    sees what HTTP would have given it). Events without one belong to the default lane; until
-    the socket has seen an event with a ``stream_id`` they are attributed in the order the
-    creates were sent (an upstream that ignores lanes runs them one after another), and an
-    ``error`` about the ``stream_id`` itself goes to the oldest named lane still waiting for its
-    first event.
+    Every event is placed by the demux's rule (by ``stream_id`` once lanes are proven, else to
+    the one response in flight); the ``stream_id`` is cut out of the event (the app sees what
+    HTTP would have given it). An event the rule cannot place fails every response in flight
+    and drops the socket: no waiter waits for events that went elsewhere.
 
     Args:
         key: The pool's id for this socket.
         ws: The open connection (its transport and protocol are taken over).
         now: Monotonic time of the handshake.
+        demux: The socket's demultiplexer (the planner's record holds the same one).
         on_closed: Called once when the connection is gone (by whichever side).
-        on_lanes_ignored: Called when a named lane's events come without ``stream_id``.
+        on_signal: Called when an event taught something about lanes (proven, refused, ignored).
         ping_interval: Seconds between keepalive pings (0: none).
         ping_timeout: Seconds a ping may wait for its pong before the socket is dropped (0: forever).
+        fragment_bytes: Send messages above this size as fragments of this size (0: one frame
+            per message, as the official clients do).
     """
 
     def __init__(
@@ -267,46 +267,42 @@ class UpstreamSocket(asyncio.Protocol):
         ws: ClientConnection,
         now: float,
         *,
+        demux: Demux | None = None,
         on_closed: Callable[[UpstreamSocket], None] | None = None,
-        on_lanes_ignored: Callable[[UpstreamSocket], None] | None = None,
+        on_signal: Callable[[LaneSignal], None] | None = None,
         ping_interval: float = 0.0,
         ping_timeout: float = 0.0,
+        fragment_bytes: int = 0,
     ) -> None:
         self.key = key
         self.ws = ws
-        self.protocol = ws.protocol
-        self.transport: asyncio.Transport = ws.transport
         self.created_at = now
         """Monotonic time the socket opened (rotation age)."""
+        self.demux = demux if demux is not None else Demux()
         self.inboxes: dict[str | None, Inbox] = {}
-        self._first: deque[str | None] = deque()
-        self._current: Inbox | None = None
-        self.proven = False
-        """An event with a ``stream_id`` arrived on this socket: the upstream has lanes."""
         self._on_closed = on_closed
-        self._on_lanes_ignored = on_lanes_ignored
+        self._on_signal = on_signal
         self.error: UpstreamError | None = None
-        self._fragments: list[bytes] = []
-        self._fragment_size = 0
-        self._fast = not self.protocol.extensions and not self.protocol.reader.buffer
-        """Frames parsed by :meth:`_parse` (no extension such as compression was negotiated and
-        the library holds no bytes after the handshake); else by websockets' protocol."""
-        self._partial: list[bytes] = []
-        self._partial_size = 0
-        self._partial_need = 0
-        self._close_rcvd: Close | None = None
+        self._fragment = fragment_bytes
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._lost: asyncio.Future[None] = loop.create_future()
         self._writable: asyncio.Future[None] | None = None
         self._sending = asyncio.Lock()
-        """Held while a message goes out in fragments (or waits for the transport's room)."""
+        """Held while a message waits for the transport's room (or goes out in fragments)."""
         self._ping_interval = ping_interval
         self._ping_timeout = ping_timeout
         self._ping: bytes | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self._closer: asyncio.TimerHandle | None = None
-        self.transport.set_protocol(self)
+        self._close_rcvd: Close | None = None
+        self.transport, self.protocol, held = ws_take_over(ws, self)
+        self._library = bool(self.protocol.extensions) or bool(held)
+        """Frames read by websockets' protocol (an extension was negotiated, or the library
+        holds bytes after the handshake); else by :class:`FrameReader`."""
+        self._reader: FrameReader | LibraryReader = (
+            LibraryReader(self.protocol, ws_parser_error) if self._library else FrameReader(MAX_RECEIVED_FRAME)
+        )
         _LIVE.add(self)
         if ping_interval > 0:
             self._keepalive = loop.call_later(ping_interval, self._send_ping)
@@ -333,24 +329,21 @@ class UpstreamSocket(asyncio.Protocol):
         return inbox
 
     def close_inbox(self, inbox: Inbox) -> None:
-        """Stop receiving for ``inbox``'s lane."""
+        """Stop receiving for ``inbox``'s lane: its response is over."""
         if self.inboxes.get(inbox.lane) is inbox:
             del self.inboxes[inbox.lane]
-        with contextlib.suppress(ValueError):
-            self._first.remove(inbox.lane)
-        if self._current is inbox:
-            self._current = None
+            self.demux.done(inbox.lane)
 
     # -- sending -------------------------------------------------------------------------------
 
     async def send(self, frame: bytes, lane: str | None) -> None:
         """Send one ``response.create`` for ``lane`` as a text frame (UTF-8 JSON already).
 
-        A frame of up to 1 MiB is written at once (no await) when nothing else is being sent; a
-        larger one goes as one message in 1 MiB fragments, each written when the transport has
-        room, while other lanes' frames wait their turn (fragments of two messages never
-        interleave), shielded: a cancelled caller never leaves half a message on a socket that
-        other lanes share.
+        Written at once (no await) when nothing else is being sent and the transport has room;
+        else it waits its turn, shielded: a cancelled caller never leaves half a message on a
+        socket that other lanes share. With ``fragment_bytes`` set, a larger frame goes as one
+        message in fragments of that size, each written when the transport has room (fragments
+        of two messages never interleave).
 
         Raises:
             UpstreamClosed: the connection is closed.
@@ -359,8 +352,9 @@ class UpstreamSocket(asyncio.Protocol):
             raise self.error
         if self.protocol.state is not State.OPEN:
             raise closed_error(self.close_rcvd, self.protocol.close_sent)
-        self._first.append(lane)
-        if len(frame) <= _FRAGMENT and self._writable is None and not self._sending.locked():
+        self.demux.sent(lane)
+        fragment = self._fragment
+        if (not fragment or len(frame) <= fragment) and self._writable is None and not self._sending.locked():
             self.protocol.send_text(frame)
             self._flush()
             return
@@ -372,21 +366,23 @@ class UpstreamSocket(asyncio.Protocol):
         async with self._sending:
             if self.error is not None:
                 raise self.error
-            if len(frame) <= _FRAGMENT:
+            fragment = self._fragment
+            if not fragment or len(frame) <= fragment:
                 await self._drain()
                 if self.error is not None:
                     raise self.error
                 self.protocol.send_text(frame)
                 self._flush()
                 return
-            # issue 12: a large frame goes as one message in 1 MiB fragments, so the masked
-            # copy and the write buffer hold one fragment at a time, not the whole frame.
+            # pool.fragment_bytes: the masked copy and the write buffer hold one fragment at a
+            # time, not the whole frame (issue 12), at the price of a framing the official
+            # clients never use (issue 19).
             view = memoryview(frame)
-            for at in range(0, len(frame), _FRAGMENT):
+            for at in range(0, len(frame), fragment):
                 await self._drain()
                 if self.error is not None:
                     raise self.error
-                chunk, fin = view[at : at + _FRAGMENT], at + _FRAGMENT >= len(frame)
+                chunk, fin = view[at : at + fragment], at + fragment >= len(frame)
                 if at == 0:
                     self.protocol.send_text(chunk, fin=fin)
                 else:
@@ -422,127 +418,45 @@ class UpstreamSocket(asyncio.Protocol):
     # -- receiving -----------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        if self._fast:
-            self._parse(data)
-            return
-        protocol = self.protocol
-        protocol.receive_data(data)
-        frames = protocol.events_received()
-        self._flush()  # the protocol's own answers: pongs, the close reply
-        for frame in frames:
-            if not isinstance(frame, Frame):
-                continue  # handshake events come before the socket takes over: never here
-            if not self._frame(frame.opcode, frame.fin, frame.data):
+        if self.error is not None:
+            return  # after a failure nothing more is processed
+        results = self._reader.feed(data)
+        if self._library:
+            self._flush()  # the library's own answers: pongs, the close reply
+        for item in results:
+            if item.__class__ is bytes:
+                if not self._message(item):
+                    return
+            elif isinstance(item, Ping):
+                if self.protocol.state is State.OPEN:
+                    self.protocol.send_pong(item.payload)
+                    self._flush()
+            elif isinstance(item, Pong):
+                if self._ping is not None and item.payload == self._ping:
+                    self._pong()
+            elif isinstance(item, PeerClosed):
+                self._peer_closed(item)
                 return
-        if protocol.close_rcvd is not None:
-            # The upstream is closing: nothing more comes, and nothing may be sent any more.
-            self._fail(closed_error(protocol.close_rcvd, protocol.close_sent))
+            elif isinstance(item, Violation):
+                self._protocol_error(item.message)
+                return
 
-    def _parse(self, data: bytes) -> None:
-        """Frames out of ``data`` (RFC 6455 §5.2), for a connection without extensions.
-
-        websockets' parser is a generator per frame (a few µs each, on every one of a turn's
-        ~20 events); this one slices complete frames out of the received bytes and keeps an
-        incomplete one's chunks until its declared length is there, joined once. Control
-        frames follow the library's rules: a ping gets its pong, a close its echo.
-        """
-        if self._close_rcvd is not None or self.error is not None:
-            return  # after a close or a failure nothing more is processed (§7.1.7)
-        if self._partial:
-            self._partial.append(data)
-            self._partial_size += len(data)
-            if self._partial_size < self._partial_need:
-                return
-            data = b"".join(self._partial)
-            self._partial, self._partial_size = [], 0
-        pos, size, need = 0, len(data), 2
-        while size - pos >= 2:
-            first, second = data[pos], data[pos + 1]
-            length, header = second & 0x7F, 2
-            if length == 126:
-                if size - pos < 4:
-                    need = 4
-                    break
-                length, header = int.from_bytes(data[pos + 2 : pos + 4], "big"), 4
-            elif length == 127:
-                if size - pos < 10:
-                    need = 10
-                    break
-                length, header = int.from_bytes(data[pos + 2 : pos + 10], "big"), 10
-            if second & 0x80 or first & 0x70 or length > MAX_RECEIVED_FRAME:
-                self._protocol_error(
-                    "The upstream sent a masked frame."
-                    if second & 0x80
-                    else "The upstream sent a frame with reserved bits set."
-                    if first & 0x70
-                    else f"The upstream sent a message over {MAX_RECEIVED_FRAME} bytes."
-                )
-                return
-            end = pos + header + length
-            if end > size:
-                need = end - pos
-                break
-            payload = data[pos + header : end]
-            pos = end
-            if not self._frame(first & 0x0F, bool(first & 0x80), payload) or self._close_rcvd is not None:
-                return
-        if pos < size:
-            rest = data[pos:] if pos else data
-            self._partial, self._partial_size, self._partial_need = [rest], len(rest), need
-
-    def _frame(self, opcode: int, fin: bool, payload: bytes | bytearray | memoryview) -> bool:
-        """One frame; False once the socket failed (stop processing)."""
-        if opcode == _TEXT or opcode == _BINARY or opcode == _CONT:
-            if self._fragments or not fin:
-                if (opcode == _CONT) != bool(self._fragments):
-                    self._protocol_error("The upstream sent a fragment out of order.")
-                    return False
-                self._fragments.append(bytes(payload))
-                self._fragment_size += len(payload)
-                if self._fragment_size > MAX_RECEIVED_FRAME:
-                    self._protocol_error(f"The upstream sent a message over {MAX_RECEIVED_FRAME} bytes.")
-                    return False
-                if not fin:
-                    return True
-                raw = b"".join(self._fragments)
-                self._fragments, self._fragment_size = [], 0
-            elif opcode == _CONT:
-                self._protocol_error("The upstream sent a fragment out of order.")
-                return False
-            else:
-                raw = payload if isinstance(payload, bytes) else bytes(payload)
-            return self._message(raw)
-        if self._fast and (opcode < _CLOSE or opcode > _PONG or not fin or len(payload) > 125):
-            self._protocol_error("The upstream sent an invalid control frame.")
-            return False
-        if opcode == _PONG:
-            if self._ping is not None and payload == self._ping:
-                self._pong()
-        elif not self._fast:
-            pass  # websockets' protocol checked the frame and answered a ping or a close itself
-        elif opcode == _PING:
-            if self.protocol.state is State.OPEN:
-                self.protocol.send_pong(payload)
-                self._flush()
-        else:
-            try:
-                rcvd = Close.parse(bytes(payload))
-            except (ProtocolError, UnicodeDecodeError):
-                self._protocol_error("The upstream sent an invalid close frame.")
-                return False
-            self._close_rcvd = rcvd
-            if self.protocol.state is State.OPEN:  # echo it (§5.5.1); the upstream then closes TCP
-                with contextlib.suppress(ProtocolError):
-                    if rcvd.code in _UNSENDABLE:
-                        self.protocol.send_close()
-                    else:
-                        self.protocol.send_close(rcvd.code, rcvd.reason)
-                self._flush()
-            # The upstream is closing: nothing more comes, and nothing may be sent any more.
-            self._fail(closed_error(rcvd, self.protocol.close_sent))
-        return True
+    def _peer_closed(self, item: PeerClosed) -> None:
+        rcvd = self._close_rcvd = item.close
+        if not item.answered and self.protocol.state is State.OPEN:
+            # Echo it (§5.5.1); the upstream then closes TCP.
+            with contextlib.suppress(ProtocolError):
+                if rcvd.code in _UNSENDABLE:
+                    self.protocol.send_close()
+                else:
+                    self.protocol.send_close(rcvd.code, rcvd.reason)
+            self._flush()
+        # The upstream is closing: nothing more comes, and nothing may be sent any more.
+        self._fail(closed_error(rcvd, self.protocol.close_sent))
 
     def _message(self, raw: bytes) -> bool:
+        """One message: parsed, placed by the demux, handed to its lane's inbox; False once
+        the socket failed (stop processing)."""
         try:
             event = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -551,7 +465,29 @@ class UpstreamSocket(asyncio.Protocol):
         if not isinstance(event, dict):
             self._protocol_error("The upstream sent a frame that is not a JSON object.")
             return False
-        self._route(raw, event)
+        sid = event.pop("stream_id", None)
+        if sid is not None and not isinstance(sid, str):
+            sid = None  # not a lane name: placed as an event without one (its bytes unchanged)
+        route = self.demux.route(sid, event)
+        if route.__class__ is Routed:
+            assert isinstance(route, Routed)
+            if route.signal is not None and self._on_signal is not None:
+                self._on_signal(route.signal)
+            inbox = self.inboxes.get(route.lane)
+            if inbox is None:
+                return True  # its reader never opened an inbox (nothing waits for it)
+            if sid is not None:
+                raw = strip_stream_id(raw, sid, event, inbox.member)
+            inbox.put(raw, event)
+        elif isinstance(route, Unroutable):
+            self._fail(
+                UpstreamClosed(
+                    f"The upstream sent {route.why}: it cannot be routed to one response, so every "
+                    "response in flight on the socket fails and the socket is dropped."
+                )
+            )
+            self.transport.abort()
+            return False
         return True
 
     def _protocol_error(self, message: str) -> None:
@@ -601,8 +537,6 @@ class UpstreamSocket(asyncio.Protocol):
         self._flush()
         self.transport.abort()
 
-    # -- routing -------------------------------------------------------------------------------
-
     def _fail(self, error: UpstreamError) -> None:
         if self.error is not None:
             return
@@ -611,48 +545,6 @@ class UpstreamSocket(asyncio.Protocol):
             inbox.fail(error)
         if self._on_closed is not None:
             self._on_closed(self)
-
-    def _route(self, raw: bytes, event: dict[str, Any]) -> None:
-        sid = event.pop("stream_id", None)
-        kind = event.get("type")
-        inbox: Inbox | None
-        if isinstance(sid, str):
-            self.proven = True
-            inbox = self.inboxes.get(sid)
-            if inbox is None:
-                return  # nobody waits for it (an abandoned lane's stray event)
-            raw = strip_stream_id(raw, sid, event, inbox.member)
-        elif kind == "error" and _about_lanes(event):
-            inbox = self._oldest(named=True)
-        elif self._current is not None:
-            inbox = self._current
-        elif self.proven:
-            inbox = self.inboxes.get(None)
-            if inbox is None and kind == "error":
-                inbox = self._oldest(named=False)
-        else:
-            inbox = self._oldest(named=False)
-            if inbox is not None and inbox.lane is not None and kind != "error":
-                # A named lane's events come without stream_id: the upstream ignores lanes.
-                if self._on_lanes_ignored is not None:
-                    self._on_lanes_ignored(self)
-        if inbox is None:
-            return  # nobody waits for it (an abandoned lane's stray event, an unsolicited frame)
-        if self._first:
-            with contextlib.suppress(ValueError):
-                self._first.remove(inbox.lane)
-        if sid is None:
-            self._current = None if kind in _TERMINAL else inbox
-        inbox.put(raw, event)
-
-    def _oldest(self, *, named: bool) -> Inbox | None:
-        for lane in self._first:
-            if named and lane is None:
-                continue
-            inbox = self.inboxes.get(lane)
-            if inbox is not None:
-                return inbox
-        return None
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -686,14 +578,6 @@ _LIVE: weakref.WeakSet[UpstreamSocket] = weakref.WeakSet()
 def live_sockets() -> int:
     """Upstream sockets of this process whose connection is not yet lost (tests' leak checks)."""
     return len(_LIVE)
-
-
-def _about_lanes(event: dict[str, Any]) -> bool:
-    """Whether a connection-level ``error`` is about a ``stream_id`` (a named lane's create)."""
-    inner = event.get("error")
-    if not isinstance(inner, dict):
-        inner = event
-    return inner.get("param") == "stream_id" or inner.get("code") in _LANE_ERRORS
 
 
 def strip_stream_id(raw: bytes, sid: str, event: dict[str, Any], member: bytes = b"") -> bytes:

@@ -15,6 +15,7 @@ import pytest
 
 import proxy.core.lanes as lanes
 from proxy.core.conversation import HeadTable
+from proxy.core.demux import LaneSupport
 from proxy.core.lanes import (
     LANE_TRANSITIONS,
     SOCKET_TRANSITIONS,
@@ -74,11 +75,21 @@ def planner(**limits: Any) -> Planner:
     return Planner(LaneLimits(**limits), HeadTable(max_heads=100, ttl_seconds=3600))
 
 
-def opened(p: Planner, plan: Plan, now: float = 0.0) -> Plan:
+def opened(p: Planner, plan: Plan, now: float = 0.0, *, lanes: bool = True) -> Plan:
+    """The plan's socket opened; with ``lanes`` its upstream proved ``stream_id`` lanes (the
+    transcripts below are about a multiplexing upstream unless they say otherwise)."""
     assert plan.lane is not None
     if plan.open_socket:
         p.opened(plan.lane[0], now)
+    if lanes:
+        prove(p, plan.lane[0])
     return plan
+
+
+def prove(p: Planner, socket_id: int) -> None:
+    sock = p.socket(socket_id)
+    if sock is not None:
+        sock.demux.support = LaneSupport.PROVEN
 
 
 def complete(p: Planner, plan: Plan, r: ParsedRequest, rid: str, now: float, *output: dict[str, Any]) -> list[int]:
@@ -115,6 +126,7 @@ def test_conversations_spread_over_sockets_then_share_them_through_lanes() -> No
     # A free lane at once, and a socket of its own opening in the background for the next one.
     assert (first.lane, second.lane, second.open_socket, second.warm) == ((1, None), (1, "u1"), False, 2)
     p.opened(2, 0.1)
+    prove(p, 2)
     plans = [p.plan("id", req([user(f"c{i}")]), 0.2) for i in range(2, 5)]
     assert [pl.lane for pl in plans] == [(2, None), (2, "u1"), (2, "u2")]
     assert all(pl.warm is None for pl in plans)  # the spread is reached: lanes from now on
@@ -133,7 +145,50 @@ def test_an_idle_socket_is_reused_before_a_new_one_is_opened() -> None:
 def test_the_active_limit_per_socket_opens_another() -> None:
     p = planner(max_active_per_socket=2, spread_sockets=1)
     plans = [opened(p, p.plan("id", req([user(f"c{i}")]), 0.0)) for i in range(3)]
-    assert [pl.lane for pl in plans] == [(1, None), (1, "u1"), (2, None)]
+    # Socket 2 opens after socket 1 proved lanes: its first response is the probe of its own.
+    assert [pl.lane for pl in plans] == [(1, None), (1, "u1"), (2, "u1")]
+
+
+def test_an_unproven_socket_carries_one_response_and_probes_its_lanes_when_idle() -> None:
+    p = planner(spread_sockets=1, max_sockets_per_identity=1)
+    r = req([user("a")])
+    first = opened(p, p.plan("id", r, 0.0), lanes=False)
+    assert first.lane == (1, None)
+    assert p.plan("id", req([user("b")]), 0.0).kind is PlanKind.WAIT  # never a second response
+    complete(p, first, r, "resp_a", 1.0, call(1))
+    probe = p.plan("id", req([user("b")]), 1.0)
+    assert probe.lane == (1, "u1")  # idle: its first named lane goes alone
+    # The head's next turn waits for its own lane (store: true would hydrate elsewhere or
+    # continue over HTTP when nothing else is free).
+    cont = p.plan("id", req([user("a"), call(1), result(1)]), 1.0)
+    assert (cont.kind, cont.over_http, cont.response_id) == (PlanKind.WAIT, True, "resp_a")
+    unstored = req([user("z")], store=False)
+    assert p.plan("id", unstored, 1.0).kind is PlanKind.WAIT
+
+
+def test_a_429_teaches_the_cap_with_backoff_and_one_probe_above_it() -> None:
+    p = planner(spread_sockets=8, max_sockets_per_identity=8, cap_probe_seconds=100.0)
+    plans = []
+    for i in range(8):  # slow start: at most 4 handshakes before any socket is open
+        plan = p.plan("id", req([user(f"c{i}")]), 0.0)
+        plans.append(plan)
+    opening = [pl for pl in plans if pl.open_socket or pl.warm is not None]
+    assert 1 <= len(opening) <= 4
+    for pl in opening:
+        sid = pl.lane[0] if pl.open_socket and pl.lane is not None else pl.warm
+        assert sid is not None
+        if sid <= 2:
+            p.opened(sid, 0.1)
+        else:
+            assert p.open_failed(sid, 0.1, status=429, headers={"retry-after": "2"}, jitter=0.0)
+    assert p.learned_cap("id") == 2
+    assert p.held_off("id", 1.0) and not p.held_off("id", 2.2)  # retry-after, then free again
+    more = p.plan("id", req([user("more")]), 3.0)
+    assert not more.open_socket and more.warm is None  # at the cap: no upgrade before the probe time
+    late = p.plan("id", req([user("late")]), 100.2)
+    assert late.open_socket or late.warm is not None  # one probe above the cap, after cap_probe_seconds
+    again = p.plan("id", req([user("again")]), 100.2)
+    assert not again.open_socket and again.warm is None  # ... and only one at a time
 
 
 def test_a_head_continues_on_its_lane_when_its_socket_is_at_the_active_limit() -> None:
@@ -246,6 +301,7 @@ def test_socket_loss_keeps_stored_heads_for_hydration_and_forgets_the_others() -
     hydrated = p.plan("id", req([user("s"), call(1), result(1)]), 2.0)
     assert (hydrated.kind, hydrated.hydrated, hydrated.response_id) == (PlanKind.CONTINUE, True, "resp_s")
     assert hydrated.open_socket and hydrated.lane is not None and hydrated.lane[0] != a.lane[0]
+    opened(p, hydrated, 2.0)
     cold = p.plan("id", req([user("u"), call(2), result(2)], store=False), 2.0)
     assert (cold.kind, cold.reason) == (PlanKind.FULL, MissReason.NO_HEAD)
     opened(p, hydrated, 2.0)

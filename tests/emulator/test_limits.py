@@ -42,6 +42,7 @@ async def test_cap_refuses_the_next_upgrade_with_429(make_emulator: EmulatorFact
     stats = emu.stats
     key = next(k for k in stats.keys.values() if k.peak_open == 2)
     assert key.refused == 1 and key.opened == 2
+    assert len(key.attempts_at) == 3 and key.refused_at == key.attempts_at[2:]  # when, for retry-after tests
     assert stats.ws_connections["refused_cap"] == 1 and stats.ws_connections["refused"] == 1
     async with aiohttp.ClientSession() as session:
         async with session.get(emu.url + "/_emulator/stats") as resp:

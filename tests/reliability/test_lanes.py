@@ -47,6 +47,8 @@ async def test_300_conversations_of_one_key_share_32_sockets(
             reply = await conv.send(f"c{i} turn {turn}", stream=turn % 2 == 1)
             record = conv.accept(reply)  # the oracle: the model saw exactly this history
             modes[str(reply.mode)] = modes.get(str(reply.mode), 0) + 1
+            if reply.mode == "passthrough":
+                modes[f"http@{turn}"] = modes.get(f"http@{turn}", 0) + 1
             if turn:
                 later += 1
                 continued += record["continuation"] is True
@@ -55,8 +57,9 @@ async def test_300_conversations_of_one_key_share_32_sockets(
 
     async with aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(limit=0)) as http:
         await asyncio.gather(*(loop(http, i) for i in range(300)))
-    assert sum(modes.values()) == 1800
-    assert modes.get("passthrough", 0) == 0, modes  # no turn fell back to HTTP
+    assert sum(v for k, v in modes.items() if "@" not in k) == 1800
+    why = {r: metric("upshift_passthrough_total", reason=r) for r in ("pool_full", "upgrade_refused", "ws_unavailable")}
+    assert modes.get("passthrough", 0) == 0, (modes, why)  # no turn fell back to HTTP
     assert continued >= 0.95 * later, (continued, later, modes)
     key = next(iter(emu.stats.keys.values()))
     assert key.peak_open <= 32 and key.refused == 0, key  # never even hit the cap
@@ -214,36 +217,170 @@ async def test_a_stored_conversation_outlives_its_socket(
     assert emu.stats.hydrations["ws"] >= 1
 
 
-async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_sockets(
-    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
-) -> None:
+async def _scarce_run(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor, *, conversations: int, store: bool, seed: int
+) -> dict[str, Any]:
+    """Issue 23's workload: ``conversations`` concurrent tool-loop conversations of 5 turns of
+    one key, against an upstream without lanes (``stream_id`` refused, socket usable) that
+    allows 8 sockets per key (429 + ``retry-after`` beyond), through a sidecar with its DEFAULT
+    settings (nothing tells it the cap). Every answer is checked by the oracle."""
     emu = await make_emulator(ws_stream_ids="reject", ws_max_connections_per_key=8)
-    sc = await sidecar_for(emu.base_url, pool={"max_sockets_per_identity": 8})
-    rng = random.Random(3)
-    continued = later = 0
+    sc = await sidecar_for(emu.base_url)
+    rng = random.Random(seed)
+    continued = later = http_later = 0
     modes: dict[str, int] = {}
+    added: list[float] = []
 
     async def loop(http: aiohttp.ClientSession, i: int) -> None:
-        nonlocal continued, later
-        conv = Conversation(http, sc.base_url, emu, name=f"x{i}", store=True)
+        nonlocal continued, later, http_later
+        conv = Conversation(http, sc.base_url, emu, name=f"x{i}", store=store)
         for turn in range(5):
             await asyncio.sleep(rng.uniform(0.0, 0.3))  # the app's tool time
-            reply = await conv.send(f"x{i} turn {turn}")
-            record = conv.accept(reply)
+            reply = await conv.send(f"x{i} turn {turn}", stream=turn % 2 == 1, timeout=30)
+            record = conv.accept(reply)  # the oracle: the model saw exactly this history
             modes[str(reply.mode)] = modes.get(str(reply.mode), 0) + 1
+            added.append(float(reply.headers["x-upshift-overhead-ms"]))
             if turn:
                 later += 1
                 continued += record["continuation"] is True
+                http_later += reply.mode == "passthrough"
 
-    async with aiohttp.ClientSession(trust_env=False) as http:
-        await asyncio.gather(*(loop(http, i) for i in range(30)))
-    assert modes.get("passthrough", 0) == 0, modes
-    assert continued >= 0.95 * later, (continued, later, modes)
-    refusals = sum(c.errors for c in emu.stats.connections.values())
-    assert refusals <= 8, refusals  # the missing lanes were learned after at most one refusal per socket
+    async with aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(limit=0)) as http:
+        await asyncio.gather(*(loop(http, i) for i in range(conversations)))
     key = next(iter(emu.stats.keys.values()))
-    assert key.refused == 0 and key.peak_open <= 8
-    print(f"\n30 stored conversations, no lanes, 8 sockets: modes {modes}, {refusals} lane refusals")
+    added.sort()
+    return {
+        "emu": emu,
+        "sc": sc,
+        "modes": modes,
+        "continued": continued,
+        "later": later,
+        "http_later": http_later,
+        "p99_ms": added[int(0.99 * (len(added) - 1))],
+        "refused_upgrades": key.refused,
+        "peak_open": key.peak_open,
+        "lane_refusals": sum(c.errors for c in emu.stats.connections.values()),
+    }
+
+
+async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_sockets(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """Issue 23's "done when", 30 conversations: nothing lost, ≥ 99 % of later turns continued
+    (over a socket or as an HTTP continuation), added p99 ≤ 100 ms, at most twice the cap in
+    refused upgrades."""
+    run = await _scarce_run(make_emulator, sidecar_for, conversations=30, store=True, seed=3)
+    modes = run["modes"]
+    # A first turn that finds no lane within pool.wait_seconds goes over plain HTTP (its
+    # response adopted as a head); a later one never does.
+    assert sum(modes.values()) == 150 and run["http_later"] == 0, run
+    assert run["continued"] >= 0.99 * run["later"], run
+    assert run["p99_ms"] <= 100, run
+    assert run["refused_upgrades"] <= 16 and run["peak_open"] <= 8, run
+    assert run["lane_refusals"] <= 8, run  # stream_id refused once, then default lanes only
+    print(
+        f"\n30 stored conversations, no lanes, 8 sockets: modes {modes}, continued "
+        f"{run['continued']}/{run['later']}, added p99 {run['p99_ms']:.1f} ms, "
+        f"{run['refused_upgrades']} refused upgrades, {run['lane_refusals']} lane refusals"
+    )
+    assert_pool_quiet(run["sc"])
+
+
+async def test_300_stored_conversations_on_an_upstream_without_lanes_capped_at_8_sockets(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """The same at 300 conversations: 300 first turns at once cannot all have one of 8 sockets
+    that carry one response each within ``pool.wait_seconds``; those go over plain HTTP and
+    their responses are adopted as heads, so every later turn is continued (over a socket or
+    HTTP). The added p99 is reported, not asserted: on this shared 2-core machine it is those
+    first turns' wait and the sidecar's CPU at 300 concurrent conversations (bench/lanes.py)."""
+    run = await _scarce_run(make_emulator, sidecar_for, conversations=300, store=True, seed=5)
+    modes = run["modes"]
+    print(
+        f"\n300 stored conversations, no lanes, 8 sockets: modes {modes}, continued "
+        f"{run['continued']}/{run['later']}, added p99 {run['p99_ms']:.1f} ms, "
+        f"{run['refused_upgrades']} refused upgrades"
+    )
+    assert sum(modes.values()) == 1500 and run["http_later"] == 0, run  # only first turns went plain HTTP
+    assert run["continued"] >= 0.99 * run["later"], run
+    assert run["refused_upgrades"] <= 16 and run["peak_open"] <= 8, run
+
+
+async def test_unstored_conversations_on_an_upstream_without_lanes_capped_at_8_sockets(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """The same with ``store: false``: every answer correct and nothing hangs (no HTTP
+    continuation is possible: a turn waits for its own lane, else goes in full)."""
+    run = await _scarce_run(make_emulator, sidecar_for, conversations=30, store=False, seed=7)
+    assert sum(run["modes"].values()) == 150, run["modes"]
+    assert run["refused_upgrades"] <= 16 and run["peak_open"] <= 8, run
+    print(
+        f"\n30 store:false conversations, no lanes, 8 sockets: modes {run['modes']}, continued "
+        f"{run['continued']}/{run['later']} ({run['continued'] / run['later']:.0%}), added p99 {run['p99_ms']:.1f} ms"
+    )
+    assert_pool_quiet(run["sc"])
+
+
+async def test_a_default_lane_response_is_not_lost_to_a_refused_stream_id_on_its_socket(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """The lost response of issue 23, deterministically: a turn on a socket's default lane has
+    sent ``response.created`` and ``response.in_progress``; meanwhile a new conversation needs a
+    lane. Before the fix it got a named lane on the same (unproven) socket, was refused, and the
+    default lane's remaining events went nowhere: that app waited until its timeout. Now an
+    unproven socket carries one response at a time, and both answers arrive."""
+    emu = await make_emulator(ws_stream_ids="reject")
+    sc = await sidecar_for(emu.base_url)
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        first = Conversation(http, sc.base_url, emu, name="a", store=True)
+        await first.turn()  # socket 1, head on its default lane
+        emu.faults.arm("hold", after_events=2, match={"stream_id": None})
+        a = asyncio.ensure_future(first.send("a keeps going", stream=True, timeout=20))
+        assert await wait_for(lambda: len(emu.faults.held) == 1)
+        second = Conversation(http, sc.base_url, emu, name="b", store=True)
+        b = asyncio.ensure_future(second.send("b arrives meanwhile", timeout=20))
+        await asyncio.sleep(0.3)  # b is planned (and, before the fix, refused) while a is held
+        emu.faults.release("continue")
+        reply_a, reply_b = await asyncio.wait_for(asyncio.gather(a, b), 15)
+    assert first.accept(reply_a)["continuation"] is True
+    second.accept(reply_b)
+    # No stream_id went to the busy socket (b's own socket may probe lanes and be refused).
+    assert next(iter(emu.stats.connections.values())).errors == 0
+    assert_pool_quiet(sc)
+
+
+async def test_upgrades_after_a_429_honour_retry_after_one_attempt_per_backoff_step(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """A cap of 2 sockets with ``retry-after: 1``; 8 conversations at once, each turn held long
+    enough that the sidecar wants more sockets. After each refusal, no upgrade of that key comes
+    before its ``retry-after``, and at most one attempt per backoff step."""
+    emu = await make_emulator(
+        ws_stream_ids="reject", ws_max_connections_per_key=2, ws_connection_retry_after_s=1.0,
+        latency=LatencyModel(ttft_ms=400),
+    )  # fmt: skip
+    sc = await sidecar_for(emu.base_url)
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        convs = [Conversation(http, sc.base_url, emu, name=f"r{i}", store=True) for i in range(8)]
+        for _ in range(3):
+            replies = await asyncio.gather(*(c.send(f"{c.name} turn {c.turns}", timeout=30) for c in convs))
+            for conv, reply in zip(convs, replies, strict=True):
+                conv.accept(reply)
+    key = next(iter(emu.stats.keys.values()))
+    assert key.refused >= 1  # the cap was met (and learned)
+    assert key.refused <= 4, key.refused  # 2x the cap at most
+    for refused in key.refused_at:
+        # Handshakes already under way when the 429 went out (the slow start's) are not retries.
+        after = [t for t in key.attempts_at if t > refused + 0.05]
+        assert not after or after[0] >= refused + 1.0 - 0.05, (refused, after[:3])  # retry-after honoured
+    steps: dict[int, int] = {}
+    for t in key.attempts_at:
+        if key.refused_at and t > key.refused_at[0]:
+            steps[int(t - key.refused_at[0])] = steps.get(int(t - key.refused_at[0]), 0) + 1
+    assert all(n <= 1 for n in steps.values()), steps  # one probe at a time per step
+    (digest,) = sc.pool._identities  # this test's one credential
+    assert sc.pool.planner.learned_cap(digest) == 2
+    assert metric("upshift_upgrade_refusals_total", refusal="cap") >= 1
 
 
 async def test_reseed_keeps_a_store_false_conversation_hot_across_a_rotation(
@@ -285,3 +422,36 @@ async def test_error_bodies_keep_every_field_the_upstream_sent(
         reply = await Conversation(http, sc.base_url, emu, name="m").send("hi")
     assert reply.status == 400
     assert reply.json["error"]["misalignment"] == misalignment
+
+
+async def test_an_http_continuation_keeps_the_chain_and_falls_back_to_the_full_history(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """One socket allowed, held by another conversation's long response: a stored
+    conversation's next turn goes as an HTTP continuation (``previous_response_id`` + the new
+    items; the app never sees the sidecar's anchor). When the upstream does not know the anchor,
+    the same turn goes with the full history instead, before anything reached the app."""
+    emu = await make_emulator(ws_stream_ids="reject", ws_max_connections_per_key=1)
+    sc = await sidecar_for(emu.base_url)
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        conv = Conversation(http, sc.base_url, emu, name="h", store=True)
+        await conv.turn()  # on the one socket, whose lane now holds the head
+        other = Conversation(http, sc.base_url, emu, name="other", store=True)
+        emu.faults.arm("hold", after_events=2, transport="ws")
+        held = asyncio.ensure_future(other.send("a long one", timeout=20))
+        assert await wait_for(lambda: len(emu.faults.held) == 1)
+        before = metric("upshift_http_continuations_total", sent="continuation")
+        for stream in (False, True):
+            reply = await conv.send(f"over http stream={stream}", stream=stream)
+            assert reply.mode == "continuation", reply.mode
+            record = conv.accept(reply)  # no anchor leaked, the exact context
+            assert record["continuation"] is True and record["transport"] == "http"
+        assert metric("upshift_http_continuations_total", sent="continuation") == before + 2
+        emu.faults.arm("miss", transport="http")
+        full = metric("upshift_http_continuations_total", sent="full")
+        reply = await conv.send("the anchor is gone")
+        record = conv.accept(reply)
+        assert record["continuation"] is False and reply.mode == "full"
+        assert metric("upshift_http_continuations_total", sent="full") == full + 1
+        emu.faults.release("continue")
+        other.accept(await held)

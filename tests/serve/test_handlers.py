@@ -196,10 +196,10 @@ async def test_second_request_for_a_busy_head_goes_full_on_another_lane(stack: t
     second = await c.responses.with_raw_response.create(model="gpt-5", input=history)
     assert second.headers["x-upshift-mode"] == "full"
     assert (await first).headers["x-upshift-mode"] == "continuation"
-    # Both ran at once: the second on a free lane of the same socket (no handshake to wait for)
-    # while a socket of its own opened in the background.
-    assert used_sockets(emulator) == 1
-    assert max(c.max_in_flight for c in emulator.stats.connections.values()) == 2
+    # Both ran at once, the second on a socket of its own: the first socket had not proven its
+    # lanes yet, and such a socket never carries a second response (issue 23).
+    assert used_sockets(emulator) == 2
+    assert max(c.max_in_flight for c in emulator.stats.connections.values()) == 1
     assert sidecar.pool.count(SocketUse.BUSY) == 0
 
 
@@ -259,15 +259,18 @@ async def test_mode_http_never_opens_a_socket(emulator: Emulator, make_sidecar: 
 
 async def test_a_full_socket_shares_its_lanes(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
     sidecar = await make_sidecar(pool={"max_sockets_per_identity": 1})
-    emulator.faults.arm("delay", seconds=0.3)
     c = client(sidecar)
+    await c.responses.create(model="gpt-5", input="zero")  # the default lane
+    await c.responses.create(model="gpt-5", input="probe")  # the idle socket's first named lane: lanes proven
+    emulator.faults.arm("delay", seconds=0.3)
     first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-5", input="one"))
     await asyncio.sleep(0.1)
     second = await c.responses.with_raw_response.create(model="gpt-5", input="two")
     assert second.headers["x-upshift-mode"] == "full"  # on a named lane of the same socket
     assert (await first).headers["x-upshift-mode"] == "full"
     assert used_sockets(emulator) == 1
-    assert max(c.named_streams for c in emulator.stats.connections.values()) == 1
+    (conn,) = emulator.stats.connections.values()
+    assert conn.named_streams == 3 and conn.max_in_flight == 2
 
 
 async def test_pool_limit_falls_back_to_http(emulator: Emulator, make_sidecar: SidecarFactory) -> None:

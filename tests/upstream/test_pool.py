@@ -65,23 +65,33 @@ def gauge(name: str, state: str) -> float:
     return REGISTRY.get_sample_value(name, {"state": state}) or 0.0
 
 
-async def test_two_conversations_share_one_socket_in_parallel(emulator: Emulator, make_pool: PoolFactory) -> None:
+async def test_two_conversations_share_one_socket_in_parallel_once_its_lanes_are_proven(
+    emulator: Emulator, make_pool: PoolFactory
+) -> None:
     emulator.state.latency = LatencyModel(ttft_ms=100)
-    pool = make_pool(max_sockets_per_identity=1)
-    alice = who("sk-a", emulator.base_url)
-    (a, _), (b, _) = await pool.plan(alice, req("a")), await pool.plan(alice, req("b"))
-    assert (a.lane, b.lane) == ((1, None), (1, "u1"))
+    pool = make_pool(max_sockets_per_identity=1, wait_seconds=0.05)
 
     async def one(plan: Plan, text: str) -> dict[str, Any]:
         async with pool.lease(plan) as turn:
             return await run(turn, req(text), plan)
 
-    done = await asyncio.gather(one(a, "a"), one(b, "b"))
+    alice = who("sk-a", emulator.base_url)
+    a, _ = await pool.plan(alice, req("a"))
+    busy, _ = await pool.plan(alice, req("not while a runs"))
+    assert a.lane == (1, None) and busy.kind is PlanKind.HTTP  # unproven: one response at a time
+    await one(a, "a")
+    b, _ = await pool.plan(alice, req("b"))
+    assert b.lane == (1, "u1")  # the probe: the socket is idle, its first named lane
+    await one(b, "b")
+    assert pool.planner.sockets()[0].demux.proven  # the stream_id came back on its events
+    (c, _), (d, _) = await pool.plan(alice, req("c")), await pool.plan(alice, req("d"))
+    assert (c.lane, d.lane) == ((1, "u2"), (1, "u3"))
+    done = await asyncio.gather(one(c, "c"), one(d, "d"))
     assert all(r["status"] == "completed" for r in done)
     assert emulator.stats.ws_connections["opened"] == 1
     (conn,) = emulator.stats.connections.values()
-    assert conn.max_in_flight == 2 and conn.named_streams == 1
-    assert pool.count(SocketUse.IDLE) == 1 and len(pool.heads) == 2
+    assert conn.max_in_flight == 2 and conn.named_streams == 3
+    assert pool.count(SocketUse.IDLE) == 1 and len(pool.heads) == 4
 
 
 async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, make_pool: PoolFactory) -> None:

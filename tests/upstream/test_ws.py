@@ -31,7 +31,7 @@ def settings_for(url: str, **pool: Any) -> Settings:
 async def open_socket(settings: Settings, key: str = KEY) -> UpstreamSocket:
     identity = identify({"Authorization": f"Bearer {key}"}, upstream=settings.upstream, authorization=f"Bearer {key}")
     ws = await open_websocket(settings.ws_url, identity.headers, settings)
-    return UpstreamSocket(1, ws, 0.0)
+    return UpstreamSocket(1, ws, 0.0, fragment_bytes=settings.pool.fragment_bytes)
 
 
 async def test_one_response_over_the_socket(emulator: Any) -> None:
@@ -292,9 +292,10 @@ def test_strip_stream_id_cuts_only_the_top_level_member(raw: bytes, want: bytes)
 
 
 async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> None:
-    """Two lanes send 8 MB creates at once to an upstream that reads slowly (the transport pauses
-    between fragments): each goes out as one message in 1 MiB fragments, one after the other.
-    Interleaved fragments are a protocol error (found by the cgroup load test)."""
+    """With ``pool.fragment_bytes`` set, two lanes send 8 MB creates at once to an upstream that
+    reads slowly (the transport pauses between fragments): each goes out as one message in 1 MiB
+    fragments, one after the other. Interleaved fragments are a protocol error (found by the
+    cgroup load test)."""
     received = bytearray()
     done = asyncio.Event()
 
@@ -310,7 +311,7 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
         await _hold_open(writer)
 
     server, url = await _raw_upstream(slow_reader)
-    sock = await open_socket(settings_for(url))
+    sock = await open_socket(settings_for(url, fragment_bytes=1024 * 1024))
     frames = {lane: orjson.dumps({"type": "response.create", "input": lane + "x" * 8_000_000}) for lane in ("u1", "u2")}
     small = b'{"type":"response.create","input":"small"}'
     # The moment that broke: the transport resumes, and before u1's next fragment another lane
@@ -395,7 +396,7 @@ async def _scripted(script: bytes, *, step: int = 0) -> tuple[UpstreamSocket, as
 
     server, url = await _raw_upstream(handler)
     sock = await open_socket(settings_for(url))
-    assert sock._fast  # no extension negotiated: our parser, not the library's
+    assert not sock._library  # no extension negotiated: proxy.wire.wsframe's reader, not the library's
     await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
     return sock, server, sent
 
@@ -459,4 +460,33 @@ async def test_a_frame_against_the_protocol_fails_the_socket(frame: bytes, said:
         await inbox.get(5)
     assert said in info.value.message
     await asyncio.wait_for(sock.wait_closed(), 5)  # dropped
+    server.close()
+
+
+async def test_a_large_message_goes_as_one_frame_by_default() -> None:
+    """The default framing is the official clients': one frame per message, however large
+    (issue 19; ``pool.fragment_bytes`` is off)."""
+    received = bytearray()
+    done = asyncio.Event()
+
+    async def reader_(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _accept_upgrade(reader, writer)
+        while len(received) < 3_000_000 + 14:
+            chunk = await reader.read(1 << 20)
+            if not chunk:
+                break
+            received.extend(chunk)
+        done.set()
+        await _hold_open(writer)
+
+    server, url = await _raw_upstream(reader_)
+    sock = await open_socket(settings_for(url))
+    frame = orjson.dumps({"type": "response.create", "input": "x" * 3_000_000})
+    await sock.send(frame, None)
+    await asyncio.wait_for(done.wait(), 20)
+    upstream = Protocol(Side.SERVER, max_size=None)
+    upstream.receive_data(bytes(received))
+    (got,) = [f for f in upstream.events_received() if isinstance(f, Frame)]
+    assert got.fin and got.opcode is Opcode.TEXT and got.data == frame
+    await sock.close()
     server.close()

@@ -1,0 +1,175 @@
+"""Lane demultiplexing of one upstream socket, sans-I/O: an event in, its lane out (or a routing
+failure), plus what the event taught about the upstream's lanes.
+
+This is the one owner of the fact "this socket's upstream takes ``stream_id``"
+(:attr:`Demux.support`): the planner reads it to decide whether the socket may carry a second
+response (``Socket.demux``), the socket's shell feeds it every event. The rule (issue 23) cannot
+guess:
+
+- **lanes proven** (an event came back with the ``stream_id`` of a lane in flight): every event
+  is routed by its ``stream_id``; one without goes to the default lane, which is the only lane
+  whose events carry none (protocol.md §1.4). With the default lane not in flight, an event
+  without ``stream_id`` cannot be placed: it is a connection-level error or a stray of a lane we
+  cannot name.
+- **not proven** (unknown, refused, ignored): the socket carries one response at a time
+  (:meth:`Demux.may_send`), and every event goes to that response. The first named lane sent
+  on such a socket is the probe: a ``stream_id`` echoed proves lanes, a refusal of the
+  ``stream_id`` refuses them, events without it say the upstream ignores lanes (it queues).
+
+An event that cannot be placed is :class:`Unroutable`: every response in flight on the socket
+is failed at once and the socket retires, so no waiter ever waits for events that went
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.core.retry import is_lane_refusal
+
+__all__ = ["Demux", "LaneSignal", "LaneSupport", "Routed", "Stray", "Unroutable"]
+
+
+class LaneSupport(enum.StrEnum):
+    """What one socket's upstream is known to do with ``stream_id``."""
+
+    UNKNOWN = "unknown"
+    """No named lane answered yet: one response at a time."""
+    PROVEN = "proven"
+    """A ``stream_id`` came back on an event: lanes multiplex, events are routed by it."""
+    REFUSED = "refused"
+    """The upstream refused a ``stream_id`` (``invalid_stream_id``, unknown parameter)."""
+    IGNORED = "ignored"
+    """A named lane's events came back without ``stream_id``: the upstream queues, one at a time."""
+
+
+class LaneSignal(enum.StrEnum):
+    """What an event taught the planner (returned once, when the support changes)."""
+
+    PROVEN = "proven"
+    REFUSED = "refused"
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """The event belongs to ``lane``'s response in flight."""
+
+    lane: str | None
+    signal: LaneSignal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stray:
+    """Nobody waits for the event (a lane done already, or nothing in flight): dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unroutable:
+    """The event cannot be placed: fail every response in ``lanes`` and retire the socket."""
+
+    lanes: tuple[str | None, ...]
+    why: str
+
+
+_STRAY = Stray()
+
+
+class Demux:
+    """The lanes in flight on one socket and the routing rule for its events."""
+
+    __slots__ = ("_flight", "_routed", "support")
+
+    def __init__(self) -> None:
+        self.support = LaneSupport.UNKNOWN
+        self._flight: dict[str | None, None] = {}
+        """Lanes with a response in flight, in the order their creates were sent."""
+        self._routed: dict[str | None, Routed] = {}
+        """One :class:`Routed` per lane (an event costs no allocation on the hot path)."""
+
+    def __repr__(self) -> str:
+        return f"<Demux {self.support} in flight {list(self._flight)}>"
+
+    @property
+    def proven(self) -> bool:
+        """Whether the upstream of this socket multiplexes ``stream_id`` lanes."""
+        return self.support is LaneSupport.PROVEN
+
+    @property
+    def probing(self) -> bool:
+        """Whether a named lane is in flight on a socket whose lanes are still unknown (its
+        first event proves or refuses them)."""
+        return self.support is LaneSupport.UNKNOWN and any(lane is not None for lane in self._flight)
+
+    @property
+    def in_flight(self) -> int:
+        """Responses in flight on the socket."""
+        return len(self._flight)
+
+    def lanes(self) -> tuple[str | None, ...]:
+        """The lanes in flight, oldest first."""
+        return tuple(self._flight)
+
+    def may_send(self, lane: str | None) -> bool:
+        """Whether a create for ``lane`` may go out now: its lane is free, and either lanes are
+        proven or nothing else is in flight."""
+        if lane in self._flight:
+            return False
+        return self.support is LaneSupport.PROVEN or not self._flight
+
+    def sent(self, lane: str | None) -> bool:
+        """A create for ``lane`` went out; returns whether it was allowed (:meth:`may_send`).
+        Recorded either way: a socket that carries two unproven responses routes neither's
+        events by guessing, it fails them (:class:`Unroutable`)."""
+        allowed = self.may_send(lane)
+        self._flight[lane] = None
+        return allowed
+
+    def _to(self, lane: str | None) -> Routed:
+        routed = self._routed.get(lane)
+        if routed is None:
+            routed = self._routed[lane] = Routed(lane)
+        return routed
+
+    def done(self, lane: str | None) -> None:
+        """``lane``'s response ended (terminal event, failure, or its reader left)."""
+        self._flight.pop(lane, None)
+
+    def route(self, sid: str | None, event: Mapping[str, Any]) -> Routed | Stray | Unroutable:
+        """Where an event goes; ``sid`` is its top-level ``stream_id`` (a string) or ``None``.
+
+        An event whose ``stream_id`` is not a string is routed as if it had none.
+        """
+        flight = self._flight
+        if sid is not None:
+            if sid not in flight:
+                if self.support is LaneSupport.PROVEN or not flight:
+                    return _STRAY  # a lane that ended (its late event), or nothing waits
+                return Unroutable(self.lanes(), f"an event of lane {sid!r}, which has nothing in flight")
+            if self.support is not LaneSupport.PROVEN:
+                self.support = LaneSupport.PROVEN
+                return Routed(sid, LaneSignal.PROVEN)
+            return self._to(sid)
+        if self.support is LaneSupport.PROVEN:
+            if None in flight:
+                return self._to(None)
+            if not flight:
+                return _STRAY
+            return Unroutable(self.lanes(), "an event without stream_id while only named lanes are in flight")
+        if not flight:
+            return _STRAY
+        if len(flight) > 1:  # never by the planner's rule; the guard keeps the routing exact
+            return Unroutable(self.lanes(), "an event without stream_id with several responses in flight")
+        lane = next(iter(flight))
+        if lane is None or self.support is not LaneSupport.UNKNOWN:
+            return self._to(lane)
+        if event.get("type") == "error":
+            if not is_lane_refusal(event):
+                return self._to(lane)  # a connection-level error, or the request's own: teaches nothing
+            self.support = LaneSupport.REFUSED
+            return Routed(lane, LaneSignal.REFUSED)
+        self.support = LaneSupport.IGNORED
+        return Routed(lane, LaneSignal.IGNORED)
