@@ -8,6 +8,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  ├─ InvalidRequest(ValueError)          400 invalid_request_error
     │  ├─ BodyTooLarge                        413 request_too_large
     │  ├─ ForeignResponse                     400 previous_response_not_found
+    │  ├─ ForeignResponseRoute                404 (code null: the upstream's unknown id)
     │  └─ UnsupportedRequest                  400 unsupported
     ├─ UpstreamError                          5xx
     │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
@@ -32,6 +33,7 @@ __all__ = [
     "BodyTooLarge",
     "ConfigError",
     "ForeignResponse",
+    "ForeignResponseRoute",
     "InvalidRequest",
     "ProxyError",
     "RequestError",
@@ -110,6 +112,23 @@ class ForeignResponse(RequestError):
 
     def __init__(self, response_id: str) -> None:
         super().__init__(f"Previous response with id '{response_id}' not found.", param="previous_response_id")
+
+
+class ForeignResponseRoute(RequestError):
+    """A route names (``GET``/``DELETE /v1/responses/{id}``, ``/input_items``, ``/cancel``) a
+    response id that is not the caller's: the upstream's own 404 for an unknown id, word for
+    word (``code: null``), so nothing about the other tenant is revealed."""
+
+    status = 404
+    code = ErrorCode.RESPONSE_NOT_FOUND
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.")
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["code"] = None
+        return body
 
 
 class UpstreamError(ProxyError):

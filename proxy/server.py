@@ -27,6 +27,7 @@ from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.ingress.front import CLUSTER, post_responses
 from proxy.ingress.handoff import Receiver
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
+from proxy.ingress.owners import install as install_owner_routes
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
@@ -143,6 +144,7 @@ def build_app(services: Services) -> web.Application:
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)
     app.router.add_get("/v1/responses", _get_responses)
+    install_owner_routes(app)  # issue 22: the id-bearing /v1/responses/{id}... routes, owner queries
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     app.router.add_route("*", "/{tail:.*}", _not_found)
 

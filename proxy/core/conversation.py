@@ -43,6 +43,7 @@ from proxy.core.explain import (
 )
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
+from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import MissReason
 from proxy.core.request import ParsedRequest, parse_request
 
@@ -155,9 +156,10 @@ class HeadTable:
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
         self._raw: dict[str, dict[int, dict[bytes, list[Hashable]]]] = {}
-        self._owners: OrderedDict[str, str] = OrderedDict()
         self.max_owners = max(4 * max_heads, 1024)
-        """Response ids remembered with their identity (LRU), for :meth:`owner_of`."""
+        self.owners = OwnerRegistry(self.max_owners)
+        """Response ids remembered with their identity (:mod:`proxy.core.owners`: bounded,
+        the heaviest identity's oldest first out), for :meth:`owner_of`."""
         self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
         """Per settings digest, one digest per setting (:meth:`explain`; LRU, shared by heads)."""
 
@@ -305,15 +307,12 @@ class HeadTable:
         return False
 
     def note_owner(self, identity: str, response_id: str) -> None:
-        """Remember that ``identity`` created ``response_id`` (bounded, least recent first out)."""
-        self._owners[response_id] = identity
-        self._owners.move_to_end(response_id)
-        while len(self._owners) > self.max_owners:
-            self._owners.popitem(last=False)
+        """Remember that ``identity`` created ``response_id`` (:attr:`owners`)."""
+        self.owners.note(identity, response_id)
 
     def owner_of(self, response_id: str) -> str | None:
         """The identity that created ``response_id`` through this sidecar, if remembered."""
-        return self._owners.get(response_id)
+        return self.owners.owner_of(response_id)
 
     def anchor_for(self, identity: str, response_id: str) -> Hashable | None:
         """The lane holding ``response_id``, if it belongs to ``identity``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ErrorCode", "Mode", "MissReason", "Outcome", "PassthroughReason", "ReplayCause", "Route"]
+__all__ = ["ErrorCode", "Mode", "MissReason", "Outcome", "OwnerVerdict", "PassthroughReason", "ReplayCause", "Route"]
 
 
 class MissReason(enum.StrEnum):
@@ -73,6 +73,9 @@ class ErrorCode(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     UNSUPPORTED = "unsupported"
     PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
+    RESPONSE_NOT_FOUND = "response_not_found"
+    """A route named a response id of another identity (or, behind an injected key, of no
+    known identity): answered 404 as the upstream answers an unknown id."""
     UPSTREAM_ERROR = "upstream_error"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_REFUSED = "upstream_refused"
@@ -85,6 +88,17 @@ class ErrorCode(enum.StrEnum):
     """The request cannot fit even into an empty memory budget: 503."""
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
+
+
+class OwnerVerdict(enum.StrEnum):
+    """Whose a response id is, as far as the sidecar knows (``proxy.core.owners``)."""
+
+    OWN = "own"
+    """Created by the asking identity."""
+    FOREIGN = "foreign"
+    """Created by another identity: refused as the upstream refuses an unknown id."""
+    UNKNOWN = "unknown"
+    """Never seen (or forgotten): refused behind an injected key, forwarded otherwise."""
 
 
 class Route(enum.StrEnum):

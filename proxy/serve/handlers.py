@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -47,6 +48,7 @@ from proxy.ops.metrics import (
 from proxy.serve.identity import Identity, request_identity
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import Lease, MemoryGate
+from proxy.serve.owners import OwnerBook
 from proxy.serve.streaming import Downstream, Record, count_hold_back, json_body, pump
 from proxy.upstream.passthrough import Passthrough
 from proxy.upstream.pool import Pool, Turn
@@ -72,6 +74,11 @@ class Services:
     grace runs out)."""
     memory: MemoryGate | None = None
     """The memory budget every request draws from (issue 12; proxy/serve/memory.py)."""
+    owners: OwnerBook = field(init=False)
+    """Who created each response id, and who may name it (issue 22; proxy/serve/owners.py)."""
+
+    def __post_init__(self) -> None:
+        self.owners = OwnerBook(self.heads.owners, strict=self.keys.injects)
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""
@@ -123,10 +130,11 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
     try:
         # Skips the history prefix this identity's previous turn already sent, byte for byte.
         req = svc.heads.parse(identity.digest, body)
-        owner = svc.heads.owner_of(req.previous_response_id) if req.previous_response_id else None
-        if owner is not None and owner != identity.digest:
-            # Another tenant's response: behind an injected key the upstream would serve it.
-            raise ForeignResponse(str(req.previous_response_id))
+        rid = req.previous_response_id
+        if rid is not None and not await svc.owners.allows(identity.digest, str(rid)):
+            # Another tenant's response (or, behind an injected key, one no process knows):
+            # the upstream's store is shared behind one key and would serve it.
+            raise ForeignResponse(str(rid))
     except RequestError as exc:
         return refuse(exc, headers, rec, started)
     if req.base is None and len(body) > _WARM_ABOVE:
@@ -138,7 +146,7 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
     s = svc.settings
     transport, reason = choose_transport(req, mode=s.mode, frame_budget=s.limits.ws_frame_budget_bytes)
     if transport is Transport.HTTP:
-        return await _passthrough(svc, request, req, rec, headers, started, reason)
+        return await _passthrough(svc, request, req, rec, headers, started, reason, identity)
     return await _websocket(svc, request, req, identity, rec, headers, started, mem)
 
 
@@ -150,6 +158,7 @@ async def _passthrough(
     headers: dict[str, str],
     started: float,
     reason: str,
+    identity: Identity,
 ) -> web.StreamResponse:
     rec.mode, rec.reason = "passthrough", reason
     headers["x-upshift-mode"] = "passthrough"
@@ -157,7 +166,9 @@ async def _passthrough(
         # A warm-up over HTTP is a real, billed generation or a 400 (pitfall 18): never send it.
         msg = "The 'generate' parameter is only supported in WebSocket mode."
         return refuse(UnsupportedRequest(msg, param="generate"), headers, rec, started)
-    fwd = await svc.passthrough.forward(request, headers=headers, body=req.body, started=started)
+    fwd = await svc.passthrough.forward(
+        request, headers=headers, body=req.body, started=started, on_id=partial(svc.owners.note, identity.digest)
+    )
     rec.items_sent, rec.bytes_sent = rec.items_in, fwd.bytes_sent
     rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
     return fwd.response
@@ -183,7 +194,7 @@ async def _websocket(
             rec.explain(svc.heads.explain_later(identity.digest, req, plan.reason), plan.reason)
         if plan.kind is PlanKind.HTTP:
             rec.upstream_s = down.upstream_wait
-            return await _passthrough(svc, request, req, rec, headers, started, plan.reason)
+            return await _passthrough(svc, request, req, rec, headers, started, plan.reason, identity)
         frame = _note_plan(rec, req, plan, attempt)
         headers["x-upshift-mode"] = rec.mode
         hold = svc.settings.streaming.hold_back_seconds if req.stream else None
@@ -226,7 +237,9 @@ async def _websocket(
         elif decision.cause is ReplayCause.STREAM_LIMIT and plan.lane is not None:
             svc.pool.stream_limit(plan.lane)
         if decision.over_http:
-            return await _passthrough(svc, request, req, rec, headers, started, PassthroughReason.FRAME_TOO_BIG)
+            return await _passthrough(
+                svc, request, req, rec, headers, started, PassthroughReason.FRAME_TOO_BIG, identity
+            )
         log.info("replaying with full input (%s)", decision.cause)
         attempt, rec.reason = attempt + 1, decision.cause
 
@@ -265,7 +278,8 @@ async def _relay(
     svc.streams.add(entry)
     try:
         sent_at = time.perf_counter()
-        await pump(turn, frames, channel, down, svc.settings.timeouts.stream_idle_seconds, mem)
+        idle = svc.settings.timeouts.stream_idle_seconds
+        await pump(turn, frames, channel, down, idle, mem, on_id=partial(svc.owners.note, identity.digest))
         UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
     finally:
         svc.streams.discard(entry)
@@ -273,7 +287,7 @@ async def _relay(
     if response is None and channel.response is not None:
         rid = channel.response.get("id")
         if isinstance(rid, str):
-            svc.heads.note_owner(identity.digest, rid)  # an incomplete response is chainable too
+            svc.owners.note(identity.digest, rid)  # an incomplete response is chainable too
     state = await prefix if response is not None and prefix is not None else None
     # After the age-limit error the upstream closes the socket: no new turns on it.
     aged = channel.terminal is not None and is_connection_limit(channel.terminal)

@@ -18,9 +18,11 @@ from aiohttp import WSMsgType, web
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
-from proxy.errors import UpstreamRefused, UpstreamUnavailable
-from proxy.ops.metrics import INFLIGHT
+from proxy.core.owners import chained_ids, created_id
+from proxy.errors import ForeignResponse, UpstreamRefused, UpstreamUnavailable
+from proxy.ops.metrics import ERRORS, INFLIGHT
 from proxy.serve.handlers import SERVICES
+from proxy.serve.owners import OwnerBook
 from proxy.serve.streaming import Record, json_body, new_request_id
 from proxy.upstream.ws import MAX_RECEIVED_FRAME, open_websocket
 
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _UNSENDABLE = {1005: 1000, 1006: 1011, 1015: 1011}
 """Codes that only describe a close and cannot be sent in a Close frame."""
+_PARSE_INLINE = 256 * 1024
+"""An app frame naming a response id is parsed on the loop up to this size, else in a thread."""
 
 
 def sendable_code(code: int | None) -> int:
@@ -74,7 +78,7 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
         rec.status = 101
         svc.relays.add(ws)
         try:
-            await _relay(ws, upstream)
+            await _relay(ws, upstream, svc.owners, identity.digest)
         finally:
             svc.relays.discard(ws)
         return ws
@@ -83,9 +87,12 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
         rec.finish()
 
 
-async def _relay(ws: web.WebSocketResponse, upstream: ClientConnection) -> None:
+async def _relay(ws: web.WebSocketResponse, upstream: ClientConnection, owners: OwnerBook, identity: str) -> None:
     loop = asyncio.get_running_loop()
-    tasks = {loop.create_task(_app_to_upstream(ws, upstream)), loop.create_task(_upstream_to_app(upstream, ws))}
+    tasks = {
+        loop.create_task(_app_to_upstream(ws, upstream, owners, identity)),
+        loop.create_task(_upstream_to_app(upstream, ws, owners, identity)),
+    }
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         # One side closed and told the other; give that close a moment to finish.
@@ -100,9 +107,13 @@ async def _relay(ws: web.WebSocketResponse, upstream: ClientConnection) -> None:
             await ws.close(code=1001)
 
 
-async def _app_to_upstream(ws: web.WebSocketResponse, upstream: ClientConnection) -> None:
+async def _app_to_upstream(
+    ws: web.WebSocketResponse, upstream: ClientConnection, owners: OwnerBook, identity: str
+) -> None:
     try:
         async for msg in ws:
+            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY) and not await _may_send(ws, msg.data, owners, identity):
+                continue  # names another tenant's response: answered here, nothing forwarded
             if msg.type is WSMsgType.TEXT:
                 # decode_text=False: the UTF-8 bytes go on as a text frame, never decoded.
                 await upstream.send(msg.data, text=True)
@@ -116,9 +127,38 @@ async def _app_to_upstream(ws: web.WebSocketResponse, upstream: ClientConnection
     await upstream.close(code)
 
 
-async def _upstream_to_app(upstream: ClientConnection, ws: web.WebSocketResponse) -> None:
+async def _may_send(ws: web.WebSocketResponse, data: bytes | str, owners: OwnerBook, identity: str) -> bool:
+    """Whether the app's frame may go upstream: a ``previous_response_id`` (``response.create``,
+    ``response.steer``) must name the identity's own response; otherwise the app gets the
+    upstream's own ``previous_response_not_found`` error event and the frame goes nowhere."""
+    raw = data.encode() if isinstance(data, str) else data
+    try:
+        named = chained_ids(raw) if len(raw) <= _PARSE_INLINE else await asyncio.to_thread(chained_ids, raw)
+    except ValueError:
+        return True  # not JSON: the upstream answers it; it names nobody's response
+    if named is None:
+        return True
+    rid, stream_id = named
+    if await owners.allows(identity, rid):
+        return True
+    err = ForeignResponse(rid)
+    event: dict[str, object] = {"type": "error", "status": err.status}
+    if stream_id is not None:
+        event["stream_id"] = stream_id
+    event["error"] = err.body()["error"]
+    ERRORS.labels(err.code).inc()
+    await ws.send_str(json_body(event).decode())
+    return False
+
+
+async def _upstream_to_app(
+    upstream: ClientConnection, ws: web.WebSocketResponse, owners: OwnerBook, identity: str
+) -> None:
     try:
         async for message in upstream:
+            rid = created_id(message)
+            if rid is not None:
+                owners.note(identity, rid)  # before the app can see (and name) it
             if isinstance(message, str):
                 await ws.send_str(message)
             else:

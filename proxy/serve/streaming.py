@@ -169,8 +169,12 @@ async def pump(
     down: Downstream,
     idle_timeout: float,
     lease: Lease | None = None,
+    on_id: Callable[[str], None] | None = None,
 ) -> None:
     """Send ``frame`` and move its response's events to the app until the channel is done.
+
+    ``on_id`` is told the response's id when its ``response.created`` arrives, before that
+    event can reach the app (issue 22: the id's owner is known before the app could name it).
 
     ``frame`` may come as a one-element list that pump empties: then the frame is freed as
     soon as it is sent, not when the response ends, and ``lease`` (the request's memory)
@@ -213,6 +217,11 @@ async def pump(
         # burst of up to _MAX_BATCH instead of one per event; never held back while upstream
         # is silent. After the terminal event the loop ends and the last batch goes below.
         for raw, event in events:
+            if on_id is not None and event.get("type") == "response.created":
+                created = event.get("response")
+                rid = created.get("id") if isinstance(created, dict) else None
+                if isinstance(rid, str):
+                    on_id(rid)
             outs = channel.feed(raw, event, now)
             if outs and stream:
                 batch += outs
