@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -69,6 +70,9 @@ class Services:
     passthrough: Passthrough
     relays: set[web.WebSocketResponse] = field(default_factory=set)
     """Open downstream WebSocket relays (closed with 1001 on shutdown)."""
+    relay_sessions: Counter[str] = field(default_factory=Counter)
+    """Open relay sessions (each holds an upstream socket) by identity digest, counted with the
+    pool's sockets against ``pool.max_sockets_per_identity`` / ``max_sockets_total``."""
     streams: set[tuple[Downstream, Channel]] = field(default_factory=set)
     """Responses being pumped to apps right now (ended by :func:`cut_stream` if the drain's
     grace runs out)."""
