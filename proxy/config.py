@@ -698,6 +698,16 @@ def _check_settings(s: Settings) -> None:
             f"settings: pool.max_active_per_socket ({s.pool.max_active_per_socket}) exceeds 16 "
             "(the upstream queues beyond 16 responses per connection)"
         )
+    listed = {h.lower() for h in s.identity.headers}
+    missing = [h for h in dict.fromkeys(("Authorization", "api-key", s.api_key.header)) if h.lower() not in listed]
+    if missing:
+        # issue 22: a credential header the upstream accepts but the identity leaves out lets
+        # two apps with different keys in it share sockets, heads and response ids.
+        raise ConfigError(
+            f"settings: identity.headers must list every credential header the upstream accepts; "
+            f"missing {', '.join(missing)} (Authorization and api-key always, and api_key.header)",
+            param="identity.headers",
+        )
     c = s.cluster
     if c.peers and c.peers_dns:
         raise ConfigError("settings: set cluster.peers or cluster.peers_dns, not both")

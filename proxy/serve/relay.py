@@ -30,9 +30,9 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
 from proxy.core.owners import chained_ids, created_id
-from proxy.errors import ForeignResponse, ProxyError, UpstreamRefused, UpstreamUnavailable
+from proxy.errors import ForeignResponse, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
 from proxy.ops.metrics import ERRORS, INFLIGHT
-from proxy.serve.handlers import SERVICES, Services
+from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.identity import Identity
 from proxy.serve.memory import MemoryGate, MemoryRefused
 from proxy.serve.owners import OwnerBook
@@ -73,7 +73,10 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
     headers = {"x-request-id": rec.request_id}
     INFLIGHT.inc()
     try:
-        identity = svc.identity(request)
+        try:
+            identity = svc.identity(request)
+        except RequestError as exc:
+            return refuse(exc, headers, rec, started)
         refusal = _over_socket_limits(svc, identity)
         if refusal is not None:
             return await _refuse_session(request, headers, rec, refusal)

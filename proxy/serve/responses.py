@@ -42,9 +42,9 @@ async def _named(request: web.Request) -> web.StreamResponse:
     svc = request.app[SERVICES]
     try:
         rid = request.match_info["response_id"]
-        identity = svc.identity(request)
         body: bytes | None = None
         try:
+            identity = svc.identity(request)
             if request.method == "POST" and "tail" not in request.match_info and rid in _NOT_IDS:
                 body = await read_body(request, svc.settings.limits.max_body_bytes)
                 chained = _previous_response_id(body)
