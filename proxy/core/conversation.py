@@ -41,6 +41,7 @@ from proxy.core.explain import (
     score,
     settings_fields,
 )
+from proxy.core.fair import FairShares
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint
 from proxy.core.owners import OwnerRegistry
@@ -160,6 +161,10 @@ class HeadTable:
         self.owners = OwnerRegistry(self.max_owners)
         """Response ids remembered with their identity (:mod:`proxy.core.owners`: bounded,
         the heaviest identity's oldest first out), for :meth:`owner_of`."""
+        self._fair_heads = FairShares()
+        """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes (issue 22)."""
+        self._fair_hot = FairShares()
+        """Kept bodies by identity, by size: at ``hot_bytes`` the heaviest identity's oldest cools."""
         self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
         """Per settings digest, one digest per setting (:meth:`explain`; LRU, shared by heads)."""
 
@@ -272,6 +277,7 @@ class HeadTable:
             return None, MissReason.HEAD_BUSY, dropped
         head.last_used = now
         self._heads.move_to_end(head.anchor)
+        self._fair_heads.touch(head.anchor)
         match = Match(head.anchor, head.response_id, list(items[n + consumed :]), skipped + n + consumed)
         return Lookup(match, "continuation", dropped), "continuation", dropped
 
@@ -330,6 +336,9 @@ class HeadTable:
     """Most recent heads of the identity compared position by position to explain a miss."""
     EXPLAIN_SCAN = 512
     """Most recent heads looked at (of any identity) to find those candidates: bounded cost."""
+    EXPLAIN_PARSE_BYTES = 4 * 1024 * 1024
+    """Largest kept body parsed to explain a miss (one per miss; beyond it the digests say
+    which item differs, not which field)."""
     MAX_SETTINGS_FIELDS = 1024
     """Distinct settings whose per-setting digests are kept (LRU)."""
 
@@ -395,7 +404,15 @@ class HeadTable:
         # The request's per-setting digests, only with a candidate to compare them with (most
         # first turns have none): from the table when a head has the same settings.
         wanted = (self._settings_fields.get(req.settings_digest) or settings_fields(req.fields)) if found else ()
+        parse_left = self.EXPLAIN_PARSE_BYTES
         for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
+            if cand.body is not None:
+                # issue 22: digests decide first; at most one kept body, of bounded size, is
+                # parsed (for the field path inside a differing item), never eight of them.
+                if len(cand.body) > parse_left:
+                    cand = replace(cand, body=None)
+                else:
+                    parse_left = 0
             explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED)
             if explanation is None:
                 continue
@@ -512,6 +529,7 @@ class HeadTable:
         """Index ``head`` under ``head.anchor`` (which holds no head)."""
         anchor = head.anchor
         self._heads[anchor] = head
+        self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
         self.note_owner(head.identity, head.response_id)
         if not head.chained:
@@ -527,16 +545,18 @@ class HeadTable:
                 if head.raw.body is not None:
                     self._hot[anchor] = now
                     self._hot_size += len(head.raw.body)
+                    self._fair_hot.add(head.identity, anchor, len(head.raw.body))
                     while self._hot_size > self.hot_bytes and self._hot:
-                        self._cool(next(iter(self._hot)))
+                        self._cool(self._fair_hot.victim() or next(iter(self._hot)))
         while len(self._heads) > self.max_heads:
-            self.discard(next(iter(self._heads)))
+            self.discard(self._fair_heads.victim() or next(iter(self._heads)))
 
     def discard(self, anchor: Hashable) -> None:
         """Forget the head of ``anchor`` (socket closed, reconnected or turn not completed)."""
         head = self._heads.pop(anchor, None)
         if head is None:
             return
+        self._fair_heads.remove(anchor)
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
         if head.chained:
@@ -575,6 +595,7 @@ class HeadTable:
         """Let go of the body a head keeps for the byte comparison (the digest stays)."""
         if self._hot.pop(anchor, None) is None:
             return
+        self._fair_hot.remove(anchor)
         head = head or self._heads.get(anchor)
         if head is not None and head.raw is not None and head.raw.body is not None:
             self._hot_size -= len(head.raw.body)

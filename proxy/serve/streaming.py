@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -253,6 +254,13 @@ def new_request_id() -> str:
     return "req_" + os.urandom(16).hex()
 
 
+_EXPLAINER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upshift-explain")
+"""Explains misses (:meth:`Record.finish`) off the event loop, one at a time."""
+_MAX_EXPLAINING = 64
+"""Explanations waiting or running at most; beyond, a miss's line goes out unexplained."""
+_EXPLAINING = [0]
+
+
 @dataclass(slots=True)
 class Record:
     """One access-log line, filled in along the way (never content, never credentials)."""
@@ -302,20 +310,30 @@ class Record:
         """
         if self.explainer is not None and self._verdict_stood():
             try:
-                asyncio.get_running_loop().call_soon(self._explain_then_finish)
-                return
+                loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop: explain now
-                self._explain_then_finish()
+                self._explain()
+                self._emit()
                 return
+            if _EXPLAINING[0] < _MAX_EXPLAINING:
+                # issue 22: in a thread of its own, one at a time, never on the event loop
+                # (comparing with recent heads may parse a kept body); the line follows.
+                _EXPLAINING[0] += 1
+                loop.run_in_executor(_EXPLAINER, self._explain).add_done_callback(self._explained)
+                return
+            # Too many waiting (one tenant's flood of misses): this line goes unexplained.
         self.explainer = None  # nothing to explain, or the verdict did not stand
         self._emit()
 
-    def _explain_then_finish(self) -> None:
+    def _explain(self) -> None:
         explainer, self.explainer = self.explainer, None
         try:
             self.explanation = explainer() if explainer is not None else None
         except Exception:  # noqa: BLE001 - a diagnostic must never cost the request's line
             log.exception("explaining a miss failed")
+
+    def _explained(self, _: object) -> None:
+        _EXPLAINING[0] -= 1
         self._emit()
 
     def _emit(self) -> None:
