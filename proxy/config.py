@@ -25,6 +25,7 @@ from urllib.parse import unquote_plus, urlsplit
 import yaml
 
 from proxy.errors import ConfigError
+from proxy.redact import redact_urls
 
 __all__ = [
     "CONFIG_ENV",
@@ -783,6 +784,7 @@ def _to_dict(obj: Any) -> dict[str, Any]:
             if isinstance(value, tuple):
                 value = list(value)
             elif isinstance(value, str) and "://" in value:
-                value = redact_url(value)  # a proxy URL's password never reaches --print-config
+                # a URL's credentials (userinfo, key= in its query) never reach --print-config
+                value = redact_urls(redact_url(value))
             out[f.name] = value
     return out

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.core.reasons import ErrorCode
+from proxy.redact import redact_urls
 
 __all__ = [
     "BodyTooLarge",
@@ -58,6 +59,7 @@ class ProxyError(Exception):
     """OpenAI-style ``error.type``."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
+        message = redact_urls(message)  # issue 22: no URL's credentials in any answer or log line
         super().__init__(message)
         self.message = message
         self.param = param

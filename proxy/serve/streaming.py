@@ -256,6 +256,9 @@ def new_request_id() -> str:
 
 _EXPLAINER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upshift-explain")
 """Explains misses (:meth:`Record.finish`) off the event loop, one at a time."""
+_EXPLAIN_INLINE_BYTES = 256 * 1024
+"""Misses of requests up to this size are explained on the loop (after the answer); larger
+ones in :data:`_EXPLAINER`."""
 _MAX_EXPLAINING = 64
 """Explanations waiting or running at most; beyond, a miss's line goes out unexplained."""
 _EXPLAINING = [0]
@@ -315,9 +318,13 @@ class Record:
                 self._explain()
                 self._emit()
                 return
+            if self.bytes_in <= _EXPLAIN_INLINE_BYTES:
+                # A small request: a fraction of a millisecond, in the loop's next round.
+                loop.call_soon(self._explain_then_emit)
+                return
             if _EXPLAINING[0] < _MAX_EXPLAINING:
-                # issue 22: in a thread of its own, one at a time, never on the event loop
-                # (comparing with recent heads may parse a kept body); the line follows.
+                # issue 22: a large one in a thread of its own, one at a time, never on the
+                # event loop (its items and a kept body may be compared); the line follows.
                 _EXPLAINING[0] += 1
                 loop.run_in_executor(_EXPLAINER, self._explain).add_done_callback(self._explained)
                 return
@@ -331,6 +338,10 @@ class Record:
             self.explanation = explainer() if explainer is not None else None
         except Exception:  # noqa: BLE001 - a diagnostic must never cost the request's line
             log.exception("explaining a miss failed")
+
+    def _explain_then_emit(self) -> None:
+        self._explain()
+        self._emit()
 
     def _explained(self, _: object) -> None:
         _EXPLAINING[0] -= 1

@@ -29,6 +29,7 @@ from proxy.config import Settings, merge_query, redact_url
 from proxy.core.owners import IdSniffer
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.ops.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.redact import redact_urls
 from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
 
@@ -232,10 +233,10 @@ class Passthrough:
             msg = f"The egress proxy refused the connection to the upstream (HTTP {exc.status} to CONNECT)."
             return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientProxyConnectionError as exc:
-            msg = f"The egress proxy is unreachable: {exc.os_error.strerror or exc.os_error}"
+            msg = f"The egress proxy is unreachable: {redact_urls(str(exc.os_error.strerror or exc.os_error))}"
             return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientError as exc:
-            err = UpstreamUnavailable(f"The upstream is unreachable: {exc}")
+            err = UpstreamUnavailable(f"The upstream is unreachable: {redact_urls(str(exc))}")
             return self._failed(err, headers, started, t_send)
         UPSTREAM_BYTES_SENT.labels("http").inc(sent)
         t_headers = time.perf_counter()
