@@ -36,3 +36,22 @@ def test_the_heap_stays_bounded() -> None:
         fair.add("g", n % 7, n)
     assert len(fair._heap) <= 4 * 1 + 64 + 1  # noqa: SLF001
     assert fair.victim() is not None
+
+
+def test_heads_and_kept_bodies_are_evicted_from_the_heaviest_identity() -> None:
+    from proxy.core.conversation import HeadTable
+    from tests.core.test_fastpath import body, call
+
+    heads = HeadTable(max_heads=6, ttl_seconds=1e9, hot_bytes=2000)
+
+    def record(who: str, n: int, now: float) -> None:
+        items = [{"role": "user", "content": f"{who} {n} " + "x" * 300}]
+        heads.record(who, (who, n), heads.parse(who, body(items)), {"id": f"{who}-{n}", "output": [call(n)]}, now)
+
+    record("alice", 0, 0.0)
+    for n in range(40):  # bob: ten times a fair share of heads, and of kept bytes
+        record("bob", n, 1.0 + n)
+    alice = heads.get(("alice", 0))
+    assert alice is not None and alice.raw is not None and alice.raw.body is not None  # still hot
+    assert sum(1 for h in heads._heads.values() if h.identity == "bob") == 5  # noqa: SLF001
+    assert heads.get(("bob", 39)) is not None and heads.get(("bob", 0)) is None
