@@ -8,6 +8,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  ├─ InvalidRequest(ValueError)          400 invalid_request_error
     │  ├─ BodyTooLarge                        413 request_too_large
     │  ├─ ForeignResponse                     400 previous_response_not_found
+    │  ├─ ForeignResponseRoute                404 (code null: the upstream's unknown id)
     │  └─ UnsupportedRequest                  400 unsupported
     ├─ UpstreamError                          5xx
     │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
@@ -27,11 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.core.reasons import ErrorCode
+from proxy.redact import redact_urls
 
 __all__ = [
     "BodyTooLarge",
     "ConfigError",
     "ForeignResponse",
+    "ForeignResponseRoute",
     "InvalidRequest",
     "ProxyError",
     "RequestError",
@@ -56,6 +59,7 @@ class ProxyError(Exception):
     """OpenAI-style ``error.type``."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
+        message = redact_urls(message)  # issue 22: no URL's credentials in any answer or log line
         super().__init__(message)
         self.message = message
         self.param = param
@@ -110,6 +114,23 @@ class ForeignResponse(RequestError):
 
     def __init__(self, response_id: str) -> None:
         super().__init__(f"Previous response with id '{response_id}' not found.", param="previous_response_id")
+
+
+class ForeignResponseRoute(RequestError):
+    """A route names (``GET``/``DELETE /v1/responses/{id}``, ``/input_items``, ``/cancel``) a
+    response id that is not the caller's: the upstream's own 404 for an unknown id, word for
+    word (``code: null``), so nothing about the other tenant is revealed."""
+
+    status = 404
+    code = ErrorCode.RESPONSE_NOT_FOUND
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.")
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["code"] = None
+        return body
 
 
 class UpstreamError(ProxyError):

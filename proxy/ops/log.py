@@ -20,6 +20,7 @@ from typing import IO, Any
 import orjson
 
 from proxy.config import LoggingSettings
+from proxy.redact import redact_urls
 
 __all__ = [
     "ACCESS_LOGGER",
@@ -98,7 +99,7 @@ def redact(value: Any) -> Any:
     Recurses into mappings, lists and tuples; other values are returned unchanged.
     """
     if isinstance(value, str):
-        return _SECRET.sub(REDACTED, value)
+        return _SECRET.sub(REDACTED, redact_urls(value))  # issue 22: URLs lose their credentials
     if isinstance(value, Mapping):
         return {str(k): redact(v) for k, v in value.items() if str(k).lower().replace("-", "_") not in _DROP_KEYS}
     if isinstance(value, list | tuple):

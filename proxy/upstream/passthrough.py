@@ -16,6 +16,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -25,8 +26,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import Settings, merge_query, redact_url
+from proxy.core.owners import IdSniffer
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.ops.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.redact import redact_urls
 from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
 
@@ -161,7 +164,13 @@ class Passthrough:
         return URL(self._base + tail + ("?" + query if query else ""), encoded=True)
 
     async def forward(
-        self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
+        self,
+        request: web.Request,
+        *,
+        headers: dict[str, str],
+        body: bytes | None,
+        started: float,
+        on_id: Callable[[str], None] | None = None,
     ) -> Forwarded:
         """Relay ``request`` and stream the answer back.
 
@@ -170,6 +179,9 @@ class Passthrough:
             headers: Headers to add to the answer (``x-request-id``, ``x-upshift-mode``).
             body: The body if already read (``POST /v1/responses``); else it streams from the app.
             started: ``time.perf_counter()`` at arrival, for ``x-upshift-overhead-ms``.
+            on_id: Told the response id of a 2xx answer (the top-level ``id`` of a JSON body,
+                ``response.id`` of the first SSE event) before the bytes that complete it are
+                written to the app; the bytes themselves pass unchanged (issue 22).
 
         Returns:
             The answer, already sent; a JSON error (502 unreachable, 504 timeout) if the upstream
@@ -178,10 +190,16 @@ class Passthrough:
         waited = time.perf_counter()
         async with self._slots:
             POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
-            return await self._forward(request, headers=headers, body=body, started=started)
+            return await self._forward(request, headers=headers, body=body, started=started, on_id=on_id)
 
     async def _forward(
-        self, request: web.Request, *, headers: dict[str, str], body: bytes | None, started: float
+        self,
+        request: web.Request,
+        *,
+        headers: dict[str, str],
+        body: bytes | None,
+        started: float,
+        on_id: Callable[[str], None] | None = None,
     ) -> Forwarded:
         assert self._session is not None, "Passthrough.start() not called"
         try:
@@ -215,10 +233,10 @@ class Passthrough:
             msg = f"The egress proxy refused the connection to the upstream (HTTP {exc.status} to CONNECT)."
             return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientProxyConnectionError as exc:
-            msg = f"The egress proxy is unreachable: {exc.os_error.strerror or exc.os_error}"
+            msg = f"The egress proxy is unreachable: {redact_urls(str(exc.os_error.strerror or exc.os_error))}"
             return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientError as exc:
-            err = UpstreamUnavailable(f"The upstream is unreachable: {exc}")
+            err = UpstreamUnavailable(f"The upstream is unreachable: {redact_urls(str(exc))}")
             return self._failed(err, headers, started, t_send)
         UPSTREAM_BYTES_SENT.labels("http").inc(sent)
         t_headers = time.perf_counter()
@@ -234,8 +252,13 @@ class Passthrough:
             added = (t_send - started) + prep
             response.headers["x-upshift-overhead-ms"] = f"{added * 1000:.3f}"
             await response.prepare(request)
+            sniffer = None
+            if on_id is not None and 200 <= upstream.status < 300:
+                sniffer = IdSniffer(sse=upstream.headers.get("Content-Type", "").startswith("text/event-stream"))
             try:
                 async for chunk in upstream.content.iter_any():
+                    if sniffer is not None and not sniffer.done and (rid := sniffer.feed(chunk)) is not None:
+                        on_id(rid)  # type: ignore[misc]  # on_id is set whenever sniffer is
                     await response.write(chunk)
                 await response.write_eof()
             except (ConnectionResetError, aiohttp.ClientError, TimeoutError) as exc:
