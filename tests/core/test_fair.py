@@ -55,3 +55,22 @@ def test_heads_and_kept_bodies_are_evicted_from_the_heaviest_identity() -> None:
     assert heads.prefixes.body(("alice", 0)) is not None  # still hot
     assert sum(1 for h in heads._heads.values() if h.identity == "bob") == 5  # noqa: SLF001
     assert heads.get(("bob", 39)) is not None and heads.get(("bob", 0)) is None
+
+
+def test_a_head_the_planner_continues_is_its_identitys_last_to_go() -> None:
+    # main's split: lookup only reads; the planner's touch() is what makes a head recent, for
+    # the identity's fair share too (not only the table's LRU order).
+    from proxy.core.conversation import HeadTable
+    from tests.core.test_fastpath import body, call
+
+    heads = HeadTable(max_heads=4, ttl_seconds=1e9)
+
+    def record(who: str, n: int, now: float) -> None:
+        items = [{"role": "user", "content": f"{who} {n}"}]
+        heads.record(who, (who, n), heads.parse(who, body(items)), {"id": f"{who}-{n}", "output": [call(n)]}, now)
+
+    for n in range(4):
+        record("bob", n, float(n))
+    heads.touch(("bob", 0), 10.0)  # bob's oldest is being continued
+    record("bob", 4, 11.0)
+    assert heads.get(("bob", 0)) is not None and heads.get(("bob", 1)) is None
