@@ -22,6 +22,7 @@ from proxy.errors import ConfigError
 from proxy.loop import loop_name
 from proxy.ops.log import setup_logging
 from proxy.serve.keys import KeySource
+from proxy.upstream.egress import egress_for
 
 __all__ = ["main"]
 
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         setup_logging(settings.logging)
         KeySource(settings.api_key)  # fail fast on a missing key file, before binding anything
+        egress_for(settings)  # and on a proxy URL websockets would refuse (issue 22)
         log.info(
             "upshift %s starting (%s event loop)",
             _version(),

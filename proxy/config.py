@@ -25,7 +25,8 @@ from urllib.parse import unquote_plus, urlsplit
 import yaml
 
 from proxy.core.reasons import Tolerance
-from proxy.errors import ConfigError, redact_url
+from proxy.errors import ConfigError
+from proxy.redact import redact_url, redact_urls
 
 __all__ = [
     "CONFIG_ENV",
@@ -48,7 +49,6 @@ __all__ = [
     "load_settings",
     "merge_query",
     "parse_hostport",
-    "redact_url",
     "peer_urls",
     "setting_keys",
     "settings_to_dict",
@@ -770,6 +770,16 @@ def _check_settings(s: Settings) -> None:
             f"settings: pool.max_active_per_socket ({s.pool.max_active_per_socket}) exceeds 16 "
             "(the upstream queues beyond 16 responses per connection)"
         )
+    listed = {h.lower() for h in s.identity.headers}
+    missing = [h for h in dict.fromkeys(("Authorization", "api-key", s.api_key.header)) if h.lower() not in listed]
+    if missing:
+        # issue 22: a credential header the upstream accepts but the identity leaves out lets
+        # two apps with different keys in it share sockets, heads and response ids.
+        raise ConfigError(
+            f"settings: identity.headers must list every credential header the upstream accepts; "
+            f"missing {', '.join(missing)} (Authorization and api-key always, and api_key.header)",
+            param="identity.headers",
+        )
     c = s.cluster
     if c.peers and c.peers_dns:
         raise ConfigError("settings: set cluster.peers or cluster.peers_dns, not both")
@@ -845,6 +855,7 @@ def _to_dict(obj: Any) -> dict[str, Any]:
             if isinstance(value, tuple):
                 value = list(value)
             elif isinstance(value, str) and "://" in value:
-                value = redact_url(value)  # a proxy URL's password never reaches --print-config
+                # a URL's credentials (userinfo, key= in its query) never reach --print-config
+                value = redact_urls(redact_url(value))
             out[f.name] = value
     return out

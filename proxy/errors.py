@@ -12,6 +12,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  ├─ ForeignOrigin                       403 origin_not_allowed
     │  ├─ ForeignHost                         403 host_not_allowed
     │  ├─ ForeignResponse                     400 previous_response_not_found
+    │  ├─ ForeignResponseRoute                404 (code null: the upstream's unknown id)
     │  └─ UnsupportedRequest                  400 unsupported
     ├─ UpstreamError                          5xx
     │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
@@ -28,11 +29,10 @@ plan (wait, then HTTP). Codes are :class:`proxy.core.reasons.ErrorCode` values.
 
 from __future__ import annotations
 
-import re
 from typing import Any
-from urllib.parse import urlsplit
 
 from proxy.core.reasons import ErrorCode
+from proxy.redact import redact_urls
 
 __all__ = [
     "BodyTimeout",
@@ -42,6 +42,7 @@ __all__ = [
     "UnsupportedEncoding",
     "ConfigError",
     "ForeignResponse",
+    "ForeignResponseRoute",
     "InvalidRequest",
     "ProxyError",
     "RequestError",
@@ -52,44 +53,7 @@ __all__ = [
     "UpstreamRefused",
     "UpstreamTimeout",
     "UpstreamUnavailable",
-    "redact_url",
-    "redact_urls",
 ]
-
-_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
-_KEEP_QUERY = frozenset({"api-version"})
-"""Query parameters shown as they are (Azure's version); every other value may be a secret."""
-_MASK = "***"
-
-
-def redact_url(url: str) -> str:
-    """``url`` safe to print: the userinfo's password (or a lone user name, which may be a key)
-    and every query value but ``api-version`` replaced by ``***`` (``?api-key=...``, SAS
-    tokens). The one place URLs are redacted: logs, ``--print-config`` and error texts use it."""
-    try:
-        parts = urlsplit(url)
-        host = parts.netloc.rpartition("@")[2]
-        netloc = parts.netloc
-        if "@" in netloc:
-            user = parts.username or ""
-            netloc = f"{user}:{_MASK}@{host}" if parts.password is not None else f"{_MASK}@{host}"
-        query = parts.query
-        if query:
-            pairs = []
-            for pair in query.split("&"):
-                name, eq, _ = pair.partition("=")
-                pairs.append(pair if not eq or name.lower() in _KEEP_QUERY else f"{name}={_MASK}")
-            query = "&".join(pairs)
-        return parts._replace(netloc=netloc, query=query).geturl()
-    except ValueError:  # not a URL urllib can split (a bad port): print none of it
-        return "<url>"
-
-
-def redact_urls(text: str) -> str:
-    """``text`` with every URL in it passed through :func:`redact_url`."""
-    if "://" not in text:
-        return text
-    return _URL.sub(lambda m: redact_url(m.group(0)), text)
 
 
 class ProxyError(Exception):
@@ -192,6 +156,23 @@ class ForeignResponse(RequestError):
 
     def __init__(self, response_id: str) -> None:
         super().__init__(f"Previous response with id '{response_id}' not found.", param="previous_response_id")
+
+
+class ForeignResponseRoute(RequestError):
+    """A route names (``GET``/``DELETE /v1/responses/{id}``, ``/input_items``, ``/cancel``) a
+    response id that is not the caller's: the upstream's own 404 for an unknown id, word for
+    word (``code: null``), so nothing about the other tenant is revealed."""
+
+    status = 404
+    code = ErrorCode.RESPONSE_NOT_FOUND
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.")
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["code"] = None
+        return body
 
 
 class UpstreamError(ProxyError):

@@ -27,6 +27,7 @@ from proxy.core.reasons import Mode, Route
 from proxy.ingress.browsers import browser_guard
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
+from proxy.ingress.owners import install as install_owner_routes
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
@@ -147,6 +148,7 @@ def build_app(services: Services, ingress: Ingress | None = None) -> web.Applica
     app.router.add_get("/v1/responses", _get_responses)
     if ingress is not None:
         ingress.install(app)
+    install_owner_routes(app)  # issue 22: the id-bearing /v1/responses/{id}... routes, owner queries
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     app.router.add_route("*", "/{tail:.*}", _not_found)
 

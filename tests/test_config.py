@@ -156,9 +156,8 @@ def test_every_key_has_an_env_var() -> None:
     ("text", "want"),
     [
         ("Authorization, api-key", ("Authorization", "api-key")),
-        ("x-litellm-api-key", ("x-litellm-api-key",)),
-        (" Authorization ,, OpenAI-Project ,", ("Authorization", "OpenAI-Project")),
-        ("", ()),
+        ("api-key,authorization,x-litellm-api-key", ("api-key", "authorization", "x-litellm-api-key")),
+        (" Authorization ,, api-key,OpenAI-Project ,", ("Authorization", "api-key", "OpenAI-Project")),
     ],
 )
 def test_list_from_env_is_comma_separated(text: str, want: tuple[str, ...]) -> None:
@@ -167,12 +166,13 @@ def test_list_from_env_is_comma_separated(text: str, want: tuple[str, ...]) -> N
 
 def test_list_from_yaml_and_flag(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("identity:\n  headers: [Authorization, x-portkey-api-key]\n")
-    assert load_settings(None, {}, str(path)).identity.headers == ("Authorization", "x-portkey-api-key")
-    flags = {"identity.headers": "api-key"}
-    assert load_settings(flags, {}, str(path)).identity.headers == ("api-key",)
+    path.write_text("identity:\n  headers: [Authorization, api-key, x-portkey-api-key]\n")
+    assert load_settings(None, {}, str(path)).identity.headers == ("Authorization", "api-key", "x-portkey-api-key")
+    flags = {"identity.headers": "api-key,Authorization"}
+    assert load_settings(flags, {}, str(path)).identity.headers == ("api-key", "Authorization")
     assert settings_to_dict(load_settings(None, {}, str(path)))["identity"]["headers"] == [
         "Authorization",
+        "api-key",
         "x-portkey-api-key",
     ]
 
@@ -203,6 +203,9 @@ def test_matching_tolerate_and_its_deprecated_alias(tmp_path: Path) -> None:
         ("identity:\n  headers: [Authorization, 'bad header']\n", "not an HTTP header name"),
         ("identity:\n  headers: [Authorization, authorization]\n", "listed twice"),
         ("identity:\n  headers: [Cookie]\n", "cannot be a credential header"),
+        ("identity:\n  headers: []\n", "missing Authorization, api-key"),
+        ("identity:\n  headers: [Authorization, OpenAI-Project]\n", "missing api-key"),
+        ("api_key:\n  header: x-gw-key\n", "missing x-gw-key"),
         ("identity:\n  headers: [Sec-WebSocket-Key]\n", "cannot be a credential header"),
         ("api_key:\n  header: 'a b'\n", "not an HTTP header name"),
         ("egress:\n  proxy: socks5://127.0.0.1:1080\n", "expected env, off or an http(s):// proxy URL"),

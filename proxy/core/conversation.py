@@ -53,8 +53,10 @@ from proxy.core.explain import (
     score,
     settings_fields,
 )
+from proxy.core.fair import FairShares
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped
+from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Hit, MissReason, Reason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
 
@@ -146,7 +148,7 @@ class PrefixCache:
 
     Args:
         hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
-            in total (least recently recorded dropped first).
+            in total (the oldest of the identity keeping the most bytes dropped first).
         hot_seconds: A body is dropped this long after its turn (the next prefix is then
             verified with its digest: slower, same answer).
     """
@@ -161,6 +163,9 @@ class PrefixCache:
         """identity → prefix length → the prefix's last bytes → anchors."""
         self._hot: OrderedDict[Hashable, float] = OrderedDict()
         self._hot_size = 0
+        self._fair_hot = FairShares()
+        """Kept bodies by identity, by size: at ``hot_bytes`` the heaviest identity's oldest
+        cools first (issue 22)."""
 
     def __len__(self) -> int:
         return len(self._prefixes)
@@ -215,8 +220,9 @@ class PrefixCache:
         if raw.body is not None:
             self._hot[anchor] = now
             self._hot_size += len(raw.body)
+            self._fair_hot.add(prefix.identity, anchor, len(raw.body))
             while self._hot_size > self.hot_bytes and self._hot:
-                self.cool(next(iter(self._hot)))
+                self.cool(self._fair_hot.victim() or next(iter(self._hot)))
 
     def take(self, anchor: Hashable) -> _Prefix | None:
         """Forget the prefix of ``anchor`` (its body let go first) and return it."""
@@ -240,6 +246,7 @@ class PrefixCache:
         next prefix is then checked with the digest; same answer, slower."""
         if self._hot.pop(anchor, None) is None:
             return
+        self._fair_hot.remove(anchor)
         prefix = self._prefixes.get(anchor)
         if prefix is not None and prefix.raw.body is not None:
             self._hot_size -= len(prefix.raw.body)
@@ -260,7 +267,8 @@ class HeadTable:
     """Every conversation head the sidecar knows, across identities: the index.
 
     Args:
-        max_heads: Upper bound on heads kept; the least recently used goes first.
+        max_heads: Upper bound on heads kept; the least recently used of the identity holding
+            the most goes first (issue 22).
         ttl_seconds: A head unused for this long is forgotten.
         tolerate: Differences the model sees that still continue (``matching.tolerate``):
             left-out reasoning items, a left-out ``phase``. Counted either way.
@@ -287,9 +295,12 @@ class HeadTable:
         self._index: dict[_Key, list[Hashable]] = {}
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
-        self._owners: OrderedDict[str, str] = OrderedDict()
         self.max_owners = max(4 * max_heads, 1024)
-        """Response ids remembered with their identity (LRU), for :meth:`owner_of`."""
+        self.owners = OwnerRegistry(self.max_owners)
+        """Response ids remembered with their identity (:mod:`proxy.core.owners`: bounded,
+        the heaviest identity's oldest first out), for :meth:`owner_of`."""
+        self._fair_heads = FairShares()
+        """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes (issue 22)."""
         self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
         """Per settings digest, one digest per setting (:meth:`explain`; LRU, shared by heads)."""
 
@@ -386,6 +397,7 @@ class HeadTable:
         if head is not None:
             head.last_used = now
             self._heads.move_to_end(anchor)
+            self._fair_heads.touch(anchor)
 
     def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int, int] | MissReason:
         """Match the echo of ``head.output`` at ``items[n:]``.
@@ -423,15 +435,12 @@ class HeadTable:
         return False
 
     def note_owner(self, identity: str, response_id: str) -> None:
-        """Remember that ``identity`` created ``response_id`` (bounded, least recent first out)."""
-        self._owners[response_id] = identity
-        self._owners.move_to_end(response_id)
-        while len(self._owners) > self.max_owners:
-            self._owners.popitem(last=False)
+        """Remember that ``identity`` created ``response_id`` (:attr:`owners`)."""
+        self.owners.note(identity, response_id)
 
     def owner_of(self, response_id: str) -> str | None:
         """The identity that created ``response_id`` through this sidecar, if remembered."""
-        return self._owners.get(response_id)
+        return self.owners.owner_of(response_id)
 
     def anchor_for(self, identity: str, response_id: str) -> Hashable | None:
         """The lane holding ``response_id``, if it belongs to ``identity``."""
@@ -449,6 +458,9 @@ class HeadTable:
     """Most recent heads of the identity compared position by position to explain a miss."""
     EXPLAIN_SCAN = 512
     """Most recent heads looked at (of any identity) to find those candidates: bounded cost."""
+    EXPLAIN_PARSE_BYTES = 4 * 1024 * 1024
+    """Largest kept body parsed to explain a miss (one per miss; beyond it the digests say
+    which item differs, not which field)."""
     MAX_SETTINGS_FIELDS = 1024
     """Distinct settings whose per-setting digests are kept (LRU)."""
 
@@ -516,7 +528,15 @@ class HeadTable:
         # The request's per-setting digests, only with a candidate to compare them with (most
         # first turns have none): from the table when a head has the same settings.
         wanted = (self._settings_fields.get(req.settings_digest) or settings_fields(req.fields)) if found else ()
+        parse_left = self.EXPLAIN_PARSE_BYTES
         for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
+            if cand.body is not None:
+                # issue 22: digests decide first; at most one kept body, of bounded size, is
+                # parsed (for the field path inside a differing item), never eight of them.
+                if len(cand.body) > parse_left:
+                    cand = replace(cand, body=None)
+                else:
+                    parse_left = 0
             explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED, self.tolerate)
             if explanation is None:
                 continue
@@ -635,6 +655,7 @@ class HeadTable:
         """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
         anchor = head.anchor
         self._heads[anchor] = head
+        self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
         self.note_owner(head.identity, head.response_id)
         if not head.chained:
@@ -644,13 +665,14 @@ class HeadTable:
             if prefix is not None:
                 self.prefixes.add(anchor, prefix, now)
         while len(self._heads) > self.max_heads:
-            self.discard(next(iter(self._heads)))
+            self.discard(self._fair_heads.victim() or next(iter(self._heads)))
 
     def discard(self, anchor: Hashable) -> None:
         """Forget the head of ``anchor`` (socket closed, reconnected or turn not completed)."""
         head = self._heads.pop(anchor, None)
         if head is None:
             return
+        self._fair_heads.remove(anchor)
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
         if head.chained:

@@ -527,7 +527,13 @@ class Planner:
         idle = [s for s in self._sockets.values() if s.active == 0 and s.state is SocketState.OPEN]
         if not idle:
             return False
-        oldest = min(idle, key=lambda s: s.used_at)
+
+        # issue 22: the least recently used idle socket of the identity holding the most,
+        # counting the one asked for (at equal shares the asker gives up one of its own).
+        def share(s: Socket) -> tuple[int, float]:
+            return -(len(self._by_identity.get(s.identity, ())) + (s.identity == identity)), s.used_at
+
+        oldest = min(idle, key=share)
         self._forget(oldest, SocketEvent.CLOSE)
         close.append(oldest.id)
         return True

@@ -21,6 +21,7 @@ __all__ = [
     "MemoryRefusal",
     "MissReason",
     "Mode",
+    "OwnerVerdict",
     "PassthroughReason",
     "Reason",
     "ReplayCause",
@@ -109,6 +110,9 @@ class ErrorCode(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     UNSUPPORTED = "unsupported"
     PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
+    RESPONSE_NOT_FOUND = "response_not_found"
+    """A route named a response id of another identity (or, behind an injected key, of no
+    known identity): answered 404 as the upstream answers an unknown id."""
     UPSTREAM_ERROR = "upstream_error"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_REFUSED = "upstream_refused"
@@ -158,6 +162,17 @@ class MemoryRefusal(enum.StrEnum):
     """It would not fit even into an empty budget (503 ``memory_too_large``)."""
     WAIT_TIMEOUT = "wait_timeout"
     """The budget stayed taken for ``limits.memory_wait_seconds`` (429 ``memory_busy``)."""
+
+
+class OwnerVerdict(enum.StrEnum):
+    """Whose a response id is, as far as the sidecar knows (``proxy.core.owners``)."""
+
+    OWN = "own"
+    """Created by the asking identity."""
+    FOREIGN = "foreign"
+    """Created by another identity: refused as the upstream refuses an unknown id."""
+    UNKNOWN = "unknown"
+    """Never seen (or forgotten): refused behind an injected key, forwarded otherwise."""
 
 
 class Route(enum.StrEnum):

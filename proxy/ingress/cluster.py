@@ -211,11 +211,14 @@ class Cluster:
         """Forwards this cluster sent, by outcome (likewise)."""
         if c.peers:
             self.set_members(peer_urls(c.peers))
+        self._check: Callable[[Any], None] | None = None
         if worker is not None and worker.count > 1:
             trust = worker.trust
 
             def check(sock: Any) -> None:
                 check_peer(sock, trust)
+
+            self._check = check
 
             self._worker_names = tuple(f"worker-{i}" for i in range(worker.count))
             for i, path in enumerate(worker.sockets):
@@ -358,6 +361,41 @@ class Cluster:
             content_type="application/json",
             headers={REFUSED_HEADER: "forward_unauthenticated"},
         )
+
+    # -- owner queries (issue 22, proxy/ingress/owners.py) ----------------------------------------
+
+    def query_peer(self, name: str, limit: int) -> Peer | None:
+        """A peer of its own (own connections: an owner query never waits behind forwards) for
+        the sibling worker ``worker-<i>`` or the replica ``name``, reached as forwards reach it:
+        a worker's private socket checked with ``SO_PEERCRED``, a replica over its TLS (verified
+        against ``cluster.tls_ca_file``, ``cluster.tls_server_name``). ``None``: not a peer."""
+        if name.startswith("worker-"):
+            w = self.worker
+            index = int(name.removeprefix("worker-"))
+            if w is None or self._check is None or not 0 <= index < w.count or index == w.index:
+                return None
+            return worker_peer(index, w.sockets[index], limit, self._check)
+        if name == self.self_url or name not in self._members:
+            return None
+        return replica_peer(name, limit, self._tls, self.settings.cluster.tls_server_name)
+
+    async def proven(self, peer: Peer) -> bool:
+        """Whether replica ``peer`` proved it holds the cluster secret (always, without one):
+        asked before it is trusted with anything, as before a forward."""
+        return await self._proven(peer)
+
+    def sign(self, method: str, raw_path: str, hop: str) -> str:
+        """The ``x-upshift-forwarded`` marker of a bodiless request to a replica (signed with
+        the cluster secret when there is one, as forwards are)."""
+        return self.auth.marker(method, raw_path, b"", hop)
+
+    def authentic(self, request: web.Request, marker: str) -> bool:
+        """Whether a marked bodiless request (an owner query) comes from a replica: its
+        signature holds (once, in time) when this replica has a secret; without one, the
+        marker is taken at its word, as a forward's is."""
+        if not self.auth.enabled:
+            return True
+        return self.auth.verify(marker, request.method, request.raw_path, b"")
 
     # -- the request path ------------------------------------------------------------------------
 

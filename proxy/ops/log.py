@@ -20,7 +20,7 @@ from typing import IO, Any
 import orjson
 
 from proxy.config import LoggingSettings
-from proxy.errors import redact_urls
+from proxy.redact import redact_urls
 
 __all__ = [
     "ACCESS_LOGGER",

@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -53,8 +55,9 @@ from proxy.ops.metrics import (
 from proxy.serve.identity import Identity, request_identity
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import Lease, MemoryGate
+from proxy.serve.owners import OwnerBook
 from proxy.serve.streaming import Downstream, Record, count_hold_back, json_body, pump
-from proxy.upstream.passthrough import Passthrough, http_continuation_body
+from proxy.upstream.passthrough import Options, Passthrough, http_continuation_body
 from proxy.upstream.pool import Pool, Turn
 
 __all__ = ["SERVICES", "Arrival", "Services", "refuse", "serve"]
@@ -73,11 +76,19 @@ class Services:
     passthrough: Passthrough
     relays: set[web.WebSocketResponse] = field(default_factory=set)
     """Open downstream WebSocket relays (closed with 1001 on shutdown)."""
+    relay_sessions: Counter[str] = field(default_factory=Counter)
+    """Open relay sessions (each holds an upstream socket) by identity digest, counted with the
+    pool's sockets against ``pool.max_sockets_per_identity`` / ``max_sockets_total``."""
     streams: set[tuple[Downstream, Channel]] = field(default_factory=set)
     """Responses being pumped to apps right now (ended by :func:`cut_stream` if the drain's
     grace runs out)."""
     memory: MemoryGate | None = None
     """The memory budget every request draws from (issue 12; proxy/serve/memory.py)."""
+    owners: OwnerBook = field(init=False)
+    """Who created each response id, and who may name it (issue 22; proxy/serve/owners.py)."""
+
+    def __post_init__(self) -> None:
+        self.owners = OwnerBook(self.heads.owners, strict=self.keys.injects)
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""
@@ -138,26 +149,31 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
     """Serve one ``POST /v1/responses`` here: parse, choose the transport, perform."""
     headers = {"x-request-id": arrival.rec.request_id}
     try:
-        req = _parse(svc, arrival)
+        req = await _parse(svc, arrival)
     except RequestError as exc:
         return refuse(exc, headers, arrival.rec, arrival.started)
     while req.base is None and len(req.body) > _WARM_ABOVE and not req.warm_keys(_WARM_SLICE):
         await asyncio.sleep(0)  # a large body parsed in full: its item keys a slice per loop turn
     arrival.rec.items_in = req.n_items
-    down = Downstream(arrival.request, stream=req.stream, headers=headers, started=arrival.started, lease=arrival.mem)
+    # issue 22: every response id this request gets is recorded with its creator before the app sees it.
+    on_id = partial(svc.owners.note, arrival.identity.digest)
+    down = Downstream(
+        arrival.request, stream=req.stream, headers=headers, started=arrival.started, lease=arrival.mem, on_id=on_id
+    )
     x = Exchange(svc, arrival, req, down)
     budget = svc.settings.limits.ws_frame_budget_bytes
     transport, reason = choose_transport(req, mode=svc.settings.mode, frame_budget=budget)
     return await (_over_http(x, reason) if transport is Transport.HTTP else _perform(x))
 
 
-def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
+async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     """The fast parse (skips the history prefix this identity's previous turn already sent);
-    another tenant's ``previous_response_id`` is refused: behind an injected key it would be served."""
+    another tenant's ``previous_response_id`` (or, behind an injected key, one no process knows)
+    is refused: the upstream's store is shared behind one key and would serve it (issue 22)."""
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
-    owner = svc.heads.owner_of(req.previous_response_id) if req.previous_response_id else None
-    if owner is not None and owner != arrival.identity.digest:
-        raise ForeignResponse(str(req.previous_response_id))
+    rid = req.previous_response_id
+    if rid is not None and not await svc.owners.allows(arrival.identity.digest, str(rid)):
+        raise ForeignResponse(str(rid))
     return req
 
 
@@ -221,6 +237,7 @@ async def _http_continuation(x: Exchange, plan: Plan) -> web.StreamResponse:
         full=x.req.body,
         anchor=str(plan.response_id),
         started=arrival.started,
+        on_id=x.down.on_id,
     )
     HTTP_CONTINUATIONS.labels("full" if fwd.fell_back else "continuation").inc()
     if fwd.fell_back:
@@ -259,7 +276,7 @@ async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamErr
 async def _keep(x: Exchange, turn: Turn, keep: Kept) -> None:
     """Tell the lane what it keeps: a completed response becomes its head."""
     if keep.chainable is not None:  # an incomplete response is chainable too
-        x.svc.heads.note_owner(x.arrival.identity.digest, keep.chainable)
+        x.svc.owners.note(x.arrival.identity.digest, keep.chainable)
     state = await x.prefix if keep.response is not None and x.prefix is not None else None
     turn.finish(req=x.req, response=keep.response, prefix_state=state, retire=keep.retire)
 
@@ -300,7 +317,11 @@ async def _over_http(x: Exchange, reason: Reason | None, adopt: bool = False) ->
         return refuse(exc, x.down.headers, x.rec, x.arrival.started)
     arrival = x.arrival
     fwd = await x.svc.passthrough.forward(
-        arrival.request, headers=x.down.headers, body=x.req.body, started=arrival.started, capture=adopt
+        arrival.request,
+        headers=x.down.headers,
+        body=x.req.body,
+        started=arrival.started,
+        options=Options(capture=adopt, on_id=x.down.on_id),
     )
     if adopt and fwd.captured is not None:
         x.svc.pool.adopt_http(arrival.identity, x.req, fwd.captured)

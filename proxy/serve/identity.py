@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from proxy.config import DEFAULT_IDENTITY_HEADERS, Settings, upstream_ws_url
+from proxy.errors import InvalidRequest
 from proxy.serve.keys import KeySource
 
 __all__ = ["USER_AGENT", "Identity", "identify", "request_identity"]
@@ -136,7 +137,17 @@ def request_identity(app_headers: Mapping[str, str], query: str, settings: Setti
         query: The app's raw query string (``request.rel_url.raw_query_string``).
         settings: ``upstream``, ``identity.headers``, ``api_key.header``, ``pool.openai_beta``.
         keys: The key source (passthrough or an injected key).
+
+    Raises:
+        InvalidRequest: a credential header (``identity.headers``, ``api_key.header``) came more
+            than once: the identity would hash one value while the HTTP relay forwards them all,
+            and the upstream may authenticate a value that was never hashed (issue 22).
     """
+    getall = getattr(app_headers, "getall", None)
+    if getall is not None:
+        for name in (*settings.identity.headers, settings.api_key.header):
+            if len(getall(name, ())) > 1:
+                raise InvalidRequest(f"The credential header '{name}' was sent more than once.")
     return identify(
         app_headers,
         upstream=settings.upstream,

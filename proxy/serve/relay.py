@@ -5,6 +5,16 @@ pooled: the app drives its own chain) with the app's identity headers. The upgra
 only after the upstream accepted, so a refused upstream upgrade is answered with the same status
 (426 when there is none: the de-facto "use HTTP instead" signal), never a hang, 404 or 405.
 Frames go through unchanged in both directions; close codes propagate both ways.
+
+Inside the sidecar's limits (issue 22): an app message may be as large as the upstream's own
+frame budget (``limits.ws_frame_budget_bytes``) and a request body (``limits.max_body_bytes``;
+larger: close 1009, refused from the frame header, never read), each relayed message holds
+a memory lease while it is sent (refused: an ``error`` event, the message goes nowhere), and a
+session counts as one upstream socket against ``pool.max_sockets_per_identity`` and
+``pool.max_sockets_total`` (beyond them: close 1013 saying which limit, no upstream socket).
+A frame naming a ``previous_response_id`` must name the identity's own response
+(:mod:`proxy.serve.owners`), else it gets the upstream's ``previous_response_not_found`` event;
+every ``response.created`` the upstream sends is recorded as the identity's.
 """
 
 from __future__ import annotations
@@ -13,24 +23,36 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 from aiohttp import WSMsgType, web
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
-from proxy.core.reasons import Mode, Route
-from proxy.errors import UpstreamRefused, UpstreamUnavailable
-from proxy.ops.metrics import INFLIGHT
-from proxy.serve.handlers import SERVICES
+from proxy.core.owners import chained_ids, created_id
+from proxy.core.reasons import Mode, RequestOutcome, Route
+from proxy.errors import ForeignResponse, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
+from proxy.ops.metrics import ERRORS, INFLIGHT
+from proxy.serve.handlers import SERVICES, Services, refuse
+from proxy.serve.identity import Identity
+from proxy.serve.memory import MemoryGate, MemoryRefused
+from proxy.serve.owners import OwnerBook
 from proxy.serve.streaming import Record, json_body, new_request_id
-from proxy.upstream.ws import MAX_RECEIVED_FRAME, open_websocket
+from proxy.upstream.ws import open_websocket
 
-__all__ = ["relay_websocket", "sendable_code"]
+__all__ = ["RELAY_REFUSED_CODE", "relay_websocket", "sendable_code"]
 
 log = logging.getLogger(__name__)
 
 _UNSENDABLE = {1005: 1000, 1006: 1011, 1015: 1011}
 """Codes that only describe a close and cannot be sent in a Close frame."""
+RELAY_REFUSED_CODE = 1013
+"""Close code of a relay session refused at the socket limits (RFC 6455 "Try Again Later")."""
+_MAX_REASON = 123
+"""A close frame's reason is at most 123 bytes."""
+_NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
+_PARSE_INLINE = 256 * 1024
+"""An app frame naming a response id is parsed on the loop up to this size, else in a thread."""
 
 
 def sendable_code(code: int | None) -> int:
@@ -54,39 +76,95 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
     try:
         try:
             identity = svc.identity(request)
-            upstream = await open_websocket(identity.ws_url, identity.headers, svc.settings)
-        except UpstreamRefused as exc:
-            rec.status = exc.http_status if 400 <= exc.http_status <= 599 else 426
-            kind = exc.headers.get("content-type", "application/json")
-            return web.Response(status=rec.status, body=exc.payload, headers={**headers, "Content-Type": kind})
-        except UpstreamUnavailable as exc:
-            rec.status = 426
-            return web.Response(
-                status=426, body=json_body(exc.body()), content_type="application/json", headers=headers
-            )
-        rec.added_s = time.perf_counter() - started
-        ws = web.WebSocketResponse(max_msg_size=MAX_RECEIVED_FRAME, decode_text=False)
-        ws.headers.update(headers)
+        except RequestError as exc:
+            return refuse(exc, headers, rec, started)
+        refusal = _over_socket_limits(svc, identity)
+        if refusal is not None:
+            return await _refuse_session(request, headers, rec, refusal)
+        # issue 22: a relay's upstream socket counts against the pool's socket limits.
+        svc.relay_sessions[identity.digest] += 1
         try:
-            await ws.prepare(request)
-        except BaseException:
-            await upstream.close(1001)
-            raise
-        rec.status = 101
-        svc.relays.add(ws)
-        try:
-            await _relay(ws, upstream)
+            return await _session(request, svc, identity, headers, rec, started)
         finally:
-            svc.relays.discard(ws)
-        return ws
+            svc.relay_sessions[identity.digest] -= 1
+            if svc.relay_sessions[identity.digest] <= 0:
+                del svc.relay_sessions[identity.digest]
     finally:
         INFLIGHT.dec()
         rec.finish()
 
 
-async def _relay(ws: web.WebSocketResponse, upstream: ClientConnection) -> None:
+async def _session(
+    request: web.Request, svc: Services, identity: Identity, headers: dict[str, str], rec: Record, started: float
+) -> web.StreamResponse:
+    try:
+        upstream = await open_websocket(identity.ws_url, identity.headers, svc.settings)
+    except UpstreamRefused as exc:
+        rec.status = exc.http_status if 400 <= exc.http_status <= 599 else 426
+        kind = exc.headers.get("content-type", "application/json")
+        return web.Response(status=rec.status, body=exc.payload, headers={**headers, "Content-Type": kind})
+    except UpstreamUnavailable as exc:
+        rec.status = 426
+        return web.Response(status=426, body=json_body(exc.body()), content_type="application/json", headers=headers)
+    rec.added_s = time.perf_counter() - started
+    # issue 22: no app message larger than what the upstream itself accepts in a frame, nor
+    # than a request body may be (what the memory budget is sized for); aiohttp refuses a
+    # larger one from its frame header (close 1009), before reading its payload.
+    limits = svc.settings.limits
+    largest = min(limits.ws_frame_budget_bytes, limits.max_body_bytes or limits.ws_frame_budget_bytes)
+    ws = web.WebSocketResponse(max_msg_size=largest, decode_text=False)
+    ws.headers.update(headers)
+    try:
+        await ws.prepare(request)
+    except BaseException:
+        await upstream.close(1001)
+        raise
+    rec.status = 101
+    svc.relays.add(ws)
+    try:
+        await _relay(_Relay(ws, upstream, svc.owners, identity.digest, svc.memory))
+    finally:
+        svc.relays.discard(ws)
+    return ws
+
+
+def _over_socket_limits(svc: Services, identity: Identity) -> str | None:
+    """Why a new relay session would exceed ``pool.max_sockets_per_identity`` or
+    ``pool.max_sockets_total`` (the pool's sockets and the open relays together), or ``None``."""
+    p = svc.settings.pool
+    mine = svc.pool.count(identity=identity) + svc.relay_sessions[identity.digest]
+    if mine >= p.max_sockets_per_identity:
+        limit = p.max_sockets_per_identity
+        return f"too many upstream sockets for this credential (pool.max_sockets_per_identity = {limit})"
+    if svc.pool.count() + sum(svc.relay_sessions.values()) >= p.max_sockets_total:
+        return f"too many upstream sockets (pool.max_sockets_total = {p.max_sockets_total})"
+    return None
+
+
+async def _refuse_session(request: web.Request, headers: dict[str, str], rec: Record, why: str) -> web.StreamResponse:
+    """Accept the upgrade and close at once with 1013 (try again later) saying why: no upstream
+    socket was opened."""
+    ws = web.WebSocketResponse()
+    ws.headers.update(headers)
+    await ws.prepare(request)
+    rec.status, rec.outcome = 101, RequestOutcome.PROXY_ERROR
+    await ws.close(code=RELAY_REFUSED_CODE, message=f"upshift: {why}; retry later".encode()[:_MAX_REASON])
+    return ws
+
+
+@dataclass(slots=True)
+class _Relay:
+    ws: web.WebSocketResponse
+    upstream: ClientConnection
+    owners: OwnerBook
+    identity: str
+    memory: MemoryGate | None
+
+
+async def _relay(r: _Relay) -> None:
+    ws, upstream = r.ws, r.upstream
     loop = asyncio.get_running_loop()
-    tasks = {loop.create_task(_app_to_upstream(ws, upstream)), loop.create_task(_upstream_to_app(upstream, ws))}
+    tasks = {loop.create_task(_app_to_upstream(r)), loop.create_task(_upstream_to_app(r))}
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         # One side closed and told the other; give that close a moment to finish.
@@ -101,25 +179,65 @@ async def _relay(ws: web.WebSocketResponse, upstream: ClientConnection) -> None:
             await ws.close(code=1001)
 
 
-async def _app_to_upstream(ws: web.WebSocketResponse, upstream: ClientConnection) -> None:
+async def _app_to_upstream(r: _Relay) -> None:
+    ws, upstream = r.ws, r.upstream
     try:
         async for msg in ws:
-            if msg.type is WSMsgType.TEXT:
-                # decode_text=False: the UTF-8 bytes go on as a text frame, never decoded.
-                await upstream.send(msg.data, text=True)
-            elif msg.type is WSMsgType.BINARY:
-                await upstream.send(msg.data)
-            elif msg.type is WSMsgType.ERROR:
-                break
+            if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                if msg.type is WSMsgType.ERROR:
+                    break
+                continue
+            if not await _may_send(ws, msg.data, r.owners, r.identity):
+                continue  # names another tenant's response: answered here, nothing forwarded
+            # issue 22: each relayed message holds a memory lease while it is framed and sent.
+            try:
+                async with r.memory.lease(len(msg.data)) if r.memory is not None else _NO_LEASE:
+                    # decode_text=False: the UTF-8 bytes go on as a text frame, never decoded.
+                    await upstream.send(msg.data, text=msg.type is WSMsgType.TEXT)
+            except MemoryRefused as exc:
+                await _send_error(ws, exc, exc.status, None)
+            del msg
     except ConnectionClosed:
         return  # the upstream went first; the other direction closes the app's side
     code = sendable_code(ws.close_code)
     await upstream.close(code)
 
 
-async def _upstream_to_app(upstream: ClientConnection, ws: web.WebSocketResponse) -> None:
+async def _send_error(ws: web.WebSocketResponse, exc: ProxyError, status: int, stream_id: str | None) -> None:
+    """One ``error`` event to the app, in the upstream's own envelope (protocol.md §1.6)."""
+    event: dict[str, object] = {"type": "error", "status": status}
+    if stream_id is not None:
+        event["stream_id"] = stream_id
+    event["error"] = exc.body()["error"]
+    ERRORS.labels(exc.code).inc()
+    await ws.send_str(json_body(event).decode())
+
+
+async def _may_send(ws: web.WebSocketResponse, data: bytes | str, owners: OwnerBook, identity: str) -> bool:
+    """Whether the app's frame may go upstream: a ``previous_response_id`` (``response.create``,
+    ``response.steer``) must name the identity's own response; otherwise the app gets the
+    upstream's own ``previous_response_not_found`` error event and the frame goes nowhere."""
+    raw = data.encode() if isinstance(data, str) else data
+    try:
+        named = chained_ids(raw) if len(raw) <= _PARSE_INLINE else await asyncio.to_thread(chained_ids, raw)
+    except ValueError:
+        return True  # not JSON: the upstream answers it; it names nobody's response
+    if named is None:
+        return True
+    rid, stream_id = named
+    if await owners.allows(identity, rid):
+        return True
+    await _send_error(ws, ForeignResponse(rid), 400, stream_id)
+    return False
+
+
+async def _upstream_to_app(r: _Relay) -> None:
+    ws, upstream = r.ws, r.upstream
     try:
         async for message in upstream:
+            rid = created_id(message)
+            if rid is not None:
+                r.owners.note(r.identity, rid)  # before the app can see (and name) it
             if isinstance(message, str):
                 await ws.send_str(message)
             else:

@@ -20,6 +20,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -95,16 +96,26 @@ class Downstream:
         started: ``time.perf_counter()`` when the request arrived.
         lease: The request's memory lease: :func:`pump` shrinks it to the body once the frame
             is sent (issue 12).
+        on_id: Told the id of each response :func:`pump` moves, before the app can see it
+            (issue 22: the id's owner is recorded first).
     """
 
     def __init__(
-        self, request: web.Request, *, stream: bool, headers: dict[str, str], started: float, lease: Lease | None
+        self,
+        request: web.Request,
+        *,
+        stream: bool,
+        headers: dict[str, str],
+        started: float,
+        lease: Lease | None,
+        on_id: Callable[[str], None] | None = None,
     ) -> None:
         self.request = request
         self.stream = stream
         self.headers = headers
         self.started = started
         self.lease = lease
+        self.on_id = on_id
         self.response: web.StreamResponse | None = None
         """The SSE response once prepared."""
         self.gone = False
@@ -201,6 +212,10 @@ async def pump(
 ) -> None:
     """Send ``frame`` and move its response's events to the app until the channel is done.
 
+    :attr:`Downstream.on_id` is told the response's id when its ``response.created`` arrives,
+    before that event can reach the app (issue 22: the id's owner is known before the app could
+    name it).
+
     ``frame`` may come as a one-element list that pump empties: then the frame is freed as
     soon as it is sent, not when the response ends, and the request's memory lease
     (:attr:`Downstream.lease`) shrinks to the body (issue 12).
@@ -215,7 +230,7 @@ async def pump(
     del frame
     if down.lease is not None:
         down.lease.sent()
-    stream = down.stream
+    stream, on_id = down.stream, down.on_id
     clock = time.perf_counter
     batch: list[Out] = []
     while not channel.done:
@@ -242,6 +257,11 @@ async def pump(
         # burst of up to _MAX_BATCH instead of one per event; never held back while upstream
         # is silent. After the terminal event the loop ends and the last batch goes below.
         for raw, event in events:
+            if on_id is not None and event.get("type") == "response.created":
+                created = event.get("response")
+                rid = created.get("id") if isinstance(created, dict) else None
+                if isinstance(rid, str):
+                    on_id(rid)
             outs = channel.feed(raw, event, now)
             if outs and stream:
                 batch += outs
@@ -271,6 +291,16 @@ def count_hold_back(channel: Channel) -> None:
 def new_request_id() -> str:
     """``req_`` + 32 hex digits, as OpenAI's ``x-request-id``."""
     return "req_" + os.urandom(16).hex()
+
+
+_EXPLAINER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upshift-explain")
+"""Explains misses (:meth:`Record.finish`) off the event loop, one at a time."""
+_EXPLAIN_INLINE_BYTES = 256 * 1024
+"""Misses of requests up to this size are explained on the loop (after the answer); larger
+ones in :data:`_EXPLAINER`."""
+_MAX_EXPLAINING = 64
+"""Explanations waiting or running at most; beyond, a miss's line goes out unexplained."""
+_EXPLAINING = [0]
 
 
 @dataclass(slots=True)
@@ -357,20 +387,38 @@ class Record:
         """
         if self.explainer is not None and self._verdict_stood():
             try:
-                asyncio.get_running_loop().call_soon(self._explain_then_finish)
-                return
+                loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop: explain now
-                self._explain_then_finish()
+                self._explain()
+                self._emit()
                 return
+            if self.bytes_in <= _EXPLAIN_INLINE_BYTES:
+                # A small request: a fraction of a millisecond, in the loop's next round.
+                loop.call_soon(self._explain_then_emit)
+                return
+            if _EXPLAINING[0] < _MAX_EXPLAINING:
+                # issue 22: a large one in a thread of its own, one at a time, never on the
+                # event loop (its items and a kept body may be compared); the line follows.
+                _EXPLAINING[0] += 1
+                loop.run_in_executor(_EXPLAINER, self._explain).add_done_callback(self._explained)
+                return
+            # Too many waiting (one tenant's flood of misses): this line goes unexplained.
         self.explainer = None  # nothing to explain, or the verdict did not stand
         self._emit()
 
-    def _explain_then_finish(self) -> None:
+    def _explain(self) -> None:
         explainer, self.explainer = self.explainer, None
         try:
             self.explanation = explainer() if explainer is not None else None
         except Exception:  # noqa: BLE001 - a diagnostic must never cost the request's line
             log.exception("explaining a miss failed")
+
+    def _explain_then_emit(self) -> None:
+        self._explain()
+        self._emit()
+
+    def _explained(self, _: object) -> None:
+        _EXPLAINING[0] -= 1
         self._emit()
 
     def _emit(self) -> None:

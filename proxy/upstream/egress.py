@@ -22,10 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from proxy.config import EgressSettings, Settings, redact_url
-from proxy.errors import ConfigError
+from websockets.exceptions import InvalidProxy
+from websockets.proxy import parse_proxy
 
-__all__ = ["ENV_NAMES", "Egress", "egress_for"]
+from proxy.config import EgressSettings, Settings
+from proxy.errors import ConfigError
+from proxy.redact import redact_url, redact_urls
+
+__all__ = ["ENV_NAMES", "Egress", "check_proxy_url", "egress_for"]
 
 ENV_NAMES = (
     "https_proxy",
@@ -169,6 +173,21 @@ def _context(egress: EgressSettings, environ: Mapping[str, str]) -> ssl.SSLConte
     return context
 
 
+def check_proxy_url(url: str) -> None:
+    """Refuse a proxy URL websockets would refuse (a path, query or fragment, a user without a
+    password, no host), as websockets checks it, at startup: otherwise the first WebSocket
+    upgrade fails with websockets' ``InvalidProxy``, whose text is the whole URL, password and
+    all (issue 22). The message names the URL without its credentials.
+
+    Raises:
+        ConfigError: with the reason and the redacted URL.
+    """
+    try:
+        parse_proxy(url)
+    except InvalidProxy as exc:
+        raise ConfigError(f"egress.proxy: {redact_urls(url)!r} is not a valid proxy URL: {exc.msg}") from None
+
+
 @functools.lru_cache(maxsize=16)
 def _build(upstream: str, egress: EgressSettings, env: tuple[tuple[str, str], ...]) -> Egress:
     environ = dict(env)
@@ -180,6 +199,8 @@ def _build(upstream: str, egress: EgressSettings, env: tuple[tuple[str, str], ..
             raise ConfigError(f"egress.proxy: env: unsupported proxy {redact_url(proxy)!r} (http:// or https:// only)")
     else:
         proxy = egress.proxy
+    if proxy is not None:
+        check_proxy_url(proxy)
     secure = urlsplit(upstream).scheme in ("https", "wss")
     return Egress(proxy, _context(egress, environ) if secure else None)
 

@@ -19,6 +19,7 @@ import logging
 import ssl
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -29,10 +30,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.config import Settings, merge_query, redact_url
+from proxy.config import Settings, merge_query
+from proxy.core.owners import IdSniffer
 from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.ops.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
 
@@ -177,6 +180,23 @@ def _forward_headers(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Options:
+    """What a relay does besides moving bytes (the defaults: nothing)."""
+
+    capture: bool = False
+    """Keep a 200 answer (up to ``CAPTURE_BYTES``) to adopt its response as a head."""
+    on_id: Callable[[str], None] | None = None
+    """Told the response id of a 2xx answer before the bytes that complete it reach the app."""
+    fallback: bytes | None = None
+    """Sent instead when the upstream answers ``previous_response_not_found`` before any byte."""
+    rewrite: tuple[bytes, bytes] | None = None
+    """``(old, new)`` bytes swapped in the answer (an HTTP continuation's anchor)."""
+
+
+_NO_OPTIONS = Options()
+
+
 class Passthrough:
     """The HTTP relay; one ``aiohttp.ClientSession`` for the sidecar's lifetime.
 
@@ -252,7 +272,7 @@ class Passthrough:
         headers: dict[str, str],
         body: bytes | None,
         started: float,
-        capture: bool = False,
+        options: Options | None = None,
     ) -> Forwarded:
         """Relay ``request`` and stream the answer back.
 
@@ -261,6 +281,11 @@ class Passthrough:
             headers: Headers to add to the answer (``x-request-id``, ``x-upshift-mode``).
             body: The body if already read (``POST /v1/responses``); else it streams from the app.
             started: ``time.perf_counter()`` at arrival, for ``x-upshift-overhead-ms``.
+            options: What else to do with the answer: ``capture`` keeps a stored request's
+                completed answer to adopt as a head (issue 23); ``on_id`` is told the response id
+                of a 2xx answer (the top-level ``id`` of a JSON body,
+                ``response.id`` of the first SSE event) before the bytes that complete it are
+                written to the app; the bytes themselves pass unchanged (issue 22).
 
         Returns:
             The answer, already sent; a JSON error (502 unreachable, 504 timeout) if the upstream
@@ -269,10 +294,18 @@ class Passthrough:
         waited = time.perf_counter()
         async with self._slots:
             POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
-            return await self._forward(request, headers=headers, body=body, started=started, capture=capture)
+            return await self._forward(request, headers=headers, body=body, started=started, options=options)
 
     async def continuation(
-        self, request: web.Request, *, headers: dict[str, str], body: bytes, full: bytes, anchor: str, started: float
+        self,
+        request: web.Request,
+        *,
+        headers: dict[str, str],
+        body: bytes,
+        full: bytes,
+        anchor: str,
+        started: float,
+        on_id: Callable[[str], None] | None = None,
     ) -> Forwarded:
         """Relay an HTTP continuation (``body``: ``previous_response_id`` = ``anchor`` + the new
         items) and stream the answer back, the anchor shown to the app as it sent it (none:
@@ -283,9 +316,8 @@ class Passthrough:
         async with self._slots:
             POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
             rewrite = (b'"previous_response_id":' + orjson.dumps(anchor), b'"previous_response_id":null')
-            return await self._forward(
-                request, headers=headers, body=body, started=started, fallback=full, rewrite=rewrite, capture=True
-            )
+            options = Options(capture=True, on_id=on_id, fallback=full, rewrite=rewrite)
+            return await self._forward(request, headers=headers, body=body, started=started, options=options)
 
     async def _forward(
         self,
@@ -294,11 +326,11 @@ class Passthrough:
         headers: dict[str, str],
         body: bytes | None,
         started: float,
-        fallback: bytes | None = None,
-        rewrite: tuple[bytes, bytes] | None = None,
-        capture: bool = False,
+        options: Options | None = None,
     ) -> Forwarded:
         assert self._session is not None, "Passthrough.start() not called"
+        opts = options or _NO_OPTIONS
+        fallback, rewrite, capture, on_id = opts.fallback, opts.rewrite, opts.capture, opts.on_id
         try:
             url = self.url_for(request.raw_path)
         except InvalidRequest as exc:
@@ -332,10 +364,10 @@ class Passthrough:
             msg = f"The egress proxy refused the connection to the upstream (HTTP {exc.status} to CONNECT)."
             return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientProxyConnectionError as exc:
-            msg = f"The egress proxy is unreachable: {exc.os_error.strerror or exc.os_error}"
+            msg = f"The egress proxy is unreachable: {redact_urls(str(exc.os_error.strerror or exc.os_error))}"
             return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientError as exc:
-            err = UpstreamUnavailable(f"The upstream is unreachable: {exc}")
+            err = UpstreamUnavailable(f"The upstream is unreachable: {redact_urls(str(exc))}")
             return self._failed(err, headers, started, t_send)
         UPSTREAM_BYTES_SENT.labels("http").inc(sent)
         held = b""
@@ -349,7 +381,8 @@ class Passthrough:
                 upstream.release()
                 # The answer is now a full send, and says so (x-upshift-mode).
                 shown = {**headers, "x-upshift-mode": "full"} if "x-upshift-mode" in headers else headers
-                full = await self._forward(request, headers=shown, body=fallback, started=started, capture=capture)
+                again = Options(capture=capture, on_id=on_id)
+                full = await self._forward(request, headers=shown, body=fallback, started=started, options=again)
                 full.fell_back = True
                 return full
         t_headers = time.perf_counter()
@@ -369,12 +402,19 @@ class Passthrough:
             added = (t_send - started) + prep
             response.headers["x-upshift-overhead-ms"] = f"{added * 1000:.3f}"
             await response.prepare(request)
+            sniffer = None
+            if on_id is not None and 200 <= upstream.status < 300:
+                sniffer = IdSniffer(sse=upstream.headers.get("Content-Type", "").startswith("text/event-stream"))
             try:
                 kept: list[bytes] | None = [] if capture and upstream.status == 200 else None
                 kept_size = 0
                 if held:
+                    if sniffer is not None and (rid := sniffer.feed(held)) is not None:
+                        on_id(rid)  # type: ignore[misc]  # on_id is set whenever sniffer is
                     await response.write(swap.feed(held) if swap is not None else held)
                 async for chunk in upstream.content.iter_any():
+                    if sniffer is not None and not sniffer.done and (rid := sniffer.feed(chunk)) is not None:
+                        on_id(rid)  # type: ignore[misc]  # on_id is set whenever sniffer is
                     out = swap.feed(chunk) if swap is not None else chunk
                     if kept is not None:
                         kept.append(out)

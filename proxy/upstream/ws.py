@@ -44,6 +44,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.redact import redact_urls
 from proxy.serve.identity import USER_AGENT
 from proxy.upstream.egress import egress_for
 from proxy.wire.wsframe import FrameReader, LibraryReader, PeerClosed, Ping, Pong, Violation
@@ -125,7 +126,7 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
             f"The egress proxy refused the connection to the upstream (HTTP {status} to CONNECT)."
         ) from exc
     except (ProxyError, InvalidProxy) as exc:
-        raise UpstreamUnavailable(f"The egress proxy failed: {exc}") from exc
+        raise UpstreamUnavailable(f"The egress proxy failed: {redact_urls(str(exc))}") from exc
     except InvalidStatus as exc:
         response = exc.response
         raise UpstreamRefused(
@@ -135,11 +136,11 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
             payload=bytes(response.body or b""),
         ) from exc
     except (InvalidHandshake, InvalidURI) as exc:
-        raise UpstreamUnavailable(f"The upstream WebSocket handshake failed: {exc}") from exc
+        raise UpstreamUnavailable(f"The upstream WebSocket handshake failed: {redact_urls(str(exc))}") from exc
     except TimeoutError as exc:
         raise UpstreamUnavailable("Connecting to the upstream timed out.") from exc
     except OSError as exc:
-        raise UpstreamUnavailable(f"The upstream is unreachable: {exc.strerror or exc}") from exc
+        raise UpstreamUnavailable(f"The upstream is unreachable: {redact_urls(str(exc.strerror or exc))}") from exc
 
 
 _TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "response.done", "error"})

@@ -220,7 +220,9 @@ def test_owners_are_remembered_per_identity_and_bounded() -> None:
     assert heads.owner_of("resp_unknown") is None
     for n in range(heads.max_owners):
         heads.note_owner("bob", f"r{n}")
-    assert heads.owner_of("resp_1") is None  # the oldest went first
+    # The heaviest identity's oldest id went first: bob's flood never evicts alice's ids.
+    assert heads.owner_of("resp_1") == "alice" and heads.owner_of("resp_incomplete") == "alice"
+    assert heads.owner_of("r0") is None and heads.owner_of("r1") is None
     assert heads.owner_of(f"r{heads.max_owners - 1}") == "bob"
 
 

@@ -188,6 +188,7 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     access_log: tuple[Any, Any],
 ) -> None:
     import asyncio
+    import threading
 
     from proxy.core.explain import Explanation
     from proxy.serve.streaming import Record
@@ -196,7 +197,7 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     calls: list[str] = []
 
     def explainer() -> Explanation:
-        calls.append("explained")
+        calls.append(threading.current_thread().name)
         return Explanation(MissReason.DIVERGED, miss_item=0, identity="id")
 
     rec = Record("req_1", mode="full", reason=MissReason.NO_HEAD, status=200)
@@ -204,13 +205,23 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     rec.finish()
     assert calls == [] and lines() == []  # not on the request's path
     await asyncio.sleep(0)
-    assert calls == ["explained"]
+    assert calls == [threading.current_thread().name]  # a small request: the loop's next round
     (line,) = lines()
     assert (line["reason"], line["miss_item"]) == (MissReason.DIVERGED, 0)
     replayed = Record("req_2", mode="continuation", reason="continuation", status=200)
     replayed.explain(explainer, MissReason.NO_HEAD)
     replayed.finish()  # the verdict did not stand: nothing computed, the line at once
-    assert calls == ["explained"] and len(lines()) == 2
+    assert len(calls) == 1 and len(lines()) == 2
+    # issue 22: a large request's miss is explained in a thread of its own, never on the loop.
+    large = Record("req_3", mode="full", reason=MissReason.NO_HEAD, status=200, bytes_in=4 * 1024 * 1024)
+    large.explain(explainer, MissReason.NO_HEAD)
+    large.finish()
+    for _ in range(200):
+        if len(lines()) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert len(calls) == 2 and calls[1] != threading.current_thread().name, calls
+    assert lines()[-1]["reason"] == MissReason.DIVERGED
 
 
 def test_score_agrees_with_a_position_by_position_count() -> None:

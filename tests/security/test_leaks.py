@@ -16,7 +16,7 @@ import pytest
 
 from proxy.config import Settings
 from proxy.emulator import Emulator
-from proxy.errors import redact_url, redact_urls
+from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
 from proxy.upstream.passthrough import Passthrough
 from tests.security.ingress import ALICE, Spawn, body, started

@@ -1,0 +1,283 @@
+"""Who created each response id: the owner registry, and finding ids in bytes that pass by.
+
+Behind one injected key the upstream's store is shared by every tenant of the sidecar, so the
+sidecar itself must refuse a tenant that names another tenant's response id (``GET``/``DELETE
+/v1/responses/{id}``, ``/input_items``, ``/cancel``, ``previous_response_id``). Every path that
+returns a response id records its creator here; every route that names one asks
+:meth:`OwnerRegistry.verdict`.
+
+Bounded and fair: at most ``capacity`` ids are remembered, and when one must go it is the
+oldest id of the identity that holds the most (a tenant creating ids at a thousand times the
+rate of another evicts its own ids, never the other's while it holds more than that one).
+
+The sniffers find a response id in bytes on their way to the app without parsing or
+re-encoding them: the top-level ``id`` of a JSON response body, ``response.id`` of the first
+SSE event or of a WebSocket ``response.created`` frame. Each looks at a bounded prefix only.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+import orjson
+
+from proxy.core.reasons import OwnerVerdict
+
+__all__ = [
+    "SNIFF_LIMIT",
+    "IdSniffer",
+    "OwnerRegistry",
+    "OwnerVerdict",
+    "chained_ids",
+    "created_id",
+    "member_string",
+]
+
+SNIFF_LIMIT = 256 * 1024
+"""Bytes of an answer looked at for its response id; an id found nowhere in them stays unknown
+(then, behind an injected key, it is refused: the safe direction)."""
+
+
+class OwnerRegistry:
+    """Response id → the identity digest that created it, bounded, evicting from the heaviest.
+
+    Args:
+        capacity: Ids remembered in total.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(int(capacity), 1)
+        self._owner: dict[str, str] = {}
+        self._by_identity: dict[str, OrderedDict[str, None]] = {}
+        self._sizes: dict[int, set[str]] = {}
+        """Identities by how many ids they hold (finds the heaviest in O(1))."""
+        self._heaviest = 0
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __repr__(self) -> str:
+        return f"<OwnerRegistry [{len(self._owner)} ids, {len(self._by_identity)} identities]>"
+
+    def held(self, identity: str) -> int:
+        """How many ids of ``identity`` are remembered."""
+        ids = self._by_identity.get(identity)
+        return len(ids) if ids is not None else 0
+
+    def note(self, identity: str, response_id: str) -> None:
+        """Remember that ``identity`` created ``response_id``."""
+        current = self._owner.get(response_id)
+        if current is not None:
+            if current == identity:
+                self._by_identity[identity].move_to_end(response_id)
+                return
+            self._remove(response_id)  # an id is created once; the latest word wins
+        ids = self._by_identity.setdefault(identity, OrderedDict())
+        self._resize(identity, len(ids), len(ids) + 1)
+        ids[response_id] = None
+        self._owner[response_id] = identity
+        while len(self._owner) > self.capacity:
+            self._evict()
+
+    def owner_of(self, response_id: str) -> str | None:
+        """The identity that created ``response_id``, if remembered."""
+        return self._owner.get(response_id)
+
+    def verdict(self, identity: str, response_id: str) -> OwnerVerdict:
+        """Whether ``response_id`` is ``identity``'s own, another's, or unknown here."""
+        owner = self._owner.get(response_id)
+        if owner is None:
+            return OwnerVerdict.UNKNOWN
+        return OwnerVerdict.OWN if owner == identity else OwnerVerdict.FOREIGN
+
+    def _resize(self, identity: str, old: int, new: int) -> None:
+        if old:
+            bucket = self._sizes[old]
+            bucket.discard(identity)
+            if not bucket:
+                del self._sizes[old]
+        if new:
+            self._sizes.setdefault(new, set()).add(identity)
+        if new > self._heaviest:
+            self._heaviest = new
+        while self._heaviest and self._heaviest not in self._sizes:
+            self._heaviest -= 1
+
+    def _remove(self, response_id: str) -> None:
+        identity = self._owner.pop(response_id)
+        ids = self._by_identity[identity]
+        del ids[response_id]
+        self._resize(identity, len(ids) + 1, len(ids))
+        if not ids:
+            del self._by_identity[identity]
+
+    def _evict(self) -> None:
+        """Drop the oldest id of the identity holding the most (ties: any of them)."""
+        identity = next(iter(self._sizes[self._heaviest]))
+        oldest = next(iter(self._by_identity[identity]))
+        self._remove(oldest)
+
+
+# -- finding ids in bytes ----------------------------------------------------------------------
+
+_STRUCT = re.compile(rb'["{}\[\]:,]')
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+class _NotThere(Exception):
+    """The member cannot appear in the rest of the bytes."""
+
+
+def member_string(data: bytes, path: tuple[str, ...]) -> str | None:
+    """The string at ``path`` (``("id",)``, ``("response", "id")``) of the JSON object that
+    starts ``data``, or ``None`` when it is not there (or not within ``data``, a prefix).
+
+    Only structure is tokenised (strings are skipped at C speed); nothing is decoded but the
+    keys on the path and the value found.
+    """
+    try:
+        return _member_string(data, path)
+    except (_NotThere, orjson.JSONDecodeError, IndexError):
+        return None
+
+
+def _member_string(data: bytes, path: tuple[str, ...]) -> str | None:
+    stack: list[int] = []  # 0x7B object, 0x5B array
+    matched = 0  # path components entered so far; the path's object is at depth matched + 1
+    expect_key = False
+    hit = False  # the last key read is the next path component
+    pos = 0
+    while True:
+        m = _STRUCT.search(data, pos)
+        if m is None:
+            return None
+        c = data[m.start()]
+        pos = m.end()
+        if c == 0x22:
+            s = _STRING.match(data, m.start())
+            if s is None:
+                return None  # cut inside a string: the prefix ends here
+            pos = s.end()
+            if not stack:
+                raise _NotThere
+            if expect_key:
+                hit = len(stack) == matched + 1 and orjson.loads(s.group()) == path[matched]
+                expect_key = False
+            else:
+                if hit and matched == len(path) - 1:
+                    value = orjson.loads(s.group())
+                    return value if isinstance(value, str) else None
+                hit = False
+        elif c in (0x7B, 0x5B):
+            if hit and c == 0x7B and matched < len(path) - 1:
+                matched += 1
+            elif not stack and c != 0x7B:
+                raise _NotThere
+            stack.append(c)
+            expect_key, hit = c == 0x7B, False
+        elif c in (0x7D, 0x5D):
+            if not stack:
+                raise _NotThere
+            stack.pop()
+            if len(stack) < matched + 1:
+                raise _NotThere  # the object on the path ended without the member
+            expect_key, hit = False, False
+        elif c == 0x2C:
+            expect_key, hit = bool(stack) and stack[-1] == 0x7B, False
+        # ':' changes nothing: the value follows the key read
+
+
+class IdSniffer:
+    """Finds the response id of an answer streamed to the app, chunk by chunk.
+
+    Args:
+        sse: The answer is ``text/event-stream`` (the id is ``response.id`` of its first
+            event); else a JSON body (its top-level ``id``).
+        limit: Bytes looked at, at most.
+    """
+
+    def __init__(self, *, sse: bool, limit: int = SNIFF_LIMIT) -> None:
+        self.sse = sse
+        self.limit = limit
+        self.done = False
+        """Found, or given up: later chunks are not looked at."""
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> str | None:
+        """The id, once the bytes seen so far show it (at most once); else ``None``."""
+        if self.done:
+            return None
+        self._buffer += chunk[: self.limit - len(self._buffer)]
+        full = len(self._buffer) >= self.limit
+        found: str | None = None
+        if self.sse:
+            event, complete = _first_event_data(self._buffer)
+            if complete:
+                self.done = True
+                found = member_string(event, ("response", "id"))
+        else:
+            start = self._buffer.lstrip()[:1]
+            if start and start != b"{":
+                self.done = True
+            else:
+                found = member_string(self._buffer, ("id",))
+                self.done = found is not None
+        if full:
+            self.done = True
+        if self.done:
+            self._buffer = b""
+        return found
+
+
+def _first_event_data(buffer: bytes) -> tuple[bytes, bool]:
+    """The ``data`` of the first SSE event in ``buffer``, and whether that event is complete."""
+    normal = buffer.replace(b"\r\n", b"\n")
+    end = normal.find(b"\n\n")
+    while end == 0:  # leading blank lines
+        normal = normal[2:]
+        end = normal.find(b"\n\n")
+    if end < 0:
+        return b"", False
+    lines = [line[5:].removeprefix(b" ") for line in normal[:end].split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines), True
+
+
+_CREATED = "response.created"
+
+
+def created_id(message: str | bytes) -> str | None:
+    """``response.id`` of a WebSocket ``response.created`` frame (or of a frame whose head
+    carries one), else ``None``; looks at a bounded head only."""
+    head = message[:256]
+    needle = _CREATED if isinstance(head, str) else _CREATED.encode()
+    if needle not in head:  # type: ignore[operator]
+        return None
+    data = message[:SNIFF_LIMIT]
+    raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
+    return member_string(raw, ("response", "id"))
+
+
+_PREVIOUS = b'"previous_response_id"'
+
+
+def chained_ids(frame: bytes) -> tuple[str, str | None] | None:
+    """``(previous_response_id, stream_id)`` of an app's WebSocket frame, or ``None`` when it
+    names no response id. Cheap when it names none (one byte search); parsed otherwise.
+
+    Raises:
+        ValueError: the frame names one but is not a JSON object.
+    """
+    if _PREVIOUS not in frame:
+        return None
+    value: Any = orjson.loads(frame)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    previous = value.get("previous_response_id")
+    stream = value.get("stream_id")
+    if not isinstance(previous, str):
+        return None
+    return previous, stream if isinstance(stream, str) else None

@@ -1,0 +1,56 @@
+"""The owner check every id-bearing route makes (issue 22): local registry first, then peers.
+
+:class:`OwnerBook` wraps the process's :class:`~proxy.core.owners.OwnerRegistry` (kept in the
+head table) and, in a cluster, a :class:`RemoteOwners` that asks the other workers and
+replicas (:mod:`proxy.ingress.owners`): the id's creator recorded it before the app could see
+it, so wherever a later request lands, some process knows. Behind an injected key the check
+fails closed: an id no process knows is refused, as the upstream refuses an unknown id.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from proxy.core.owners import OwnerRegistry
+from proxy.core.reasons import OwnerVerdict
+
+__all__ = ["OwnerBook", "RemoteOwners"]
+
+
+class RemoteOwners(Protocol):
+    """Asks the other processes of the cluster about an id this process does not know."""
+
+    async def verdict(self, identity: str, response_id: str) -> OwnerVerdict:
+        """``own``/``foreign`` as the process that knows says, ``unknown`` if none does."""
+        ...
+
+
+class OwnerBook:
+    """Who may name a response id.
+
+    Args:
+        registry: This process's owners (``HeadTable.owners``).
+        strict: Refuse ids of unknown owner (an injected key: the upstream's store is shared).
+    """
+
+    def __init__(self, registry: OwnerRegistry, *, strict: bool) -> None:
+        self.registry = registry
+        self.strict = strict
+        self.remote: RemoteOwners | None = None
+        """Set by the composition root when there are other processes to ask."""
+
+    def note(self, identity: str, response_id: str) -> None:
+        """``identity`` created ``response_id`` (call before the app can see the id)."""
+        self.registry.note(identity, response_id)
+
+    async def verdict(self, identity: str, response_id: str) -> OwnerVerdict:
+        """Whose ``response_id`` is: this process's record, else the peers'."""
+        found = self.registry.verdict(identity, response_id)
+        if found is OwnerVerdict.UNKNOWN and self.remote is not None:
+            found = await self.remote.verdict(identity, response_id)
+        return found
+
+    async def allows(self, identity: str, response_id: str) -> bool:
+        """Whether ``identity`` may name ``response_id`` (its own; unknown only when not strict)."""
+        found = await self.verdict(identity, response_id)
+        return found is OwnerVerdict.OWN or (found is OwnerVerdict.UNKNOWN and not self.strict)

@@ -1,0 +1,78 @@
+"""The routes that name a stored response: ``GET``/``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` (and anything else
+under ``/v1/responses/{id}/``), plus the other ``POST /v1/responses/...`` routes whose body may
+carry a ``previous_response_id`` (``/compact``, ``/input_tokens``).
+
+Each asks the owner book (:mod:`proxy.serve.owners`) before anything is forwarded: a response
+id another identity created is answered with the upstream's own 404 for an unknown id (a
+``previous_response_id`` with its 400 ``previous_response_not_found``), and behind an injected
+key so is an id no process of the sidecar knows. Everything allowed is relayed unchanged over
+HTTP, as before (:mod:`proxy.upstream.passthrough`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from aiohttp import web
+
+from proxy.core.reasons import Mode, Route
+from proxy.errors import ForeignResponse, ForeignResponseRoute, RequestError
+from proxy.serve.handlers import SERVICES, refuse
+from proxy.serve.streaming import Record, new_request_id, read_body
+
+__all__ = ["add_routes"]
+
+_ID_SUBROUTES = "/v1/responses/{response_id}/{tail:.*}"
+_ID_ROUTE = "/v1/responses/{response_id}"
+_NOT_IDS = frozenset({"compact", "input_tokens"})
+"""``POST /v1/responses/<these>`` are operations, not ids (their bodies are checked instead)."""
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the id-bearing ``/v1/responses/...`` routes (before the ``/v1`` catch-all)."""
+    app.router.add_route("*", _ID_SUBROUTES, _named)
+    app.router.add_route("*", _ID_ROUTE, _named)
+
+
+async def _named(request: web.Request) -> web.StreamResponse:
+    started = time.perf_counter()
+    rec = Record(new_request_id(), route=Route.OTHER, mode=Mode.PASSTHROUGH)
+    headers = {"x-request-id": rec.request_id}
+    svc = request.app[SERVICES]
+    try:
+        rid = request.match_info["response_id"]
+        body: bytes | None = None
+        try:
+            identity = svc.identity(request)
+            if request.method == "POST" and "tail" not in request.match_info and rid in _NOT_IDS:
+                body = await read_body(request, svc.settings.limits.max_body_bytes)
+                chained = _previous_response_id(body)
+                if chained is not None and not await svc.owners.allows(identity.digest, chained):
+                    raise ForeignResponse(chained)
+            elif not await svc.owners.allows(identity.digest, rid):
+                raise ForeignResponseRoute(rid)
+        except RequestError as exc:
+            response = refuse(exc, headers, rec, started)
+            rec.status = response.status
+            return response
+        headers["x-upshift-mode"] = "passthrough"
+        fwd = await svc.passthrough.forward(request, headers=headers, body=body, started=started)
+        rec.status, rec.bytes_sent = fwd.status, fwd.bytes_sent
+        rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+        return fwd.response
+    finally:
+        rec.finish()
+
+
+def _previous_response_id(body: bytes) -> str | None:
+    """The ``previous_response_id`` of a JSON object body, if it names one."""
+    if b'"previous_response_id"' not in body:
+        return None
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # the upstream gives the proper error; nothing of another tenant is named
+    found = value.get("previous_response_id") if isinstance(value, dict) else None
+    return found if isinstance(found, str) else None

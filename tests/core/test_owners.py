@@ -1,0 +1,88 @@
+"""The owner registry (bounded, evicting from the heaviest identity) and the id sniffers."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.core.owners import IdSniffer, OwnerRegistry, chained_ids, created_id, member_string
+from proxy.core.reasons import OwnerVerdict
+
+
+def test_verdicts() -> None:
+    owners = OwnerRegistry(10)
+    owners.note("alice", "resp_a")
+    assert owners.verdict("alice", "resp_a") is OwnerVerdict.OWN
+    assert owners.verdict("bob", "resp_a") is OwnerVerdict.FOREIGN
+    assert owners.verdict("bob", "resp_x") is OwnerVerdict.UNKNOWN
+
+
+def test_a_flood_of_one_identity_evicts_only_its_own_ids() -> None:
+    owners = OwnerRegistry(100)
+    for n in range(10):
+        owners.note("alice", f"a{n}")
+    for n in range(10_000):
+        owners.note("mallory", f"m{n}")
+    assert len(owners) == 100
+    assert all(owners.owner_of(f"a{n}") == "alice" for n in range(10))
+    assert owners.held("mallory") == 90 and owners.owner_of("m9999") == "mallory"
+    assert owners.owner_of("m0") is None  # the heaviest identity's oldest went first
+
+
+def test_eviction_evens_out_identities_at_the_bound() -> None:
+    owners = OwnerRegistry(30)
+    for n in range(100):
+        for who in ("a", "b", "c"):
+            owners.note(who, f"{who}{n}")
+    assert [owners.held(w) for w in "abc"] == [10, 10, 10]
+    assert owners.owner_of("a99") == "a" and owners.owner_of("a0") is None
+
+
+RESPONSE = {"id": "resp_1", "object": "response", "output": [{"id": "msg_1", "type": "message"}]}
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9, 14, 20, 60, None])
+def test_json_sniffer_finds_the_top_level_id_in_any_chunking(cut: int | None) -> None:
+    body = orjson.dumps({"object": "response", "metadata": {"id": "nested"}, **RESPONSE})
+    sniffer = IdSniffer(sse=False)
+    chunks = [body] if cut is None else [body[i : i + cut] for i in range(0, len(body), cut)]
+    found = [rid for chunk in chunks if (rid := sniffer.feed(chunk)) is not None]
+    assert found == ["resp_1"]
+
+
+def test_json_sniffer_ignores_an_error_body_and_non_objects() -> None:
+    assert IdSniffer(sse=False).feed(b'{"error": {"message": "x", "code": null}}') is None
+    sniffer = IdSniffer(sse=False)
+    assert sniffer.feed(b"[1, 2]") is None and sniffer.done
+
+
+def test_sse_sniffer_reads_the_first_event_only() -> None:
+    created = orjson.dumps({"type": "response.created", "sequence_number": 0, "response": RESPONSE})
+    stream = b"event: response.created\ndata: " + created + b"\n\nevent: x\ndata: {}\n\n"
+    sniffer = IdSniffer(sse=True)
+    assert [r for i in range(0, len(stream), 7) if (r := sniffer.feed(stream[i : i + 7]))] == ["resp_1"]
+    error = IdSniffer(sse=True)
+    assert error.feed(b'event: error\ndata: {"type":"error","error":{"id":"no"}}\n\n') is None and error.done
+
+
+def test_sniffer_gives_up_at_its_limit() -> None:
+    sniffer = IdSniffer(sse=False, limit=64)
+    assert sniffer.feed(b'{"output": "' + b"x" * 100 + b'", "id": "resp_late"}') is None and sniffer.done
+
+
+def test_member_string_never_takes_a_nested_or_escaped_key() -> None:
+    assert member_string(b'{"a": {"id": "no"}, "b": ["id", {"id": "no"}], "id": "yes"}', ("id",)) == "yes"
+    assert member_string(b'{"a": "\\"id\\": \\"no\\"", "x": 1}', ("id",)) is None
+    assert member_string(b'{"response": {"output": [{"id": "no"}], "id": "yes"}}', ("response", "id")) == "yes"
+
+
+def test_relay_frames() -> None:
+    created = orjson.dumps({"type": "response.created", "response": RESPONSE}).decode()
+    assert created_id(created) == "resp_1"
+    assert created_id(orjson.dumps({"type": "response.output_text.delta", "delta": "id"}).decode()) is None
+    frame = orjson.dumps({"type": "response.create", "previous_response_id": "resp_9", "stream_id": "s"})
+    assert chained_ids(frame) == ("resp_9", "s")
+    assert chained_ids(b'{"type": "response.create", "input": []}') is None
+    assert chained_ids(b'{"type": "response.create", "previous_response_id": null}') is None
+    with pytest.raises(ValueError):
+        chained_ids(b'"previous_response_id"')
