@@ -29,7 +29,6 @@ from proxy.core.reasons import OwnerVerdict
 
 __all__ = [
     "SNIFF_LIMIT",
-    "IdSniffer",
     "OwnerRegistry",
     "OwnerVerdict",
     "chained_ids",
@@ -189,61 +188,6 @@ def _member_string(data: bytes, path: tuple[str, ...]) -> str | None:
         elif c == 0x2C:
             expect_key, hit = bool(stack) and stack[-1] == 0x7B, False
         # ':' changes nothing: the value follows the key read
-
-
-class IdSniffer:
-    """Finds the response id of an answer streamed to the app, chunk by chunk.
-
-    Args:
-        sse: The answer is ``text/event-stream`` (the id is ``response.id`` of its first
-            event); else a JSON body (its top-level ``id``).
-        limit: Bytes looked at, at most.
-    """
-
-    def __init__(self, *, sse: bool, limit: int = SNIFF_LIMIT) -> None:
-        self.sse = sse
-        self.limit = limit
-        self.done = False
-        """Found, or given up: later chunks are not looked at."""
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> str | None:
-        """The id, once the bytes seen so far show it (at most once); else ``None``."""
-        if self.done:
-            return None
-        self._buffer += chunk[: self.limit - len(self._buffer)]
-        full = len(self._buffer) >= self.limit
-        found: str | None = None
-        if self.sse:
-            event, complete = _first_event_data(self._buffer)
-            if complete:
-                self.done = True
-                found = member_string(event, ("response", "id"))
-        else:
-            start = self._buffer.lstrip()[:1]
-            if start and start != b"{":
-                self.done = True
-            else:
-                found = member_string(self._buffer, ("id",))
-                self.done = found is not None
-        if full:
-            self.done = True
-        if self.done:
-            self._buffer = b""
-        return found
-
-
-def _first_event_data(buffer: bytes) -> tuple[bytes, bool]:
-    """The ``data`` of the first SSE event in ``buffer``, and whether that event is complete."""
-    normal = buffer.replace(b"\r\n", b"\n")
-    end = normal.find(b"\n\n")
-    while end == 0:  # leading blank lines
-        normal = normal[2:]
-        end = normal.find(b"\n\n")
-    if end < 0:
-        return b"", False
-    lines = [line[5:].removeprefix(b" ") for line in normal[:end].split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(lines), True
 
 
 _CREATED = "response.created"

@@ -31,13 +31,13 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import Settings, merge_query
-from proxy.core.owners import IdSniffer
 from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.ops.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
+from proxy.upstream.sniff import IdSniffer
 
 __all__ = ["HOP_BY_HOP", "Forwarded", "Passthrough", "error_response"]
 

@@ -48,6 +48,7 @@ from proxy.ops.metrics import (
 from proxy.serve.identity import Identity
 from proxy.upstream.caps import CapFile
 from proxy.upstream.ws import Inbox, UpstreamSocket, open_websocket
+from proxy.wire import sse
 
 __all__ = ["Pool", "SocketUse", "Turn", "completed_response"]
 
@@ -63,17 +64,19 @@ def completed_response(body: bytes) -> dict[str, Any] | None:
         except orjson.JSONDecodeError:
             return None
         return found if isinstance(found, dict) and found.get("status") == "completed" else None
-    at = body.rfind(b'"type":"response.completed"')
-    if at < 0:
-        return None
-    start = body.rfind(b"data:", 0, at)
-    end = body.find(b"\n", at)
     try:
-        event = orjson.loads(body[start + 5 : end if end >= 0 else len(body)])
-    except orjson.JSONDecodeError:
+        events = sse.decode_all(body)
+    except sse.EventTooLarge:
         return None
-    response = event.get("response") if isinstance(event, dict) else None
-    return response if isinstance(response, dict) and response.get("status") == "completed" else None
+    for event in reversed(events):
+        if event.event == "response.completed":
+            try:
+                found = orjson.loads(event.data)
+            except orjson.JSONDecodeError:
+                return None
+            response = found.get("response") if isinstance(found, dict) else None
+            return response if isinstance(response, dict) and response.get("status") == "completed" else None
+    return None
 
 
 _GAUGES = (

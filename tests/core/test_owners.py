@@ -5,8 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.core.owners import IdSniffer, OwnerRegistry, chained_ids, created_id, member_string
+from proxy.core.owners import OwnerRegistry, chained_ids, created_id, member_string
 from proxy.core.reasons import OwnerVerdict
+from proxy.upstream.sniff import IdSniffer
 
 
 def test_verdicts() -> None:

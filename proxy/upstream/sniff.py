@@ -1,0 +1,64 @@
+"""The response id of an answer relayed over HTTP, found as its bytes pass (issue 22).
+
+The bytes reach the app unchanged; the sniffer only looks at a bounded head of them: a JSON
+body's top-level ``id``, or ``response.id`` of an SSE stream's first event, decoded by the one
+SSE reader (:mod:`proxy.wire.sse`).
+"""
+
+from __future__ import annotations
+
+from proxy.core.owners import SNIFF_LIMIT, member_string
+from proxy.wire import sse
+
+__all__ = ["IdSniffer"]
+
+
+class IdSniffer:
+    """Finds the response id of an answer streamed to the app, chunk by chunk.
+
+    Args:
+        sse: The answer is ``text/event-stream`` (the id is ``response.id`` of its first
+            event); else a JSON body (its top-level ``id``).
+        limit: Bytes looked at, at most.
+    """
+
+    def __init__(self, *, sse: bool, limit: int = SNIFF_LIMIT) -> None:
+        self.limit = limit
+        self.done = False
+        """Found, or given up: later chunks are not looked at."""
+        self._seen = 0
+        self._buffer = b""
+        self._decoder = _decoder(limit) if sse else None
+
+    def feed(self, chunk: bytes) -> str | None:
+        """The id, once the bytes seen so far show it (at most once); else ``None``."""
+        if self.done:
+            return None
+        piece = chunk[: self.limit - self._seen]
+        self._seen += len(piece)
+        found: str | None = None
+        if self._decoder is not None:
+            try:
+                events = self._decoder.feed(piece)
+            except sse.EventTooLarge:
+                events, self.done = [], True
+            if events:
+                self.done = True
+                found = member_string(events[0].data, ("response", "id"))
+        else:
+            self._buffer += piece
+            start = self._buffer.lstrip()[:1]
+            if start and start != b"{":
+                self.done = True
+            else:
+                found = member_string(self._buffer, ("id",))
+                self.done = found is not None
+        if self._seen >= self.limit:
+            self.done = True
+        if self.done:
+            self._buffer, self._decoder = b"", None
+        return found
+
+
+def _decoder(limit: int) -> sse.Decoder:
+    return sse.Decoder(max_event_bytes=limit)
