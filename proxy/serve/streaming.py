@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -66,6 +66,7 @@ __all__ = [
     "new_request_id",
     "pump",
     "read_body",
+    "timed_stream",
 ]
 
 _MAX_BATCH = 64
@@ -625,6 +626,21 @@ class _Watch:
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
+
+
+async def timed_stream(content: Any, clock: BodyClock) -> AsyncIterator[bytes]:
+    """A body relayed as it arrives (the other ``/v1`` routes: uploads, batches) under the same
+    deadlines as a ``POST /v1/responses`` body (issue 21): :class:`BodyTimeout` once it stalls
+    or trickles, so it never holds an HTTP relay slot for longer than the body deadline."""
+    watch = _Watch(clock, content)
+    try:
+        async for chunk in content.iter_any():
+            watch.chunk(len(chunk))
+            yield chunk
+    finally:
+        watch.stop()
+    if watch.fired is not None:
+        raise watch.fired
 
 
 async def read_body(

@@ -19,7 +19,7 @@ import logging
 import ssl
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -31,11 +31,13 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import Settings, merge_query
+from proxy.core.reasons import BodyAbort
 from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
-from proxy.errors import InvalidRequest, ProxyError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from proxy.ops.metrics import POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeout, UpstreamUnavailable
+from proxy.ops.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
+from proxy.serve.streaming import BodyClock, timed_stream
 from proxy.upstream.egress import egress_for
 from proxy.upstream.sniff import IdSniffer
 
@@ -337,9 +339,9 @@ class Passthrough:
             refused = error_response(exc, headers)
             return Forwarded(refused, exc.status, 0, 0.0, time.perf_counter() - started)
         authorization = self.keys.authorization(request.headers.get("Authorization"))
-        data: bytes | aiohttp.StreamReader | None = body
-        if body is None and request.body_exists:
-            data = request.content
+        data: bytes | AsyncIterator[bytes] | None = body
+        if body is None and request.body_exists:  # issue 21: a streamed body has deadlines too
+            data = timed_stream(request.content, BodyClock(self.settings.limits, asyncio.get_running_loop().time()))
         out_headers = _forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
         if rewrite is not None or capture:
             out_headers["Accept-Encoding"] = "identity"  # its bytes are rewritten or read on the way
@@ -359,6 +361,8 @@ class Passthrough:
             )
         except TimeoutError:
             return self._failed(UpstreamTimeout("The upstream did not answer in time."), headers, started, t_send)
+        except BodyTimeout as exc:
+            return self._body_late(exc, headers, started, t_send)
         except aiohttp.ClientHttpProxyError as exc:
             # Never the proxy URL in the message: it may hold credentials.
             msg = f"The egress proxy refused the connection to the upstream (HTTP {exc.status} to CONNECT)."
@@ -367,6 +371,9 @@ class Passthrough:
             msg = f"The egress proxy is unreachable: {redact_urls(str(exc.os_error.strerror or exc.os_error))}"
             return self._failed(UpstreamUnavailable(msg), headers, started, t_send)
         except aiohttp.ClientError as exc:
+            late = _body_timeout(exc)
+            if late is not None:  # the app's body stalled while it was relayed
+                return self._body_late(late, headers, started, t_send)
             err = UpstreamUnavailable(f"The upstream is unreachable: {redact_urls(str(exc))}")
             return self._failed(err, headers, started, t_send)
         UPSTREAM_BYTES_SENT.labels("http").inc(sent)
@@ -437,8 +444,29 @@ class Passthrough:
         upstream_seconds = time.perf_counter() - t_send - prep
         return Forwarded(response, upstream.status, sent, upstream_seconds, added, captured=captured)
 
-    def _failed(self, exc: UpstreamError, headers: dict[str, str], started: float, t_send: float) -> Forwarded:
+    def _body_late(self, exc: BodyTimeout, headers: dict[str, str], started: float, t_send: float) -> Forwarded:
+        """408 for a relayed body that stalled; the connection is closed after it (the rest of
+        the body is never read)."""
+        BODIES_ABORTED.labels(BodyAbort.TOO_SLOW if exc.slow else BodyAbort.TIMEOUT).inc()
+        fwd = self._failed(exc, headers, started, t_send)
+        fwd.response.force_close()
+        return fwd
+
+    def _failed(self, exc: ProxyError, headers: dict[str, str], started: float, t_send: float) -> Forwarded:
         response = error_response(exc, headers)
         added = t_send - started
         response.headers["x-upshift-overhead-ms"] = f"{added * 1000:.3f}"
         return Forwarded(response, exc.status, 0, time.perf_counter() - t_send, added)
+
+
+def _body_timeout(exc: BaseException) -> BodyTimeout | None:
+    """The app's :class:`BodyTimeout` behind a client error (aiohttp wraps what the body's
+    iterator raised while it wrote the request)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, BodyTimeout):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -191,3 +191,37 @@ async def test_a_client_gone_mid_body_is_one_info_line_and_a_counter(emulator: E
             side.base_url + "/responses", data=body(), headers={"Authorization": f"Bearer {MALLORY}"}
         ) as resp:
             assert resp.status == 200
+
+
+async def test_a_stalled_upload_on_another_route_gets_408_at_the_deadline(emulator: Emulator, spawn: Spawn) -> None:
+    """Bodies relayed as they arrive (``/v1/files`` uploads, any other ``/v1`` route) have the
+    same deadline: a stalled one no longer holds an HTTP relay slot for the upstream's timeout."""
+    side = await started(spawn, emulator.base_url, UPSHIFT_LIMITS_BODY_TIMEOUT_SECONDS="3")
+    name, port = side.api.removeprefix("http://").rsplit(":", 1)
+    form = (
+        b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nassistants\r\n--b\r\n'
+        b'Content-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{"a": 1}\n'
+    )
+    reader, writer = await asyncio.open_connection(name, int(port))
+    head = (
+        f"POST /v1/files HTTP/1.1\r\nHost: {name}:{port}\r\nAuthorization: Bearer {MALLORY}\r\n"
+        f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {len(form) + 1000}\r\n\r\n"
+    )
+    opened = time.monotonic()
+    writer.write(head.encode() + form)  # ... and the rest never comes
+    await writer.drain()
+    data = await _until_closed(reader, 20)
+    waited = time.monotonic() - opened
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 408"), data[:300]
+    assert b"request_timeout" in data
+    assert waited < 3 + 5, waited  # the deadline (3 s), not the upstream's timeout
+    # The control: a whole upload is relayed and answered.
+    async with aiohttp.ClientSession() as http:
+        upload = aiohttp.FormData()
+        upload.add_field("purpose", "assistants")
+        upload.add_field("file", b'{"a": 1}\n', filename="a.jsonl")
+        async with http.post(
+            side.base_url + "/files", data=upload, headers={"Authorization": f"Bearer {MALLORY}"}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
