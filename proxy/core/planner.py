@@ -238,6 +238,9 @@ class Planner:
         self._reseeding: set[LaneKey] = set()
         self._sockets: dict[int, Socket] = {}
         self._by_identity: dict[str, dict[int, Socket]] = {}
+        self.outside: Counter[str] = Counter()
+        """Upstream sockets an identity holds outside the pool (WebSocket relay sessions): they
+        count against ``max_sockets_per_identity`` and ``max_sockets_total`` too (issue 22)."""
         self._ids = itertools.count(1)
         self._detached = itertools.count(1)
         self._hold_until: dict[str, float] = {}
@@ -510,7 +513,7 @@ class Planner:
         if self.held_off(identity, now):
             return False
         mine = self._by_identity.get(identity, {})
-        if len(mine) >= lim.max_sockets_per_identity:
+        if len(mine) + self.outside[identity] >= lim.max_sockets_per_identity:
             return False
         connecting = sum(1 for s in mine.values() if s.state is SocketState.CONNECTING)
         if connecting >= max(_SLOW_START, len(mine) - connecting):
@@ -522,7 +525,7 @@ class Planner:
                 if now < cap.probe_at or connecting:
                     return False  # above the learned cap: one probe at a time, now and then
                 cap.probe_at = now + lim.cap_probe_seconds
-        if len(self._sockets) < lim.max_sockets_total:
+        if len(self._sockets) + sum(self.outside.values()) < lim.max_sockets_total:
             return True
         idle = [s for s in self._sockets.values() if s.active == 0 and s.state is SocketState.OPEN]
         if not idle:

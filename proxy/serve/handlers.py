@@ -76,9 +76,6 @@ class Services:
     passthrough: Passthrough
     relays: set[web.WebSocketResponse] = field(default_factory=set)
     """Open downstream WebSocket relays (closed with 1001 on shutdown)."""
-    relay_sessions: Counter[str] = field(default_factory=Counter)
-    """Open relay sessions (each holds an upstream socket) by identity digest, counted with the
-    pool's sockets against ``pool.max_sockets_per_identity`` / ``max_sockets_total``."""
     streams: set[tuple[Downstream, Channel]] = field(default_factory=set)
     """Responses being pumped to apps right now (ended by :func:`cut_stream` if the drain's
     grace runs out)."""
@@ -89,6 +86,12 @@ class Services:
 
     def __post_init__(self) -> None:
         self.owners = OwnerBook(self.heads.owners, strict=self.keys.injects)
+
+    @property
+    def relay_sessions(self) -> Counter[str]:
+        """Open WebSocket relay sessions per identity: upstream sockets outside the pool, counted
+        by the planner against the socket limits (issue 22)."""
+        return self.pool.planner.outside
 
     def identity(self, request: web.Request) -> Identity:
         """The caller's identity (and the upstream upgrade headers)."""

@@ -175,3 +175,32 @@ async def test_a_relayed_message_waits_for_memory_and_is_refused_with_an_error_e
                 assert event["type"] != "error", event
     finally:
         writer.close()
+
+
+async def test_open_relay_sessions_count_against_the_pools_own_sockets(
+    emulator: Emulator, spawn: Callable[..., SidecarProcess], http: aiohttp.ClientSession
+) -> None:
+    """The pool sees the relays too: with a credential's two sockets taken by relay sessions,
+    its HTTP requests open no third upstream socket (they go over plain HTTP); once a session
+    closes, the pool opens one again."""
+    env = {"UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "2", "UPSHIFT_POOL_WAIT_SECONDS": "0.2"}
+    proc = await start_process(spawn, emulator.base_url, env=env)
+    url = proc.api.replace("http://", "ws://") + "/v1/responses"
+    sessions = [await http.ws_connect(url, headers={"Authorization": f"Bearer {ALICE}"}) for _ in range(2)]
+    for ws in sessions:  # both sessions opened their upstream sockets
+        await ws.send_str(orjson.dumps(create("relay")).decode())
+        while orjson.loads((await ws.receive(timeout=15)).data)["type"] != "response.completed":
+            pass
+    body = {"model": MODEL, "input": [user("over the pool")]}
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    opened = emulator.stats.ws_connections["opened"]
+    async with http.post(proc.api + "/v1/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-upshift-mode"] == "passthrough"
+    assert emulator.stats.ws_connections["opened"] == opened  # no socket beyond the limit
+    await sessions[0].close()
+    await asyncio.sleep(0.2)
+    async with http.post(proc.api + "/v1/responses", json=body, headers=headers) as resp:  # the control
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-upshift-mode"] == "full"
+    await sessions[1].close()
