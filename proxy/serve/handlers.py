@@ -259,6 +259,8 @@ async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamErr
     hold = x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
     channel = Channel(x.req.previous_response_id, hold_back_s=hold)
     frames = [_planned(x, plan)]  # issue 12: pump takes the only reference, frees it once sent
+    if x.down.lease is not None and not x.svc.settings.pool.fragment_bytes:
+        await x.down.lease.whole_frame(len(frames[0]))  # issue 19: its masked copy is paid for too
     sent, failure, entry = len(frames[0]), None, (x.down, channel)
     x.svc.streams.add(entry)
     try:

@@ -216,3 +216,23 @@ async def test_kept_bodies_draw_from_the_budget_and_give_way_to_requests() -> No
         assert hot[1] is not None and hot[1].body is not None
     heads.discard(("socket", 1))
     assert gate.budget.kept == 0
+
+
+async def test_a_whole_frame_pays_for_its_masked_copy_until_it_is_sent() -> None:
+    # issue 19: one frame per message (no fragments) holds ~2.5x its size while it is masked
+    # and written; the lease pays half a frame more than AMPLIFICATION until it is sent.
+    gate = _gate(64 * MIB)
+    async with gate.lease(8 * MIB) as lease:
+        await lease.arrived(8 * MIB)
+        lease.read(8 * MIB)
+        body = lease.held
+        await lease.whole_frame(8 * MIB + 100)
+        assert lease.held == body + (8 * MIB + 100) // 2
+        lease.sent()
+        assert lease.held == 8 * MIB + MIN_RESERVATION
+    async with gate.lease(1000) as small:  # a small frame needs nothing more
+        await small.arrived(1000)
+        before = small.held
+        await small.whole_frame(1200)
+        assert small.held == before
+    assert gate.budget.in_flight == 0
