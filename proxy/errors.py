@@ -53,7 +53,20 @@ __all__ = [
     "UpstreamRefused",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "invalid_url_body",
 ]
+
+
+def invalid_url_body(method: str, path: str) -> dict[str, Any]:
+    """The upstream's own 404 body for a path it does not serve (``Invalid URL (GET /x)``)."""
+    return {
+        "error": {
+            "message": f"Invalid URL ({method} {path})",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
 
 
 class ProxyError(Exception):

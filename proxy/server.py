@@ -24,6 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.reasons import Mode, Route
+from proxy.errors import invalid_url_body
 from proxy.ingress.browsers import browser_guard
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
@@ -101,14 +102,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def _not_found(request: web.Request) -> web.Response:
-    body = {
-        "error": {
-            "message": f"Invalid URL ({request.method} {request.path})",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": None,
-        }
-    }
+    body = invalid_url_body(request.method, request.path)
     return web.Response(body=json_body(body), status=404, content_type="application/json")
 
 

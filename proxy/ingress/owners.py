@@ -43,6 +43,7 @@ from aiohttp import web
 from yarl import URL
 
 from proxy.core.reasons import OwnerVerdict
+from proxy.errors import invalid_url_body
 from proxy.ingress.cluster import MARKER, Cluster, arrived_privately
 from proxy.ingress.forward import Level, Peer
 from proxy.ingress.front import CLUSTER
@@ -194,14 +195,7 @@ async def _query(request: web.Request) -> web.StreamResponse:
     allowed = private or (cluster is not None and marker is not None and cluster.authentic(request, marker))
     rid, identity = request.query.get("id"), request.query.get("identity")
     if not allowed or not rid or not identity:
-        body = {
-            "error": {
-                "message": f"Invalid URL ({request.method} {request.path})",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": None,
-            }
-        }
+        body = invalid_url_body(request.method, request.path)
         return web.Response(body=json_body(body), status=404, content_type="application/json")
     svc = request.app[SERVICES]
     found = svc.owners.registry.verdict(identity, rid)

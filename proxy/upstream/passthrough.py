@@ -314,12 +314,9 @@ class Passthrough:
         ``null``), as over a socket; if the upstream does not know the anchor
         (``previous_response_not_found``, before anything reached the app), send ``full``, the
         app's own body, instead (issue 23)."""
-        waited = time.perf_counter()
-        async with self._slots:
-            POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
-            rewrite = (b'"previous_response_id":' + orjson.dumps(anchor), b'"previous_response_id":null')
-            options = Options(capture=True, on_id=on_id, fallback=full, rewrite=rewrite)
-            return await self._forward(request, headers=headers, body=body, started=started, options=options)
+        rewrite = (b'"previous_response_id":' + orjson.dumps(anchor), b'"previous_response_id":null')
+        options = Options(capture=True, on_id=on_id, fallback=full, rewrite=rewrite)
+        return await self.forward(request, headers=headers, body=body, started=started, options=options)
 
     async def _forward(
         self,
