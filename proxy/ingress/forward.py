@@ -147,7 +147,8 @@ async def send(
         continued = asyncio.Event()
         expect = peer.level is Level.REPLICA
         data: Any = _body_once(body, continued) if expect else body
-        call = peer.client().request(
+        client = peer.client()
+        call = client.request(
             "POST",
             peer.url(request.raw_path),
             data=data,
@@ -182,6 +183,12 @@ async def send(
             raise PeerError(str(exc) or type(exc).__name__) from None
         except aiohttp.ClientError as exc:  # a read timeout after the body, a broken answer
             raise PeerError(str(exc) or type(exc).__name__) from None
+        except RuntimeError:
+            if not client.closed:
+                raise
+            # Another forward marked this peer down (and closed its session) before this one
+            # started: nothing was sent, so it is served locally like any unreachable owner.
+            raise OSError("the owner was marked down meanwhile") from None
         finally:
             if not sending.done():  # timed out or cancelled: the answer, if one comes, is dropped
                 sending.add_done_callback(_drop)
