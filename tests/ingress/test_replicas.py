@@ -150,8 +150,15 @@ async def test_a_fourth_replica_moves_only_its_own_conversations(emulator: Emula
             listen=url.removeprefix("http://"),
             admin_listen=url.removeprefix("http://").rpartition(":")[0] + ":0",
             shutdown=ShutdownSettings(grace_seconds=2.0),
+            # Four replicas and 60 agents share this test's one event loop: a forward's
+            # 100 Continue can wait longer than the 0.75 s default under a loaded CI machine,
+            # which would skip a live owner for 5 s (not what this test is about).
             cluster=ClusterSettings(
-                peers_dns=f"upshift-peers:{port}", self_url=url, dns_refresh_seconds=0.05, plain_http_peers=True
+                peers_dns=f"upshift-peers:{port}",
+                self_url=url,
+                dns_refresh_seconds=0.05,
+                plain_http_peers=True,
+                connect_timeout_seconds=5.0,
             ),
         )
         return Server(settings, resolver=resolve)
