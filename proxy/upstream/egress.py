@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from websockets.exceptions import InvalidProxy
-from websockets.proxy import parse_proxy
+
+try:  # websockets >= 16 has it in websockets.proxy; 15.x, the lowest allowed, in websockets.uri
+    from websockets.proxy import parse_proxy
+except ImportError:  # pragma: no cover - exercised by .ci/ranges at the lowest versions
+    from websockets.uri import parse_proxy  # type: ignore[attr-defined,no-redef]
 
 from proxy.config import EgressSettings, Settings
 from proxy.errors import ConfigError
