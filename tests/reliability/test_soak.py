@@ -156,7 +156,14 @@ class Soak:
         # A dropped socket takes every lane in flight on it: one replay each, at least one per drop.
         assert replayed["closed_before_first_event"] >= fired.get("drop", 0), (replayed, fired)
         assert self.retries["429"] == fired.get("error", 0), (self.retries, fired)
-        assert self.retries["error_event"] + self.retries["5xx"] == fired.get("close", 0), (self.retries, fired)
+        # A mid-response close surfaces (an error event, or a 502 when nothing was written yet) on
+        # the response it cut; a lane of that socket still before its first event is replayed
+        # instead. Every close is one or the other, and nearly all land after output (they cut
+        # at the fifth event). CI once saw 30 surfaced for 31 closes: the lost one was replayed.
+        surfaced, closes = self.retries["error_event"] + self.retries["5xx"], fired.get("close", 0)
+        absorbed = replayed["closed_before_first_event"] - fired.get("drop", 0)
+        assert surfaced + absorbed >= closes, (self.retries, replayed, fired)
+        assert surfaced >= 0.9 * closes, (self.retries, fired)
         # Continuations carried the load (faults and each conversation's first turn aside).
         assert self.modes["continuation"] >= 0.9 * self.turns, self.modes
 
