@@ -34,11 +34,12 @@ from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import BUILD_INFO, ERRORS
-from proxy.serve.handlers import SERVICES, Services, cut_stream
+from proxy.serve.handlers import SERVICES, Services
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import MemoryGate, effective_settings, tune_allocator
+from proxy.serve.record import Record
 from proxy.serve.relay import relay_websocket
-from proxy.serve.streaming import Record, json_body, new_request_id
+from proxy.serve.streaming import json_body, new_request_id
 from proxy.upstream.passthrough import Passthrough
 from proxy.upstream.pool import Pool
 
@@ -282,8 +283,7 @@ class Server:
         (aiohttp would then close their connections mid-body)."""
         grace = self.settings.shutdown.grace_seconds
         await asyncio.sleep(max(grace - min(0.25, grace / 4), 0.0))
-        for down, channel in list(self.services.streams):
-            await cut_stream(down, channel)
+        await self.services.streams.cut_all()
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:

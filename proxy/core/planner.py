@@ -65,7 +65,7 @@ from proxy.core.lanes import (
     socket_step,
 )
 from proxy.core.reasons import Hit, MissReason, PassthroughReason
-from proxy.core.request import ParsedRequest
+from proxy.core.request import ParsedRequest, build_frame
 from proxy.core.reseed import Kept, KeptContexts
 
 __all__ = [
@@ -213,6 +213,14 @@ class Plan:
     def stream_id(self) -> str | None:
         """The lane's ``stream_id`` (``None``: the default lane)."""
         return self.lane[1] if self.lane is not None else None
+
+    def frame(self, req: ParsedRequest) -> bytes:
+        """The attempt's ``response.create`` frame: a continuation's new items after its
+        ``previous_response_id``, else the app's whole input."""
+        if self.kind is PlanKind.CONTINUE:
+            items = self.new_items or []
+            return build_frame(req, previous_response_id=self.response_id, items=items, stream_id=self.stream_id)
+        return build_frame(req, stream_id=self.stream_id)
 
 
 def _lane_key(anchor: Hashable) -> LaneKey:

@@ -26,7 +26,8 @@ from proxy.ops.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
 from proxy.serve.handlers import Arrival, Services, refuse
 from proxy.serve.identity import Identity
 from proxy.serve.memory import Lease, MemoryRefused
-from proxy.serve.streaming import BodyClock, ClientGone, Record, body_length, new_request_id, read_body
+from proxy.serve.record import Record
+from proxy.serve.streaming import BodyClock, ClientGone, body_length, new_request_id, read_body
 
 __all__ = ["Reception", "Route", "Serve"]
 

@@ -31,7 +31,7 @@ from proxy.core.conversation import HeadTable
 from proxy.core.demux import LaneSignal
 from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
-from proxy.core.reasons import PassthroughReason
+from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
@@ -400,6 +400,15 @@ class Pool:
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``'s socket."""
         self.planner.stream_limit(key)
+
+    def replayed(self, cause: ReplayCause, lane: LaneKey | None) -> None:
+        """What an attempt replayed for ``cause`` (on ``lane``) tells the pool: the upstream does
+        not take ``stream_id`` (:meth:`lanes_refused`), or the lane's socket takes no more
+        streams (:meth:`stream_limit`); other causes tell it nothing."""
+        if cause is ReplayCause.LANES_UNSUPPORTED:
+            self.lanes_refused()
+        elif cause is ReplayCause.STREAM_LIMIT and lane is not None:
+            self.stream_limit(lane)
 
     # -- sockets -------------------------------------------------------------------------------
 

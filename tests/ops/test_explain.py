@@ -191,7 +191,7 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     import threading
 
     from proxy.core.explain import Explanation
-    from proxy.serve.streaming import Record
+    from proxy.serve.record import Record
 
     lines, _ = access_log
     calls: list[str] = []
