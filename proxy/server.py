@@ -23,6 +23,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Mode, Route
 from proxy.errors import invalid_url_body
 from proxy.ingress.browsers import browser_guard
@@ -205,9 +206,13 @@ class Server:
             hot_bytes=m.hot_prefix_bytes,
             hot_seconds=m.hot_prefix_seconds,
         )
+        # Who created each response id (issue 22): the planner notes every head's, the handlers
+        # every id an answer carries (through Services.owners).
+        owners = OwnerRegistry.for_heads(m.max_heads)
         keys = KeySource(settings.api_key)
         self.ingress = Ingress(settings, worker=worker, resolver=resolver)
-        self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
+        pool = Pool(settings, heads, owners=owners)
+        self.services = Services(settings, keys, heads, pool, Passthrough(settings, keys))
         limits = settings.limits
         self.services.memory = MemoryGate(
             derived,

@@ -56,7 +56,6 @@ from proxy.core.explain import (
 from proxy.core.fair import FairShares
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped
-from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Hit, MissReason, Reason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
 
@@ -295,10 +294,6 @@ class HeadTable:
         self._index: dict[_Key, list[Hashable]] = {}
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
-        self.max_owners = max(4 * max_heads, 1024)
-        self.owners = OwnerRegistry(self.max_owners)
-        """Response ids remembered with their identity (:mod:`proxy.core.owners`: bounded,
-        the heaviest identity's oldest first out), for :meth:`owner_of`."""
         self._fair_heads = FairShares()
         """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes (issue 22)."""
         self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
@@ -433,14 +428,6 @@ class HeadTable:
                 if (identity, settings, n, value) in self._index:
                     return True
         return False
-
-    def note_owner(self, identity: str, response_id: str) -> None:
-        """Remember that ``identity`` created ``response_id`` (:attr:`owners`)."""
-        self.owners.note(identity, response_id)
-
-    def owner_of(self, response_id: str) -> str | None:
-        """The identity that created ``response_id`` through this sidecar, if remembered."""
-        return self.owners.owner_of(response_id)
 
     def anchor_for(self, identity: str, response_id: str) -> Hashable | None:
         """The lane holding ``response_id``, if it belongs to ``identity``."""
@@ -583,28 +570,29 @@ class HeadTable:
 
     # -- updates ---------------------------------------------------------------------------
 
-    def rename(self, anchor: Hashable, response_id: str) -> None:
+    def rename(self, anchor: Hashable, response_id: str) -> Head | None:
         """The head of ``anchor`` is now known upstream as ``response_id`` (a re-seed rebuilt
-        the same context under a new id)."""
+        the same context under a new id); returns it."""
         head = self._heads.get(anchor)
         if head is None:
-            return
+            return None
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
         head.response_id = response_id
         self._by_response[response_id] = anchor
-        self.note_owner(head.identity, response_id)
+        return head
 
-    def rekey(self, anchor: Hashable, new: Hashable) -> None:
+    def rekey(self, anchor: Hashable, new: Hashable) -> Head | None:
         """Keep the head of ``anchor`` under ``new`` (its lane is taken by another
-        conversation; a stored head stays continuable through the upstream's store)."""
+        conversation; a stored head stays continuable through the upstream's store); returns it."""
         head = self._heads.get(anchor)
         if head is None:
-            return
+            return None
         prefix = self.prefixes.take(anchor)  # cooled: a rekeyed head keeps only its digest
         self.discard(anchor)
         head.anchor = new
         self._insert(head, head.last_used, prefix)
+        return head
 
     def record(
         self,
@@ -614,8 +602,9 @@ class HeadTable:
         response: dict[str, Any],
         now: float,
         prefix_state: Any = None,
-    ) -> None:
-        """``response.completed`` arrived on ``anchor`` for ``req``: it becomes the head.
+    ) -> Head | None:
+        """``response.completed`` arrived on ``anchor`` for ``req``: it becomes the head (returned;
+        ``None`` for a response without an id).
 
         ``prefix_state`` is :func:`~proxy.core.fastparse.hash_prefix` of a fully parsed body,
         when the caller computed it off the event loop.
@@ -624,7 +613,7 @@ class HeadTable:
         self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
-            return
+            return None
         output = response.get("output")
         chained = req.previous_response_id is not None
         fps = tuple(fingerprint(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
@@ -650,6 +639,7 @@ class HeadTable:
             prefix = _Prefix(identity, raw, req.n_items, state) if raw is not None else None
         head.store = req.store
         self._insert(head, now, prefix)
+        return head
 
     def _insert(self, head: Head, now: float, prefix: _Prefix | None = None) -> None:
         """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
@@ -657,7 +647,6 @@ class HeadTable:
         self._heads[anchor] = head
         self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
-        self.note_owner(head.identity, head.response_id)
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket = self._buckets.setdefault((head.identity, head.settings), _Bucket())

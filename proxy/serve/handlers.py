@@ -75,7 +75,7 @@ class Services:
     """Who created each response id, and who may name it (issue 22; proxy/serve/owners.py)."""
 
     def __post_init__(self) -> None:
-        self.owners = OwnerBook(self.heads.owners, strict=self.keys.injects)
+        self.owners = OwnerBook(self.pool.owners, strict=self.keys.injects)
 
     @property
     def relay_sessions(self) -> Counter[str]:

@@ -30,6 +30,7 @@ from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.demux import LaneSignal
 from proxy.core.lanes import LaneKey, LaneState, SocketState
+from proxy.core.owners import OwnerRegistry
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
 from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
@@ -155,10 +156,19 @@ class Pool:
     Args:
         settings: ``pool`` limits and timers, ``ws_url``, ``timeouts.connect_seconds``.
         heads: The head table (owned, through the planner).
+        owners: Who created each response id (the planner notes every head's; default: a
+            registry of its own).
         clock: Monotonic clock.
     """
 
-    def __init__(self, settings: Settings, heads: HeadTable, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        heads: HeadTable,
+        *,
+        owners: OwnerRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         p = settings.pool
         self.settings = settings
         self.heads = heads
@@ -176,7 +186,10 @@ class Pool:
                 cap_probe_seconds=p.cap_probe_seconds,
             ),
             heads,
+            owners,
         )
+        self.owners = self.planner.owners
+        """Who created each response id (:class:`~proxy.core.owners.OwnerRegistry`)."""
         self.caps = CapFile(p.cap_state_dir)
         """The learned socket caps shared with the other workers of this machine."""
         self._clock = clock
