@@ -23,6 +23,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.explainer import MissExplainer
 from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Mode, Route
 from proxy.errors import invalid_url_body
@@ -212,7 +213,7 @@ class Server:
         keys = KeySource(settings.api_key)
         self.ingress = Ingress(settings, worker=worker, resolver=resolver)
         pool = Pool(settings, heads, owners=owners)
-        self.services = Services(settings, keys, heads, pool, Passthrough(settings, keys))
+        self.services = Services(settings, keys, heads, MissExplainer(heads), pool, Passthrough(settings, keys))
         limits = settings.limits
         self.services.memory = MemoryGate(
             derived,

@@ -34,6 +34,7 @@ from proxy.config import Settings
 from proxy.core.answer import Answer, Attempt, Kept, decide, kept
 from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
+from proxy.core.explainer import MissExplainer
 from proxy.core.planner import Plan, PlanKind
 from proxy.core.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
@@ -63,6 +64,8 @@ class Services:
     settings: Settings
     keys: KeySource
     heads: HeadTable
+    misses: MissExplainer
+    """Explains a miss of :attr:`heads` after the answer (the access line's ``miss_*`` fields)."""
     pool: Pool
     passthrough: Passthrough
     relays: set[web.WebSocketResponse] = field(default_factory=set)
@@ -184,7 +187,7 @@ def _planned(x: Exchange, plan: Plan) -> bytes:
     first = x.attempt == 0
     x.rec.planned_lane(plan, x.req.n_items, first)
     if first and plan.kind is PlanKind.FULL:  # where the miss departs (never content), after the answer
-        x.rec.explain(x.svc.heads.explain_later(x.identity.digest, x.req, plan.reason), plan.reason)
+        x.rec.explain(x.svc.misses.explain_later(x.identity.digest, x.req, plan.reason), plan.reason)
     x.down.headers["x-upshift-mode"] = x.rec.mode
     return plan.frame(x.req)
 

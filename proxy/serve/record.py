@@ -81,7 +81,7 @@ class Record:
     explained: Reason | None = None
     """The matcher's verdict the explanation was computed for."""
     explainer: Callable[[], Explanation | None] | None = None
-    """Computes :attr:`explanation` (:meth:`~proxy.core.conversation.HeadTable.explain_later`)."""
+    """Computes :attr:`explanation` (:meth:`~proxy.core.explainer.MissExplainer.explain_later`)."""
 
     # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
 
