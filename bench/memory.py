@@ -71,7 +71,9 @@ def _fake_response(index: int) -> dict[str, JSON]:
 
 
 def heads_only(n: int, variant: str) -> dict[str, float]:
-    """Record ``n`` heads in a bare HeadTable; bytes per head, two ways.
+    """Record ``n`` heads in a bare HeadTable (with what the server attaches to it: the miss
+    explainer, and the owner registry the planner notes each head's id in); bytes per head,
+    two ways.
 
     ``structural``: requests and responses built beforehand, so only what the table keeps shows.
     ``interleaved``: built as traffic arrives, so allocator fragmentation from the freed
@@ -79,13 +81,23 @@ def heads_only(n: int, variant: str) -> dict[str, float]:
     allocations (tracemalloc's own traces inflate RSS, hence a separate run).
     """
     from proxy.core.conversation import HeadTable
+    from proxy.core.explainer import MissExplainer
+    from proxy.core.owners import OwnerRegistry
 
     proc = psutil.Process()
     identity = "0" * 16
     out: dict[str, float] = {"heads": float(n)}
     table = HeadTable(max_heads=n + 400, ttl_seconds=3600.0)
+    MissExplainer(table)  # listens to the table: per-setting digests of each recorded head's settings
+    owners = OwnerRegistry.for_heads(table.max_heads)
+
+    def record(anchor: tuple[str, int], body: bytes, response: dict[str, Any]) -> None:
+        head = table.record(identity, anchor, table.parse(identity, body), response, 0.0)
+        if head is not None:  # as the planner does
+            owners.note(head.identity, head.response_id)
+
     for i in range(200):  # warm-up: allocator pools, caches
-        table.record(identity, ("warm", i), table.parse(identity, _body(-i - 1)), _fake_response(10**9 + i), 0.0)
+        record(("warm", i), _body(-i - 1), _fake_response(10**9 + i))
     prebuilt = variant != "interleaved"
     bodies = [_body(i) for i in range(n)] if prebuilt else []
     responses = [_fake_response(i) for i in range(n)] if prebuilt else []
@@ -97,7 +109,7 @@ def heads_only(n: int, variant: str) -> dict[str, float]:
     for i in range(n):
         body = bodies[i] if prebuilt else _body(i)
         response = responses[i] if prebuilt else _fake_response(i)
-        table.record(identity, ("sock", i), table.parse(identity, body), response, 0.0)
+        record(("sock", i), body, response)
     gc.collect()
     if variant == "traced":
         snap1 = tracemalloc.take_snapshot()

@@ -23,6 +23,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.explainer import MissExplainer
+from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Mode, Route
 from proxy.errors import invalid_url_body
 from proxy.ingress.browsers import browser_guard
@@ -34,11 +36,12 @@ from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import BUILD_INFO, ERRORS
-from proxy.serve.handlers import SERVICES, Services, cut_stream
+from proxy.serve.handlers import SERVICES, Services
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import MemoryGate, effective_settings, tune_allocator
+from proxy.serve.record import Record
 from proxy.serve.relay import relay_websocket
-from proxy.serve.streaming import Record, json_body, new_request_id
+from proxy.serve.streaming import json_body, new_request_id
 from proxy.upstream.passthrough import Passthrough
 from proxy.upstream.pool import Pool
 
@@ -204,9 +207,13 @@ class Server:
             hot_bytes=m.hot_prefix_bytes,
             hot_seconds=m.hot_prefix_seconds,
         )
+        # Who created each response id (issue 22): the planner notes every head's, the handlers
+        # every id an answer carries (through Services.owners).
+        owners = OwnerRegistry.for_heads(m.max_heads)
         keys = KeySource(settings.api_key)
         self.ingress = Ingress(settings, worker=worker, resolver=resolver)
-        self.services = Services(settings, keys, heads, Pool(settings, heads), Passthrough(settings, keys))
+        pool = Pool(settings, heads, owners=owners)
+        self.services = Services(settings, keys, heads, MissExplainer(heads), pool, Passthrough(settings, keys))
         limits = settings.limits
         self.services.memory = MemoryGate(
             derived,
@@ -282,8 +289,7 @@ class Server:
         (aiohttp would then close their connections mid-body)."""
         grace = self.settings.shutdown.grace_seconds
         await asyncio.sleep(max(grace - min(0.25, grace / 4), 0.0))
-        for down, channel in list(self.services.streams):
-            await cut_stream(down, channel)
+        await self.services.streams.cut_all()
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:

@@ -25,7 +25,9 @@ Two classes, one job each:
 
 - :class:`HeadTable`, the **index**: match (:meth:`~HeadTable.lookup`, which only reads: the
   planner expires before and calls :meth:`~HeadTable.touch` on the head it continues), record,
-  expire, and the owners of response ids.
+  expire. Who created which response id is the owner registry's (:mod:`proxy.core.owners`,
+  told by the planner); where a miss departs is the miss explainer's
+  (:mod:`proxy.core.explainer`, which reads this table).
 - :class:`PrefixCache`, the **prefix cache**: per recorded body its raw prefix (for the next
   turn's fast parse, :meth:`~PrefixCache.parse`) and, while memory allows, the body itself (hot,
   for a byte comparison). It is the only part that holds request bytes, so the only part the
@@ -36,31 +38,26 @@ Two classes, one job each:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from proxy.core.explain import (
-    Candidate,
-    EchoFields,
-    Explanation,
-    SettingsFields,
-    echo_fields,
-    explain_against,
-    first_stretch_only,
-    item_digests,
-    score,
-    settings_fields,
-)
+from proxy.core.explain import EchoFields, echo_fields, item_digests
 from proxy.core.fair import FairShares
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped
-from proxy.core.owners import OwnerRegistry
-from proxy.core.reasons import Hit, MissReason, Reason, Tolerance
+from proxy.core.reasons import Hit, MissReason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
 
-__all__ = ["Head", "HeadTable", "Keeper", "Lookup", "Match", "MissReason", "PrefixCache"]
+__all__ = ["Head", "HeadTable", "Keeper", "Listener", "Lookup", "Match", "MissReason", "PrefixCache"]
+
+
+class Listener(Protocol):
+    """Told of the heads the table records (the miss explainer)."""
+
+    def recorded(self, head: Head, req: ParsedRequest) -> None:
+        """``head`` was recorded from the full history ``req`` (never for a chained request)."""
+        ...
 
 
 class Keeper(Protocol):
@@ -295,14 +292,11 @@ class HeadTable:
         self._index: dict[_Key, list[Hashable]] = {}
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
-        self.max_owners = max(4 * max_heads, 1024)
-        self.owners = OwnerRegistry(self.max_owners)
-        """Response ids remembered with their identity (:mod:`proxy.core.owners`: bounded,
-        the heaviest identity's oldest first out), for :meth:`owner_of`."""
         self._fair_heads = FairShares()
         """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes (issue 22)."""
-        self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
-        """Per settings digest, one digest per setting (:meth:`explain`; LRU, shared by heads)."""
+        self.listener: Listener | None = None
+        """Told of each head recorded from a full history, with its request (the miss
+        explainer, :class:`proxy.core.explainer.MissExplainer`, which attaches itself)."""
 
     def __len__(self) -> int:
         return len(self._heads)
@@ -317,6 +311,13 @@ class HeadTable:
     def get(self, anchor: Hashable) -> Head | None:
         """The head kept under ``anchor``."""
         return self._heads.get(anchor)
+
+    def recent(self, limit: int) -> Iterator[tuple[Hashable, Head]]:
+        """``(anchor, head)`` of the most recently used heads first, at most ``limit``."""
+        for seen, anchor in enumerate(reversed(self._heads)):
+            if seen >= limit:
+                return
+            yield anchor, self._heads[anchor]
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -434,14 +435,6 @@ class HeadTable:
                     return True
         return False
 
-    def note_owner(self, identity: str, response_id: str) -> None:
-        """Remember that ``identity`` created ``response_id`` (:attr:`owners`)."""
-        self.owners.note(identity, response_id)
-
-    def owner_of(self, response_id: str) -> str | None:
-        """The identity that created ``response_id`` through this sidecar, if remembered."""
-        return self.owners.owner_of(response_id)
-
     def anchor_for(self, identity: str, response_id: str) -> Hashable | None:
         """The lane holding ``response_id``, if it belongs to ``identity``."""
         anchor = self._by_response.get(response_id)
@@ -451,107 +444,6 @@ class HeadTable:
         if head is None or head.identity != identity:
             return None
         return anchor
-
-    # -- explained misses (issue 11; only ever called on a miss) -------------------------
-
-    EXPLAIN_CANDIDATES = 8
-    """Most recent heads of the identity compared position by position to explain a miss."""
-    EXPLAIN_SCAN = 512
-    """Most recent heads looked at (of any identity) to find those candidates: bounded cost."""
-    EXPLAIN_PARSE_BYTES = 4 * 1024 * 1024
-    """Largest kept body parsed to explain a miss (one per miss; beyond it the digests say
-    which item differs, not which field)."""
-    MAX_SETTINGS_FIELDS = 1024
-    """Distinct settings whose per-setting digests are kept (LRU)."""
-
-    def explain(self, identity: str, req: ParsedRequest, reason: Reason | None) -> Explanation | None:
-        """Say where a missed request departs from its best candidate head, or ``None``.
-
-        ``reason`` is the :meth:`lookup` verdict. A ``no_head`` whose request agrees with a
-        recent head of ``identity`` on items after the first differing one (an edited early
-        item: a timestamp in the system prompt, an edited first message) is explained as
-        ``diverged`` at that item. Nothing here touches the continuation path, and nothing of
-        the request's content is returned.
-        """
-        later = self.explain_later(identity, req, reason)
-        return later() if later is not None else None
-
-    def explain_later(
-        self, identity: str, req: ParsedRequest, reason: Reason | None
-    ) -> Callable[[], Explanation | None] | None:
-        """:meth:`explain` in two steps: the recent heads of ``identity`` are taken now (no
-        comparison: cheap), and compared when the returned callable runs, after the answer,
-        off the request's path. Heads recorded in between (this request's own among them) are
-        not candidates, and a head this request replaces still is (with its raw prefix, which
-        a replaced head gives up).
-        """
-        if req.previous_response_id is not None or not isinstance(reason, MissReason) or reason not in _EXPLAINED:
-            return None
-        heads: list[tuple[Head, bytes | None]] = []
-        for seen, anchor in enumerate(reversed(self._heads)):
-            if seen >= self.EXPLAIN_SCAN:
-                break
-            head = self._heads[anchor]
-            if head.identity == identity and not head.chained and head.items is not None:
-                heads.append((head, self.prefixes.body(anchor)))
-        return partial(self._explain, identity, req, reason, heads)
-
-    def _explain(
-        self, identity: str, req: ParsedRequest, reason: MissReason, heads: list[tuple[Head, bytes | None]]
-    ) -> Explanation | None:
-        keys, items = req.item_keys(), req.all_items()
-        mine = item_digests(keys)
-        found: list[tuple[tuple[int, int, int], Candidate, int]] = []
-        for head, body in heads:
-            if len(found) >= self.EXPLAIN_CANDIDATES:
-                break
-            if head.items is None or first_stretch_only(head.n_input, head.items, head.output, mine):
-                continue
-            cand = Candidate(
-                n_input=head.n_input,
-                items=head.items,
-                output=head.output,
-                echo=head.echo,
-                same_settings=head.settings == req.settings_digest,
-                settings=self._settings_fields.get(head.settings),
-                body=body,
-            )
-            sc = score(cand, keys, items, mine)
-            if sc.agree == 0 or not (sc.full_prefix or sc.after):
-                continue  # shares nothing, or only a first stretch: a new conversation
-            if reason == MissReason.SETTINGS_CHANGED and cand.same_settings:
-                continue
-            # Same settings first, then full prefix agreement, then most agreement.
-            found.append(((int(cand.same_settings), int(sc.full_prefix), sc.agree), cand, sc.after))
-        prefix = identity[:8]
-        results = []
-        # The request's per-setting digests, only with a candidate to compare them with (most
-        # first turns have none): from the table when a head has the same settings.
-        wanted = (self._settings_fields.get(req.settings_digest) or settings_fields(req.fields)) if found else ()
-        parse_left = self.EXPLAIN_PARSE_BYTES
-        for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
-            if cand.body is not None:
-                # issue 22: digests decide first; at most one kept body, of bounded size, is
-                # parsed (for the field path inside a differing item), never eight of them.
-                if len(cand.body) > parse_left:
-                    cand = replace(cand, body=None)
-                else:
-                    parse_left = 0
-            explanation = explain_against(cand, keys, items, wanted, MissReason.DIVERGED, self.tolerate)
-            if explanation is None:
-                continue
-            if reason == MissReason.NO_HEAD and explanation.reason == MissReason.DIVERGED and not after:
-                # A new conversation that starts like a known one (the same task again): where
-                # it departs is worth showing, but only an edit (agreement after the first
-                # difference) makes it a divergence.
-                explanation = replace(explanation, reason=MissReason.NO_HEAD)
-            results.append(explanation)
-        # The candidate that explains the matcher's own verdict; only a no_head may become
-        # another reason (an edit the prefix index cannot see). A verdict no recent candidate
-        # explains (its head is beyond the bounded scan) stays as it is, unexplained.
-        fallback = results[0] if results and reason == MissReason.NO_HEAD else None
-        best = next((e for e in results if e.reason == reason), fallback)
-        return _with_identity(best, prefix) if best is not None else Explanation(reason, identity=prefix)
 
     def _item_digests(self, req: ParsedRequest) -> bytes | None:
         """The per-item digests of ``req`` for its head (8 bytes an item), cheaply.
@@ -573,38 +465,31 @@ class HeadTable:
             return base.items + item_digests(req.tail_keys())
         return item_digests(req.item_keys())
 
-    def _note_settings(self, digest: bytes, req: ParsedRequest) -> None:
-        if digest in self._settings_fields:
-            self._settings_fields.move_to_end(digest)
-            return
-        self._settings_fields[digest] = settings_fields(req.fields)
-        while len(self._settings_fields) > self.MAX_SETTINGS_FIELDS:
-            self._settings_fields.popitem(last=False)
-
     # -- updates ---------------------------------------------------------------------------
 
-    def rename(self, anchor: Hashable, response_id: str) -> None:
+    def rename(self, anchor: Hashable, response_id: str) -> Head | None:
         """The head of ``anchor`` is now known upstream as ``response_id`` (a re-seed rebuilt
-        the same context under a new id)."""
+        the same context under a new id); returns it."""
         head = self._heads.get(anchor)
         if head is None:
-            return
+            return None
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
         head.response_id = response_id
         self._by_response[response_id] = anchor
-        self.note_owner(head.identity, response_id)
+        return head
 
-    def rekey(self, anchor: Hashable, new: Hashable) -> None:
+    def rekey(self, anchor: Hashable, new: Hashable) -> Head | None:
         """Keep the head of ``anchor`` under ``new`` (its lane is taken by another
-        conversation; a stored head stays continuable through the upstream's store)."""
+        conversation; a stored head stays continuable through the upstream's store); returns it."""
         head = self._heads.get(anchor)
         if head is None:
-            return
+            return None
         prefix = self.prefixes.take(anchor)  # cooled: a rekeyed head keeps only its digest
         self.discard(anchor)
         head.anchor = new
         self._insert(head, head.last_used, prefix)
+        return head
 
     def record(
         self,
@@ -614,8 +499,9 @@ class HeadTable:
         response: dict[str, Any],
         now: float,
         prefix_state: Any = None,
-    ) -> None:
-        """``response.completed`` arrived on ``anchor`` for ``req``: it becomes the head.
+    ) -> Head | None:
+        """``response.completed`` arrived on ``anchor`` for ``req``: it becomes the head (returned;
+        ``None`` for a response without an id).
 
         ``prefix_state`` is :func:`~proxy.core.fastparse.hash_prefix` of a fully parsed body,
         when the caller computed it off the event loop.
@@ -624,7 +510,7 @@ class HeadTable:
         self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
-            return
+            return None
         output = response.get("output")
         chained = req.previous_response_id is not None
         fps = tuple(fingerprint(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
@@ -645,11 +531,13 @@ class HeadTable:
             )
             head.items = digests
             head.echo = tuple(echo_fields(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
-            self._note_settings(head.settings, req)
+            if self.listener is not None:
+                self.listener.recorded(head, req)
             raw = raw_prefix(req, prefix_state)
             prefix = _Prefix(identity, raw, req.n_items, state) if raw is not None else None
         head.store = req.store
         self._insert(head, now, prefix)
+        return head
 
     def _insert(self, head: Head, now: float, prefix: _Prefix | None = None) -> None:
         """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
@@ -657,7 +545,6 @@ class HeadTable:
         self._heads[anchor] = head
         self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
-        self.note_owner(head.identity, head.response_id)
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket = self._buckets.setdefault((head.identity, head.settings), _Bucket())
@@ -708,24 +595,6 @@ class HeadTable:
     @staticmethod
     def _key(head: Head) -> _Key:
         return (head.identity, head.settings, head.n_input, head.input_digest)
-
-
-_EXPLAINED = frozenset(
-    {
-        MissReason.NO_HEAD,
-        MissReason.DIVERGED,
-        MissReason.SETTINGS_CHANGED,
-        MissReason.DROPPED_REASONING,
-        MissReason.DROPPED_PHASE,
-        MissReason.RETRY,
-        MissReason.NO_NEW_ITEMS,
-    }
-)
-"""Miss reasons :meth:`HeadTable.explain` explains (the others are not about the input)."""
-
-
-def _with_identity(explanation: Explanation, identity: str) -> Explanation:
-    return replace(explanation, identity=identity)
 
 
 _STRENGTH: dict[MissReason, int] = {

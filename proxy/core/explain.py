@@ -22,7 +22,7 @@ What a head keeps for this (see :func:`item_digests`, :func:`echo_fields`, :func
   only while hot (:class:`~proxy.core.fastparse.RawPrefix` ``body``); after that the answer is an
   honest :attr:`Detail.FIELD_UNKNOWN`.
 
-Pure: no I/O, no clock. :class:`~proxy.core.conversation.HeadTable` picks the candidates.
+Pure: no I/O, no clock. :class:`~proxy.core.explainer.MissExplainer` picks the candidates.
 """
 
 from __future__ import annotations

@@ -56,6 +56,12 @@ class OwnerRegistry:
         """Identities by how many ids they hold (finds the heaviest in O(1))."""
         self._heaviest = 0
 
+    @classmethod
+    def for_heads(cls, max_heads: int) -> OwnerRegistry:
+        """Sized for a head table of ``max_heads``: four ids a head (a head's own, those of
+        incomplete and HTTP answers around it), at least 1024."""
+        return cls(max(4 * max_heads, 1024))
+
     def __len__(self) -> int:
         return len(self._owner)
 

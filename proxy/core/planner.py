@@ -64,8 +64,9 @@ from proxy.core.lanes import (
     lane_step,
     socket_step,
 )
+from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Hit, MissReason, PassthroughReason
-from proxy.core.request import ParsedRequest
+from proxy.core.request import ParsedRequest, build_frame
 from proxy.core.reseed import Kept, KeptContexts
 
 __all__ = [
@@ -214,6 +215,14 @@ class Plan:
         """The lane's ``stream_id`` (``None``: the default lane)."""
         return self.lane[1] if self.lane is not None else None
 
+    def frame(self, req: ParsedRequest) -> bytes:
+        """The attempt's ``response.create`` frame: a continuation's new items after its
+        ``previous_response_id``, else the app's whole input."""
+        if self.kind is PlanKind.CONTINUE:
+            items = self.new_items or []
+            return build_frame(req, previous_response_id=self.response_id, items=items, stream_id=self.stream_id)
+        return build_frame(req, stream_id=self.stream_id)
+
 
 def _lane_key(anchor: Hashable) -> LaneKey:
     """A head's anchor as the lane key the planner gave it."""
@@ -227,11 +236,15 @@ class Planner:
     Args:
         limits: The pool limits.
         heads: The head table; the planner is the only one that records or drops heads.
+        owners: Who created each response id (issue 22): every head's id is noted as its
+            identity's when the planner records, moves or renames the head (default: a registry
+            sized for ``heads``).
     """
 
-    def __init__(self, limits: LaneLimits, heads: HeadTable) -> None:
+    def __init__(self, limits: LaneLimits, heads: HeadTable, owners: OwnerRegistry | None = None) -> None:
         self.limits = limits
         self.heads = heads
+        self.owners = owners if owners is not None else OwnerRegistry.for_heads(heads.max_heads)
         self._lanes_off_until = 0.0
         self.kept = KeptContexts(limits.reseed_bytes)
         """Contexts of ``store: false`` heads, for re-seeding (empty unless ``reseed``)."""
@@ -587,12 +600,17 @@ class Planner:
             if sock.active == 0 and sock.state is not SocketState.CONNECTING:
                 self.busy_sockets -= 1
 
+    def _owned(self, head: Head | None) -> None:
+        """``head`` was recorded, moved or renamed: its response id is its identity's."""
+        if head is not None:
+            self.owners.note(head.identity, head.response_id)
+
     def _let_go(self, lane: Lane) -> None:
         """Free ``lane`` of its head: a stored head stays continuable under a dead key."""
         head = self.heads.get(lane.key)
         if head is not None:
             if head.store:
-                self.heads.rekey(lane.key, (-next(self._detached), None))
+                self._owned(self.heads.rekey(lane.key, (-next(self._detached), None)))
             else:
                 self.heads.discard(lane.key)
         lane.head = False
@@ -729,7 +747,7 @@ class Planner:
             replaced = self.heads.get(key)
             if replaced is not None:
                 self.kept.drop(replaced.response_id)
-            self.heads.record(sock.identity, key, req, response, now, prefix_state)
+            self._owned(self.heads.record(sock.identity, key, req, response, now, prefix_state))
             output, rid = response.get("output"), response.get("id")
             if self.limits.reseed and not req.store and req.previous_response_id is None:
                 if isinstance(output, list) and isinstance(rid, str):
@@ -793,7 +811,7 @@ class Planner:
         """A stored request answered over plain HTTP completed with ``response``: it becomes a
         head without a lane (continued on any lane, the upstream hydrating it, or over HTTP)."""
         if req.store and req.previous_response_id is None:
-            self.heads.record(identity, (-next(self._detached), None), req, response, now)
+            self._owned(self.heads.record(identity, (-next(self._detached), None), req, response, now))
 
     def lanes_signal(self, signal: LaneSignal, now: float) -> bool:
         """What a socket's demux learned about ``stream_id`` (the fact itself stays in that
@@ -859,8 +877,8 @@ class Planner:
             self.heads.discard(old)
             return close
         self.kept.move(head.response_id, response_id)
-        self.heads.rekey(old, lane.key)
-        self.heads.rename(lane.key, response_id)
+        self._owned(self.heads.rekey(old, lane.key))
+        self._owned(self.heads.rename(lane.key, response_id))
         lane.head = True
         return close
 

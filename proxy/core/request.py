@@ -20,7 +20,7 @@ import orjson
 from proxy.core.items import canonical, item_key
 from proxy.core.rawjson import InputSpan, locate_input
 from proxy.core.reasons import PassthroughReason
-from proxy.errors import InvalidRequest
+from proxy.errors import InvalidRequest, UnsupportedRequest
 
 __all__ = [
     "Base",
@@ -31,6 +31,7 @@ __all__ = [
     "Transport",
     "build_frame",
     "choose_transport",
+    "http_unsupported",
     "make_request",
     "parse_request",
     "validate_fields",
@@ -250,6 +251,11 @@ class ParsedRequest:
         if self._items is None and self.base is not None and self.tail is not None and n >= self.base.count:
             return self.tail, n - self.base.count, self.base.count
         return self.all_items(), n, 0
+
+    @property
+    def adoptable(self) -> bool:
+        """A stored new conversation: its answer over plain HTTP can become its head (issue 23)."""
+        return self.store and self.previous_response_id is None
 
     @property
     def n_items(self) -> int:
@@ -483,6 +489,14 @@ def choose_transport(req: ParsedRequest, *, mode: str, frame_budget: int) -> tup
     if len(req.body) + 64 > frame_budget:
         return Transport.HTTP, PassthroughReason.OVERSIZE
     return Transport.WS, None
+
+
+def http_unsupported(req: ParsedRequest) -> UnsupportedRequest | None:
+    """What a request going over plain HTTP must not ask for: a warm-up (``generate``) there is
+    a real, billed generation or a 400 (pitfall 18), so the sidecar refuses it itself."""
+    if "generate" in req.fields:
+        return UnsupportedRequest("The 'generate' parameter is only supported in WebSocket mode.", param="generate")
+    return None
 
 
 def _has_huge_float(value: Any) -> bool:

@@ -79,7 +79,8 @@ from proxy.ingress.peerauth import CHALLENGE_HEADER, PROOF_HEADER, PROOF_PATH, P
 from proxy.ingress.private import Trust, check_peer
 from proxy.ops.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
 from proxy.serve.identity import Identity
-from proxy.serve.streaming import Record, json_body
+from proxy.serve.record import Record
+from proxy.serve.streaming import json_body
 from proxy.upstream.passthrough import HOP_BY_HOP
 
 __all__ = [

@@ -23,6 +23,7 @@ import orjson
 
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, Explanation
+from proxy.core.explainer import MissExplainer
 from proxy.core.request import parse_request
 from proxy.errors import InvalidRequest
 from proxy.wire import sse
@@ -88,6 +89,7 @@ def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *
         _Unusable: a body the sidecar itself would refuse.
     """
     heads = HeadTable(max_heads=4, ttl_seconds=float("inf"), allow_dropped_reasoning=allow_dropped_reasoning)
+    misses = MissExplainer(heads)
     try:
         prev = parse_request(previous)
     except InvalidRequest as exc:
@@ -102,7 +104,7 @@ def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *
     if found.match is not None:
         return "continuation", len(found.match.new_items), found.match.items_avoided
     assert isinstance(found.reason, MissReason)  # no match: a miss
-    explanation = heads.explain(_IDENTITY, req, found.reason) or Explanation(found.reason)
+    explanation = misses.explain(_IDENTITY, req, found.reason) or Explanation(found.reason)
     return "miss", explanation
 
 

@@ -1,9 +1,9 @@
 """The owner check every id-bearing route makes (issue 22): local registry first, then peers.
 
-:class:`OwnerBook` wraps the process's :class:`~proxy.core.owners.OwnerRegistry` (kept in the
-head table) and, in a cluster, a :class:`RemoteOwners` that asks the other workers and
-replicas (:mod:`proxy.ingress.owners`): the id's creator recorded it before the app could see
-it, so wherever a later request lands, some process knows. Behind an injected key the check
+:class:`OwnerBook` wraps the process's :class:`~proxy.core.owners.OwnerRegistry` (the pool's,
+which its planner tells of every head) and, in a cluster, a :class:`RemoteOwners` that asks
+the other workers and replicas (:mod:`proxy.ingress.owners`): the id's creator recorded it
+before the app could see it, so wherever a later request lands, some process knows. Behind an injected key the check
 fails closed: an id no process knows is refused, as the upstream refuses an unknown id.
 """
 
@@ -29,7 +29,7 @@ class OwnerBook:
     """Who may name a response id.
 
     Args:
-        registry: This process's owners (``HeadTable.owners``).
+        registry: This process's owners (``Pool.owners``).
         strict: Refuse ids of unknown owner (an injected key: the upstream's store is shared).
     """
 

@@ -37,7 +37,8 @@ from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.identity import Identity
 from proxy.serve.memory import MemoryGate, MemoryRefused
 from proxy.serve.owners import OwnerBook
-from proxy.serve.streaming import Record, json_body, new_request_id
+from proxy.serve.record import Record
+from proxy.serve.streaming import json_body, new_request_id
 from proxy.upstream.ws import open_websocket
 
 __all__ = ["RELAY_REFUSED_CODE", "relay_websocket", "sendable_code"]

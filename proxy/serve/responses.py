@@ -20,7 +20,8 @@ from aiohttp import web
 from proxy.core.reasons import Mode, Route
 from proxy.errors import ForeignResponse, ForeignResponseRoute, RequestError
 from proxy.serve.handlers import SERVICES, refuse
-from proxy.serve.streaming import Record, new_request_id, read_body
+from proxy.serve.record import Record
+from proxy.serve.streaming import new_request_id, read_body
 
 __all__ = ["add_routes"]
 

@@ -20,8 +20,6 @@ import os
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -29,23 +27,11 @@ from aiohttp import web
 
 from proxy import contracts
 from proxy.config import LimitsSettings
-from proxy.core.answer import Answer, AnswerKind, status_outcome
+from proxy.core.answer import Answer, AnswerKind
 from proxy.core.channel import TERMINAL, Channel, Out
-from proxy.core.explain import Explanation
-from proxy.core.reasons import Mode, PassthroughReason, Reason, ReplayCause, RequestOutcome, Route
-from proxy.core.request import Transport
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTimeout, BodyTooLarge, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
-from proxy.ops.log import access_log
-from proxy.ops.metrics import (
-    ADDED_LATENCY,
-    CONTINUATION_MISSES,
-    HELD_LIFECYCLE,
-    INPUT_ITEMS_AVOIDED,
-    PASSTHROUGH,
-    REQUESTS,
-)
-from proxy.ops.misses import RECENT
+from proxy.ops.metrics import HELD_LIFECYCLE
 from proxy.serve.memory import BodyBuffer, Lease
 
 _AHEAD = 256 * 1024
@@ -59,7 +45,6 @@ __all__ = [
     "ClientGone",
     "Downstream",
     "LeasedLane",
-    "Record",
     "body_length",
     "count_hold_back",
     "json_body",
@@ -292,174 +277,6 @@ def count_hold_back(channel: Channel) -> None:
 def new_request_id() -> str:
     """``req_`` + 32 hex digits, as OpenAI's ``x-request-id``."""
     return "req_" + os.urandom(16).hex()
-
-
-_EXPLAINER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upshift-explain")
-"""Explains misses (:meth:`Record.finish`) off the event loop, one at a time."""
-_EXPLAIN_INLINE_BYTES = 256 * 1024
-"""Misses of requests up to this size are explained on the loop (after the answer); larger
-ones in :data:`_EXPLAINER`."""
-_MAX_EXPLAINING = 64
-"""Explanations waiting or running at most; beyond, a miss's line goes out unexplained."""
-_EXPLAINING = [0]
-
-
-@dataclass(slots=True)
-class Record:
-    """One access-log line, filled in along the way (never content, never credentials)."""
-
-    request_id: str
-    route: Route = Route.RESPONSES
-    mode: Mode = Mode.FULL
-    reason: Reason | None = None
-    """``None`` is logged as ``""``: nothing to say (a continuation's is ``continuation``)."""
-    transport: Transport | None = None
-    """:attr:`Transport.HTTP` for a continuation sent over plain HTTP (issue 23); else ``None``."""
-    items_in: int = 0
-    items_sent: int = 0
-    items_avoided: int = 0
-    bytes_in: int = 0
-    bytes_sent: int = 0
-    status: int = 0
-    outcome: RequestOutcome | None = None
-    """``None`` until an answer sets it; then :meth:`finish` derives it from :attr:`status`."""
-    replays: int = 0
-    upstream_s: float = 0.0
-    added_s: float = 0.0
-    explanation: Explanation | None = None
-    """Where a miss departed from its best candidate head (issue 11), as :attr:`explainer` computed it."""
-    explained: Reason | None = None
-    """The matcher's verdict the explanation was computed for."""
-    explainer: Callable[[], Explanation | None] | None = None
-    """Computes :attr:`explanation` (:meth:`~proxy.core.conversation.HeadTable.explain_later`)."""
-
-    # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
-
-    def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
-        """The plan stage: how the attempt goes upstream."""
-        self.mode, self.reason, self.items_sent, self.items_avoided = mode, reason, items_sent, items_avoided
-
-    def pumped(self, sent: int, upstream_s: float) -> None:
-        """The pump stage: ``sent`` more bytes went upstream; the upstream's time so far."""
-        self.bytes_sent += sent
-        self.upstream_s = upstream_s
-
-    def answered(self, outcome: RequestOutcome | None, added_s: float) -> None:
-        """The answer stage (``outcome`` ``None``: derived from the status at the end)."""
-        if outcome is not None:
-            self.outcome = outcome
-        self.added_s = added_s
-
-    def replayed(self, cause: ReplayCause) -> None:
-        """The attempt is replayed with the full input, for ``cause``."""
-        self.replays += 1
-        self.reason = cause
-
-    def over_http(self, reason: Reason | None, upstream_s: float) -> None:
-        """The request goes over plain HTTP (the upstream's time so far)."""
-        self.mode, self.reason, self.upstream_s = Mode.PASSTHROUGH, reason, upstream_s
-
-    def forwarded(self, bytes_sent: int, upstream_s: float, added_s: float) -> None:
-        """The HTTP passthrough answered: every item went, over HTTP."""
-        self.items_sent, self.bytes_sent = self.items_in, bytes_sent
-        self.upstream_s, self.added_s = upstream_s, added_s
-
-    def explain(self, explainer: Callable[[], Explanation | None] | None, reason: Reason | None) -> None:
-        """Attach what computes the explanation of the matcher's miss ``reason`` (never content):
-        :meth:`finish` runs it after the answer, and only if the verdict stood.
-
-        If the request still goes out in full for that reason, the line carries ``miss_item``,
-        ``miss_type``, ``miss_field``, ``miss_detail`` and ``candidate_items``, and the reason
-        becomes the explanation's (a ``no_head`` that edited an early item is ``diverged``).
-        """
-        self.explanation, self.explainer, self.explained = None, explainer, reason
-
-    def _verdict_stood(self) -> bool:
-        """The request went out in full for the reason that was explained (not a continuation
-        after all, a replay or HTTP)."""
-        return self.mode == Mode.FULL and self.reason == self.explained
-
-    def finish(self) -> None:
-        """Emit the metrics and the access line.
-
-        With an explanation still to compute, that happens in the event loop's next round: the
-        app's answer is written first (a first turn's explanation compares the request with
-        recent heads, a fraction of a millisecond the app need not wait for).
-        """
-        if self.explainer is not None and self._verdict_stood():
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop: explain now
-                self._explain()
-                self._emit()
-                return
-            if self.bytes_in <= _EXPLAIN_INLINE_BYTES:
-                # A small request: a fraction of a millisecond, in the loop's next round.
-                loop.call_soon(self._explain_then_emit)
-                return
-            if _EXPLAINING[0] < _MAX_EXPLAINING:
-                # issue 22: a large one in a thread of its own, one at a time, never on the
-                # event loop (its items and a kept body may be compared); the line follows.
-                _EXPLAINING[0] += 1
-                loop.run_in_executor(_EXPLAINER, self._explain).add_done_callback(self._explained)
-                return
-            # Too many waiting (one tenant's flood of misses): this line goes unexplained.
-        self.explainer = None  # nothing to explain, or the verdict did not stand
-        self._emit()
-
-    def _explain(self) -> None:
-        explainer, self.explainer = self.explainer, None
-        try:
-            self.explanation = explainer() if explainer is not None else None
-        except Exception:  # noqa: BLE001 - a diagnostic must never cost the request's line
-            log.exception("explaining a miss failed")
-
-    def _explain_then_emit(self) -> None:
-        self._explain()
-        self._emit()
-
-    def _explained(self, _: object) -> None:
-        _EXPLAINING[0] -= 1
-        self._emit()
-
-    def _emit(self) -> None:
-        if self.outcome is None:
-            self.outcome = status_outcome(self.status)
-        exp = self.explanation
-        if exp is None or not self._verdict_stood():
-            exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
-        elif exp.reason:
-            self.reason = exp.reason
-        REQUESTS.labels(self.route, self.mode, self.outcome).inc()
-        missed = self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL
-        if self.mode == Mode.CONTINUATION:
-            INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
-        elif self.reason and not self.replays and missed:
-            # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
-            CONTINUATION_MISSES.labels(self.reason).inc()
-            RECENT.add(self.reason, self.items_in, exp)
-        if self.mode == Mode.PASSTHROUGH and self.route == Route.RESPONSES:
-            PASSTHROUGH.labels(self.reason or "unknown").inc()
-        ADDED_LATENCY.observe(self.added_s)
-        access_log(
-            {
-                "request_id": self.request_id,
-                "route": self.route,
-                "mode": self.mode,
-                "reason": self.reason or "",
-                "items_in": self.items_in,
-                "items_sent": self.items_sent,
-                "bytes_in": self.bytes_in,
-                "bytes_sent": self.bytes_sent,
-                "status": self.status,
-                "outcome": self.outcome,
-                "replays": self.replays,
-                "upstream_ms": round(self.upstream_s * 1000, 3),
-                "added_ms": round(self.added_s * 1000, 3),
-                **({"transport": self.transport.value} if self.transport else {}),
-                **(exp.fields() if exp is not None else {}),
-            }
-        )
 
 
 class ClientGone(ConnectionResetError):

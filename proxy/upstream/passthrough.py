@@ -195,6 +195,16 @@ class Options:
     rewrite: tuple[bytes, bytes] | None = None
     """``(old, new)`` bytes swapped in the answer (an HTTP continuation's anchor)."""
 
+    @classmethod
+    def continuation(cls, anchor: str, full: bytes, on_id: Callable[[str], None] | None = None) -> Options:
+        """An HTTP continuation's (its body: ``previous_response_id`` = ``anchor`` + the new
+        items): its answer captured (to become the head), the anchor shown to the app as it sent
+        it (none: ``null``), as over a socket; if the upstream does not know the anchor
+        (``previous_response_not_found``, before anything reached the app), ``full``, the app's
+        own body, is sent instead (issue 23)."""
+        rewrite = (b'"previous_response_id":' + orjson.dumps(anchor), b'"previous_response_id":null')
+        return cls(capture=True, on_id=on_id, fallback=full, rewrite=rewrite)
+
 
 _NO_OPTIONS = Options()
 
@@ -297,26 +307,6 @@ class Passthrough:
         async with self._slots:
             POOL_WAIT.labels("http").observe(time.perf_counter() - waited)
             return await self._forward(request, headers=headers, body=body, started=started, options=options)
-
-    async def continuation(
-        self,
-        request: web.Request,
-        *,
-        headers: dict[str, str],
-        body: bytes,
-        full: bytes,
-        anchor: str,
-        started: float,
-        on_id: Callable[[str], None] | None = None,
-    ) -> Forwarded:
-        """Relay an HTTP continuation (``body``: ``previous_response_id`` = ``anchor`` + the new
-        items) and stream the answer back, the anchor shown to the app as it sent it (none:
-        ``null``), as over a socket; if the upstream does not know the anchor
-        (``previous_response_not_found``, before anything reached the app), send ``full``, the
-        app's own body, instead (issue 23)."""
-        rewrite = (b'"previous_response_id":' + orjson.dumps(anchor), b'"previous_response_id":null')
-        options = Options(capture=True, on_id=on_id, fallback=full, rewrite=rewrite)
-        return await self.forward(request, headers=headers, body=body, started=started, options=options)
 
     async def _forward(
         self,

@@ -30,8 +30,9 @@ from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.demux import LaneSignal
 from proxy.core.lanes import LaneKey, LaneState, SocketState
+from proxy.core.owners import OwnerRegistry
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
-from proxy.core.reasons import PassthroughReason
+from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
@@ -155,10 +156,19 @@ class Pool:
     Args:
         settings: ``pool`` limits and timers, ``ws_url``, ``timeouts.connect_seconds``.
         heads: The head table (owned, through the planner).
+        owners: Who created each response id (the planner notes every head's; default: a
+            registry of its own).
         clock: Monotonic clock.
     """
 
-    def __init__(self, settings: Settings, heads: HeadTable, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        heads: HeadTable,
+        *,
+        owners: OwnerRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         p = settings.pool
         self.settings = settings
         self.heads = heads
@@ -176,7 +186,10 @@ class Pool:
                 cap_probe_seconds=p.cap_probe_seconds,
             ),
             heads,
+            owners,
         )
+        self.owners = self.planner.owners
+        """Who created each response id (:class:`~proxy.core.owners.OwnerRegistry`)."""
         self.caps = CapFile(p.cap_state_dir)
         """The learned socket caps shared with the other workers of this machine."""
         self._clock = clock
@@ -400,6 +413,15 @@ class Pool:
     def stream_limit(self, key: LaneKey) -> None:
         """``websocket_stream_limit_reached`` on ``key``'s socket."""
         self.planner.stream_limit(key)
+
+    def replayed(self, cause: ReplayCause, lane: LaneKey | None) -> None:
+        """What an attempt replayed for ``cause`` (on ``lane``) tells the pool: the upstream does
+        not take ``stream_id`` (:meth:`lanes_refused`), or the lane's socket takes no more
+        streams (:meth:`stream_limit`); other causes tell it nothing."""
+        if cause is ReplayCause.LANES_UNSUPPORTED:
+            self.lanes_refused()
+        elif cause is ReplayCause.STREAM_LIMIT and lane is not None:
+            self.stream_limit(lane)
 
     # -- sockets -------------------------------------------------------------------------------
 

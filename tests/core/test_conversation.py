@@ -212,20 +212,6 @@ def test_usable_is_asked_per_head() -> None:
     assert asked == ["s1"]
 
 
-def test_owners_are_remembered_per_identity_and_bounded() -> None:
-    heads = table(max_heads=1)
-    heads.record("alice", "s1", req([USER]), response("resp_1", call(1)), 0)
-    heads.note_owner("alice", "resp_incomplete")
-    assert heads.owner_of("resp_1") == "alice" and heads.owner_of("resp_incomplete") == "alice"
-    assert heads.owner_of("resp_unknown") is None
-    for n in range(heads.max_owners):
-        heads.note_owner("bob", f"r{n}")
-    # The heaviest identity's oldest id went first: bob's flood never evicts alice's ids.
-    assert heads.owner_of("resp_1") == "alice" and heads.owner_of("resp_incomplete") == "alice"
-    assert heads.owner_of("r0") is None and heads.owner_of("r1") is None
-    assert heads.owner_of(f"r{heads.max_owners - 1}") == "bob"
-
-
 def test_lookup_only_reads_and_touch_makes_the_head_the_last_to_go() -> None:
     heads = table(max_heads=2, ttl=10.0)
     heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)

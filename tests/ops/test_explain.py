@@ -1,4 +1,4 @@
-"""HeadTable.explain: where a miss departs from its best candidate (pure, no sockets)."""
+"""MissExplainer: where a miss departs from its best candidate head (pure, no sockets)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, echo_fields, first_field_diff
+from proxy.core.explainer import MissExplainer
 from proxy.core.reasons import Tolerance
 from tests.core.test_conversation import call, reasoning, req, response, result
 
@@ -26,18 +27,19 @@ def three_turns(heads: HeadTable, first: list[Any]) -> list[Any]:
     return history
 
 
-def miss(heads: HeadTable, items: list[Any], **fields: Any) -> tuple[str, Any]:
+def miss(misses: MissExplainer, items: list[Any], **fields: Any) -> tuple[str, Any]:
     r = req(items, **fields)
-    found = heads.lookup("id", r, 10, IDLE)
+    found = misses.heads.lookup("id", r, 10, IDLE)
     assert found.match is None
-    return found.reason, heads.explain("id", r, found.reason)
+    return found.reason, misses.explain("id", r, found.reason)
 
 
 def test_edited_first_item_is_diverged_at_zero_not_no_head() -> None:
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     history = three_turns(heads, [SYSTEM, USER])
     edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
-    reason, exp = miss(heads, edited)
+    reason, exp = miss(misses, edited)
     assert reason == MissReason.NO_HEAD  # the matcher alone cannot tell
     assert exp is not None and exp.reason == MissReason.DIVERGED
     assert (exp.miss_item, exp.miss_type, exp.miss_field, exp.detail) == (0, "message", "content[0].text", Detail.FIELD)
@@ -46,39 +48,43 @@ def test_edited_first_item_is_diverged_at_zero_not_no_head() -> None:
 
 
 def test_cold_head_says_field_unknown() -> None:
-    heads = HeadTable(max_heads=100, ttl_seconds=600, hot_seconds=0.5)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600, hot_seconds=0.5))
+    heads = misses.heads
     history = three_turns(heads, [SYSTEM, USER])
     heads.expire(100.0)  # bodies go cold, heads stay (ttl 600)
     edited = [SYSTEM, dict(USER, content="do 4 steps"), *history[2:]]
-    _, exp = miss(heads, edited)
+    _, exp = miss(misses, edited)
     assert exp is not None and exp.reason == MissReason.DIVERGED
     assert (exp.miss_item, exp.miss_type, exp.miss_field, exp.detail) == (1, "message", None, Detail.FIELD_UNKNOWN)
 
 
 def test_new_conversation_sharing_the_system_prompt_stays_no_head() -> None:
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     three_turns(heads, [SYSTEM, USER])
-    reason, exp = miss(heads, [SYSTEM, dict(USER, content="another task")])
+    reason, exp = miss(misses, [SYSTEM, dict(USER, content="another task")])
     assert reason == MissReason.NO_HEAD
     assert exp is not None and exp.reason == MissReason.NO_HEAD and exp.miss_item is None
 
 
 def test_reserialised_arguments_equal_continue_but_changed_ones_are_reported() -> None:
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     heads.record("id", "s1", req([USER]), response("resp_1", call(1, '{"path":"a.py","n":2}')), 0)
     same = req([USER, call(1, '{ "n": 2.0, "path": "a.py" }'), result(1)])
     assert heads.lookup("id", same, 1, IDLE).match is not None
-    reason, exp = miss(heads, [USER, call(1, '{"path":"a.py","n":"2"}'), result(1)])
+    reason, exp = miss(misses, [USER, call(1, '{"path":"a.py","n":"2"}'), result(1)])
     assert reason == MissReason.DIVERGED
     assert exp is not None
     assert (exp.reason, exp.miss_item, exp.miss_type, exp.miss_field) == ("diverged", 1, "function_call", "arguments")
 
 
 def test_changed_tools_name_the_setting() -> None:
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
     tools = [{"type": "function", "name": "read"}, {"type": "function", "name": "write"}]
-    reason, exp = miss(heads, [USER, call(1), result(1)], tools=tools)
+    reason, exp = miss(misses, [USER, call(1), result(1)], tools=tools)
     assert reason == MissReason.SETTINGS_CHANGED
     assert exp is not None
     assert (exp.reason, exp.miss_item, exp.miss_field, exp.detail) == (
@@ -90,12 +96,13 @@ def test_changed_tools_name_the_setting() -> None:
 
 
 def test_dropped_reasoning_retry_and_no_new_items() -> None:
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     heads.record("id", "s1", req([USER]), response("resp_1", reasoning(1), call(1)), 0)
-    reason, exp = miss(heads, [USER, call(1), result(1)])
+    reason, exp = miss(misses, [USER, call(1), result(1)])
     assert reason == MissReason.DROPPED_REASONING
     assert exp is not None and (exp.reason, exp.miss_item, exp.miss_type) == ("dropped_reasoning", 1, "reasoning")
-    reason, exp = miss(heads, [USER])
+    reason, exp = miss(misses, [USER])
     assert reason == MissReason.RETRY
     assert exp is not None and (exp.reason, exp.miss_item, exp.miss_type, exp.detail) == (
         "retry",
@@ -103,19 +110,20 @@ def test_dropped_reasoning_retry_and_no_new_items() -> None:
         "reasoning",
         Detail.RETRY,
     )
-    reason, exp = miss(heads, [USER, reasoning(1), call(1)])
+    reason, exp = miss(misses, [USER, reasoning(1), call(1)])
     assert reason == MissReason.NO_NEW_ITEMS
     assert exp is not None and (exp.reason, exp.miss_item, exp.detail) == ("no_new_items", 3, Detail.NO_NEW_ITEMS)
 
 
 def test_echoed_message_text_changed() -> None:
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     out = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}
     heads.record("id", "s1", req([USER]), response("resp_1", out), 0)
     as_string = {"role": "assistant", "content": "done"}
     assert heads.lookup("id", req([USER, as_string, USER]), 1, IDLE).match is not None
     edited = {"role": "assistant", "content": [{"type": "output_text", "text": "done!"}]}
-    _, exp = miss(heads, [USER, edited, USER])
+    _, exp = miss(misses, [USER, edited, USER])
     assert exp is not None and (exp.miss_item, exp.miss_type, exp.miss_field) == (1, "message", "content[0].text")
 
 
@@ -134,7 +142,8 @@ def test_field_diff_paths_are_names_and_indices_only() -> None:
 
 def test_memory_per_head_of_the_explanation_data() -> None:
     """Measured and bounded: 8 bytes an input item, about 100-120 bytes an output item."""
-    heads = HeadTable(max_heads=10_000, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=10_000, ttl_seconds=600))
+    heads = misses.heads
     history = [USER]
     for n in range(10):
         history += [call(n), result(n)]
@@ -159,9 +168,10 @@ def test_memory_per_head_of_the_explanation_data() -> None:
 
 def test_same_task_again_is_no_head_with_where_it_stops() -> None:
     """A new conversation that starts like a finished one (the demo run twice) is no edit."""
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     three_turns(heads, [SYSTEM, USER])
-    reason, exp = miss(heads, [SYSTEM, USER])
+    reason, exp = miss(misses, [SYSTEM, USER])
     assert reason == MissReason.NO_HEAD
     assert exp is not None and exp.reason == MissReason.NO_HEAD
     assert (exp.miss_item, exp.detail, exp.candidate_items) == (2, Detail.MISSING, 7)
@@ -170,18 +180,19 @@ def test_same_task_again_is_no_head_with_where_it_stops() -> None:
 def test_explained_later_sees_the_heads_of_the_miss_not_those_recorded_since() -> None:
     """The shell computes the explanation after the answer: by then the request's own head is
     in the table (it replaced its lane's previous head); the verdict is the one at the miss."""
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     history = three_turns(heads, [SYSTEM, USER])
     edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
     r = req(edited)
     found = heads.lookup("id", r, 10, IDLE)
-    at_miss = heads.explain("id", r, found.reason)
-    later = heads.explain_later("id", r, found.reason)
+    at_miss = misses.explain("id", r, found.reason)
+    later = misses.explain_later("id", r, found.reason)
     assert later is not None and at_miss is not None
     heads.record("id", "s1", r, response("resp_9", call(9)), 11)  # the full send's own head, on s1
     assert later() == at_miss and (at_miss.reason, at_miss.miss_item) == (MissReason.DIVERGED, 0)
     # Asked now, the request's own head (identical to it) is the best candidate instead.
-    assert heads.explain("id", r, found.reason) != at_miss
+    assert misses.explain("id", r, found.reason) != at_miss
 
 
 async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_stood(
@@ -191,7 +202,7 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     import threading
 
     from proxy.core.explain import Explanation
-    from proxy.serve.streaming import Record
+    from proxy.serve.record import Record
 
     lines, _ = access_log
     calls: list[str] = []
@@ -255,17 +266,18 @@ def test_an_edit_is_explained_behind_hundreds_of_new_conversations_of_the_same_k
     """A busy key: 300 conversations share the system prompt after the edited one was recorded.
     They are told apart from the digests (most share only a first stretch) and the edited
     conversation's head, 300 heads back, is still the one that explains the miss."""
-    heads = HeadTable(max_heads=1000, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=1000, ttl_seconds=600))
+    heads = misses.heads
     history = three_turns(heads, [SYSTEM, USER])
     for i in range(300):
         other = req([SYSTEM, {"role": "user", "content": f"task {i}"}])
         heads.record("id", f"other-{i}", other, response(f"resp_o{i}", call(100 + i)), 5)
     edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
-    reason, exp = miss(heads, edited)
+    reason, exp = miss(misses, edited)
     assert reason == MissReason.NO_HEAD and exp is not None
     assert (exp.reason, exp.miss_item, exp.candidate_items) == (MissReason.DIVERGED, 0, len(history) - 1)
     # No longer than the head's input (no echo to compare): only the digests tell it is an edit.
-    reason, exp = miss(heads, edited[:6])
+    reason, exp = miss(misses, edited[:6])
     assert exp is not None and (exp.reason, exp.miss_item) == (MissReason.DIVERGED, 0)
 
 
@@ -285,9 +297,10 @@ def test_dropped_phase_is_explained_at_the_message_and_names_the_field() -> None
     tolerance on, the same echo continues."""
     phaseless = {k: v for k, v in COMMENTARY.items() if k != "phase"}
     for tolerate in ((), ("reasoning",)):
-        heads = HeadTable(max_heads=100, ttl_seconds=600, tolerate=[Tolerance(t) for t in tolerate])
+        misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600, tolerate=[Tolerance(t) for t in tolerate]))
+        heads = misses.heads
         heads.record("id", "s1", req([USER]), response("resp_1", COMMENTARY, call(1)), 0)
-        reason, exp = miss(heads, [USER, phaseless, call(1), result(1)])
+        reason, exp = miss(misses, [USER, phaseless, call(1), result(1)])
         assert reason == MissReason.DROPPED_PHASE
         assert exp is not None
         assert (exp.reason, exp.miss_item, exp.miss_type, exp.miss_field, exp.detail) == (
@@ -298,9 +311,10 @@ def test_dropped_phase_is_explained_at_the_message_and_names_the_field() -> None
             Detail.PHASE_DROPPED,
         )
         assert exp.fields()["miss_detail"] == "phase_dropped"
-    heads = HeadTable(max_heads=100, ttl_seconds=600)
+    misses = MissExplainer(HeadTable(max_heads=100, ttl_seconds=600))
+    heads = misses.heads
     heads.record("id", "s1", req([USER]), response("resp_1", COMMENTARY, call(1)), 0)
-    reason, exp = miss(heads, [USER, dict(COMMENTARY, phase="final_answer"), call(1), result(1)])
+    reason, exp = miss(misses, [USER, dict(COMMENTARY, phase="final_answer"), call(1), result(1)])
     assert reason == MissReason.DIVERGED
     assert exp is not None and (exp.miss_item, exp.miss_field, exp.detail) == (1, "phase", Detail.FIELD)
     tolerant = HeadTable(max_heads=100, ttl_seconds=600, tolerate=[Tolerance.PHASE])

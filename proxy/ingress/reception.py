@@ -1,0 +1,165 @@
+"""The reception of one ``POST /v1/responses``: its body read in time and within its memory.
+
+Before anyone decides where a request is served, it is received here: its length and the
+caller's identity from the headers, its memory lease (issue 12: from before the body is read
+until the answer is written, admitted fairly by identity), its body under the deadlines of
+:class:`~proxy.serve.streaming.BodyClock` (issue 21). What the reception refuses is answered
+here, as it always was: a bad head or body (4xx, the record says ``client_error``), no memory
+(429/503 + ``retry-after``), a body that did not keep arriving (408, the connection closed), an
+app gone mid-body (nobody reads the answer). The access record is opened, closed and counted
+here whatever happens; the answer itself comes from the callables the front passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from proxy.core.reasons import BodyAbort, RequestOutcome
+from proxy.errors import BodyTimeout, ProxyError, RequestError
+from proxy.ops.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
+from proxy.serve.handlers import Arrival, Services, refuse
+from proxy.serve.identity import Identity
+from proxy.serve.memory import Lease, MemoryRefused
+from proxy.serve.record import Record
+from proxy.serve.streaming import BodyClock, ClientGone, body_length, new_request_id, read_body
+
+__all__ = ["Reception", "Route", "Serve"]
+
+log = logging.getLogger("proxy.ingress.front")
+"""The front's logger (these lines were the front's before the reception had a module)."""
+
+Route = Callable[[Arrival], Awaitable[web.StreamResponse | None]]
+"""The answer of the process or replica owning the conversation, or ``None``: serve here."""
+Serve = Callable[[Arrival], Awaitable[web.StreamResponse]]
+"""This process's answer (:func:`proxy.serve.handlers.serve`)."""
+
+_NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
+"""Stands in for the memory lease when there is no gate (an app built without one)."""
+_LINGER = 10.0
+"""How long aiohttp reads and drops an unread body after the answer (its ``lingering_time``)."""
+
+
+class Reception:
+    """Receives one ``POST /v1/responses`` and answers what the reception refuses.
+
+    Args:
+        request: The app's request (its head read, its body not yet).
+        svc: The app's services (settings, identity, memory gate).
+    """
+
+    def __init__(self, request: web.Request, svc: Services) -> None:
+        self.request = request
+        self.svc = svc
+        self.started = time.perf_counter()
+        self.rec = Record(new_request_id())
+        # issue 21: the body must be complete within limits.body_timeout_seconds of the head (and
+        # keep a minimum rate), waiting for memory included.
+        self.clock = BodyClock(svc.settings.limits, asyncio.get_running_loop().time())
+
+    async def answer(self, route: Route, serve: Serve) -> web.StreamResponse:
+        """Receive the request, then answer it by ``route``, else by ``serve``; the access
+        record is finished (and the request counted in flight meanwhile) on every path."""
+        INFLIGHT.inc()
+        try:
+            return await self._answer(route, serve)
+        except asyncio.CancelledError:
+            self.rec.outcome = RequestOutcome.CANCELLED
+            raise
+        except Exception:
+            self.rec.outcome, self.rec.status = RequestOutcome.PROXY_ERROR, 500
+            raise
+        finally:
+            INFLIGHT.dec()
+            if not self.rec.added_s:
+                self.rec.added_s = max(time.perf_counter() - self.started - self.rec.upstream_s, 0.0)
+            self.rec.finish()
+
+    async def _answer(self, route: Route, serve: Serve) -> web.StreamResponse:
+        try:
+            # The identity is known from the headers: the memory budget admits fairly by it.
+            length = body_length(self.request)
+            identity = self.svc.identity(self.request)
+        except RequestError as exc:
+            return self._refuse(exc)
+        try:
+            async with self._lease(length, identity) as mem:
+                return await self._leased(identity, mem, route, serve)
+        except BodyTimeout as exc:  # the deadline passed while it waited for memory
+            return await self._timed_out(exc)
+        except MemoryRefused as exc:
+            response = self._refuse(exc, exc.headers(self.rec.request_id))
+            self.rec.outcome = RequestOutcome.PROXY_ERROR
+            return self._answered(response)
+
+    def _lease(self, length: int | None, identity: Identity) -> contextlib.AbstractAsyncContextManager[Lease | None]:
+        """issue 12: the request's memory lease, from before its body is read until its answer is
+        written; a refusal (429/503 + retry-after) is answered by :meth:`_answer`, nothing read."""
+        memory, request = self.svc.memory, self.request
+        if memory is None:
+            return _NO_LEASE
+        return memory.lease(length, key=identity.digest, headers=_head_size(request), deadline=self.clock.deadline)
+
+    async def _leased(self, identity: Identity, mem: Lease | None, route: Route, serve: Serve) -> web.StreamResponse:
+        """Under the lease: read the body, then the owner's answer, else this process's."""
+        try:
+            body = await read_body(self.request, self.svc.settings.limits.max_body_bytes, mem, self.clock)
+            self.rec.bytes_in = len(body)
+            REQUEST_BYTES.inc(len(body))
+            arrival = Arrival(self.request, body, identity, self.rec, self.started, mem)
+            routed = await route(arrival)
+        except ClientGone:
+            BODIES_ABORTED.labels(BodyAbort.CLIENT_GONE).inc()
+            log.info("the app closed its connection before its request body was complete")
+            self.rec.outcome, self.rec.status = RequestOutcome.CANCELLED, 499
+            return web.Response(status=400)  # nobody reads it: aiohttp drops it quietly
+        except BodyTimeout as exc:
+            return await self._timed_out(exc)
+        except RequestError as exc:
+            return self._answered(self._refuse(exc))
+        return self._answered(routed if routed is not None else await serve(arrival))
+
+    def _refuse(self, exc: ProxyError, headers: dict[str, str] | None = None) -> web.Response:
+        if headers is None:
+            headers = {"x-request-id": self.rec.request_id}
+        response = refuse(exc, headers, self.rec, self.started)
+        self.rec.status = response.status
+        return response
+
+    def _answered(self, response: web.StreamResponse) -> web.StreamResponse:
+        """The answer's status on the record; a refusal with the body unread: aiohttp then reads
+        and drops the rest for a while (so the app sees the answer, not a reset), then closes;
+        if the body's deadline comes first, it stops there."""
+        self.rec.status = response.status
+        request, loop = self.request, asyncio.get_running_loop()
+        if response.status < 400 or request.content.is_eof() or self.clock.deadline >= loop.time() + _LINGER:
+            return response  # read to its end, or the lingering ends first
+
+        def close() -> None:
+            if not request.content.is_eof() and request.transport is not None:
+                request.protocol.force_close()
+
+        loop.call_at(self.clock.deadline, close)
+        return response
+
+    async def _timed_out(self, exc: BodyTimeout) -> web.StreamResponse:
+        """408 for a body that did not keep arriving, and the connection closed (never drained)."""
+        BODIES_ABORTED.labels(BodyAbort.TOO_SLOW if exc.slow else BodyAbort.TIMEOUT).inc()
+        why = "too slow" if exc.slow else "deadline"
+        log.info("closed a connection whose request body did not keep arriving (%s)", why)
+        response = self._refuse(exc, {"x-request-id": self.rec.request_id, "Connection": "close"})
+        with contextlib.suppress(ConnectionError):
+            await response.prepare(self.request)
+            await response.write_eof()
+        self.request.protocol.force_close()  # the rest of the body is not waited for (no lingering)
+        return response
+
+
+def _head_size(request: web.Request) -> int:
+    """Bytes of the request's head (they count against the memory budget)."""
+    return len(request.raw_path) + sum(len(k) + len(v) + 4 for k, v in request.raw_headers) + 16

@@ -1,0 +1,251 @@
+"""The access record of one request: one line, written once per stage, and the counts that go with each.
+
+Every stage of the request path (:mod:`proxy.serve.handlers`, the reception in
+:mod:`proxy.ingress.reception`) writes the record through one method named by the stage; the
+counters that belong to a stage (tolerated echoes, replays, the sidecar's own errors, HTTP
+continuations) are counted by the same method, so a stage's bookkeeping is in one place. At the
+end, :meth:`Record.finish` emits the request's metrics and its access line (never content, never
+credentials), a miss's explanation computed after the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from proxy.core.answer import status_outcome
+from proxy.core.explain import Explanation
+from proxy.core.planner import Plan, PlanKind
+from proxy.core.reasons import Hit, Mode, PassthroughReason, Reason, ReplayCause, RequestOutcome, Route, Tolerance
+from proxy.core.request import Transport
+from proxy.ops.log import access_log
+from proxy.ops.metrics import (
+    ADDED_LATENCY,
+    CONTINUATION_MISSES,
+    DROPPED_REASONING,
+    ECHO_TOLERANCES,
+    ERRORS,
+    HTTP_CONTINUATIONS,
+    HYDRATED,
+    INPUT_ITEMS_AVOIDED,
+    PASSTHROUGH,
+    REPLAYS,
+    REQUESTS,
+    UPSTREAM_BYTES_SENT,
+)
+from proxy.ops.misses import RECENT
+from proxy.upstream.passthrough import Forwarded
+
+__all__ = ["Record"]
+
+log = logging.getLogger("upshift.streaming")
+"""The record's lines went out under the streaming module's name before it had its own."""
+
+_EXPLAINER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upshift-explain")
+"""Explains misses (:meth:`Record.finish`) off the event loop, one at a time."""
+_EXPLAIN_INLINE_BYTES = 256 * 1024
+"""Misses of requests up to this size are explained on the loop (after the answer); larger
+ones in :data:`_EXPLAINER`."""
+_MAX_EXPLAINING = 64
+"""Explanations waiting or running at most; beyond, a miss's line goes out unexplained."""
+_EXPLAINING = [0]
+
+
+@dataclass(slots=True)
+class Record:
+    """One access-log line, filled in along the way (never content, never credentials)."""
+
+    request_id: str
+    route: Route = Route.RESPONSES
+    mode: Mode = Mode.FULL
+    reason: Reason | None = None
+    """``None`` is logged as ``""``: nothing to say (a continuation's is ``continuation``)."""
+    transport: Transport | None = None
+    """:attr:`Transport.HTTP` for a continuation sent over plain HTTP (issue 23); else ``None``."""
+    items_in: int = 0
+    items_sent: int = 0
+    items_avoided: int = 0
+    bytes_in: int = 0
+    bytes_sent: int = 0
+    status: int = 0
+    outcome: RequestOutcome | None = None
+    """``None`` until an answer sets it; then :meth:`finish` derives it from :attr:`status`."""
+    replays: int = 0
+    upstream_s: float = 0.0
+    added_s: float = 0.0
+    explanation: Explanation | None = None
+    """Where a miss departed from its best candidate head (issue 11), as :attr:`explainer` computed it."""
+    explained: Reason | None = None
+    """The matcher's verdict the explanation was computed for."""
+    explainer: Callable[[], Explanation | None] | None = None
+    """Computes :attr:`explanation` (:meth:`~proxy.core.explainer.MissExplainer.explain_later`)."""
+
+    # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
+
+    def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
+        """The plan stage: how the attempt goes upstream."""
+        self.mode, self.reason, self.items_sent, self.items_avoided = mode, reason, items_sent, items_avoided
+
+    def planned_lane(self, plan: Plan, n_items: int, first: bool) -> None:
+        """The plan stage of an attempt on a lane (``first``: not a replay): continued with the
+        plan's new items, or sent in full (a replay keeps the reason it replays for); what the
+        echo left out that the match tolerated, counted once per request."""
+        cont = plan.kind is PlanKind.CONTINUE
+        if (plan.dropped_reasoning or plan.dropped_phase) and first:
+            accepted = "true" if cont else "false"
+            if plan.dropped_reasoning:
+                DROPPED_REASONING.labels(accepted).inc()
+                ECHO_TOLERANCES.labels(Tolerance.REASONING, accepted).inc()
+            if plan.dropped_phase:
+                ECHO_TOLERANCES.labels(Tolerance.PHASE, accepted).inc()
+        if cont and plan.hydrated:
+            HYDRATED.inc()
+        if cont:
+            self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items or []), plan.items_avoided)
+        else:
+            self.planned(Mode.FULL, plan.reason if first else self.reason, n_items, 0)
+
+    def planned_http(self, plan: Plan) -> None:
+        """The plan stage of a continuation over plain HTTP (issue 23)."""
+        self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items or []), plan.items_avoided)
+        self.transport = Transport.HTTP
+
+    def pumped(self, sent: int, upstream_s: float) -> None:
+        """The pump stage: ``sent`` more bytes went upstream on a socket; the upstream's time so far."""
+        UPSTREAM_BYTES_SENT.labels("websocket").inc(sent)
+        self.bytes_sent += sent
+        self.upstream_s = upstream_s
+
+    def answered(self, outcome: RequestOutcome | None, added_s: float, error: str | None = None) -> None:
+        """The answer stage (``outcome`` ``None``: derived from the status at the end); ``error``:
+        the sidecar's own error code it surfaces (``upshift_errors_total``)."""
+        if error is not None:
+            ERRORS.labels(error).inc()
+        if outcome is not None:
+            self.outcome = outcome
+        self.added_s = added_s
+
+    def replayed(self, cause: ReplayCause) -> None:
+        """The attempt is replayed with the full input, for ``cause`` (``upshift_replays_total``)."""
+        REPLAYS.labels(cause).inc()
+        self.replays += 1
+        self.reason = cause
+
+    def over_http(self, reason: Reason | None, upstream_s: float) -> None:
+        """The request goes over plain HTTP (the upstream's time so far)."""
+        self.mode, self.reason, self.upstream_s = Mode.PASSTHROUGH, reason, upstream_s
+
+    def forwarded(self, fwd: Forwarded) -> None:
+        """The HTTP passthrough answered: every item went, over HTTP."""
+        self.items_sent, self.bytes_sent = self.items_in, fwd.bytes_sent
+        self.upstream_s, self.added_s = fwd.upstream_seconds, fwd.added_seconds
+
+    def continued_http(self, fwd: Forwarded) -> None:
+        """An HTTP continuation answered; ``previous_response_not_found`` made it a full send
+        of the app's own body (a replay, for that cause)."""
+        HTTP_CONTINUATIONS.labels("full" if fwd.fell_back else "continuation").inc()
+        if fwd.fell_back:
+            self.planned(Mode.FULL, ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, self.items_in, 0)
+            self.replayed(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND)
+        self.bytes_sent = fwd.bytes_sent
+        self.upstream_s, self.added_s = fwd.upstream_seconds, fwd.added_seconds
+
+    def explain(self, explainer: Callable[[], Explanation | None] | None, reason: Reason | None) -> None:
+        """Attach what computes the explanation of the matcher's miss ``reason`` (never content):
+        :meth:`finish` runs it after the answer, and only if the verdict stood.
+
+        If the request still goes out in full for that reason, the line carries ``miss_item``,
+        ``miss_type``, ``miss_field``, ``miss_detail`` and ``candidate_items``, and the reason
+        becomes the explanation's (a ``no_head`` that edited an early item is ``diverged``).
+        """
+        self.explanation, self.explainer, self.explained = None, explainer, reason
+
+    def _verdict_stood(self) -> bool:
+        """The request went out in full for the reason that was explained (not a continuation
+        after all, a replay or HTTP)."""
+        return self.mode == Mode.FULL and self.reason == self.explained
+
+    def finish(self) -> None:
+        """Emit the metrics and the access line.
+
+        With an explanation still to compute, that happens in the event loop's next round: the
+        app's answer is written first (a first turn's explanation compares the request with
+        recent heads, a fraction of a millisecond the app need not wait for).
+        """
+        if self.explainer is not None and self._verdict_stood():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop: explain now
+                self._explain()
+                self._emit()
+                return
+            if self.bytes_in <= _EXPLAIN_INLINE_BYTES:
+                # A small request: a fraction of a millisecond, in the loop's next round.
+                loop.call_soon(self._explain_then_emit)
+                return
+            if _EXPLAINING[0] < _MAX_EXPLAINING:
+                # issue 22: a large one in a thread of its own, one at a time, never on the
+                # event loop (its items and a kept body may be compared); the line follows.
+                _EXPLAINING[0] += 1
+                loop.run_in_executor(_EXPLAINER, self._explain).add_done_callback(self._explained)
+                return
+            # Too many waiting (one tenant's flood of misses): this line goes unexplained.
+        self.explainer = None  # nothing to explain, or the verdict did not stand
+        self._emit()
+
+    def _explain(self) -> None:
+        explainer, self.explainer = self.explainer, None
+        try:
+            self.explanation = explainer() if explainer is not None else None
+        except Exception:  # noqa: BLE001 - a diagnostic must never cost the request's line
+            log.exception("explaining a miss failed")
+
+    def _explain_then_emit(self) -> None:
+        self._explain()
+        self._emit()
+
+    def _explained(self, _: object) -> None:
+        _EXPLAINING[0] -= 1
+        self._emit()
+
+    def _emit(self) -> None:
+        if self.outcome is None:
+            self.outcome = status_outcome(self.status)
+        exp = self.explanation
+        if exp is None or not self._verdict_stood():
+            exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
+        elif exp.reason:
+            self.reason = exp.reason
+        REQUESTS.labels(self.route, self.mode, self.outcome).inc()
+        missed = self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL
+        if self.mode == Mode.CONTINUATION:
+            INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
+        elif self.reason and not self.replays and missed:
+            # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
+            CONTINUATION_MISSES.labels(self.reason).inc()
+            RECENT.add(self.reason, self.items_in, exp)
+        if self.mode == Mode.PASSTHROUGH and self.route == Route.RESPONSES:
+            PASSTHROUGH.labels(self.reason or "unknown").inc()
+        ADDED_LATENCY.observe(self.added_s)
+        access_log(
+            {
+                "request_id": self.request_id,
+                "route": self.route,
+                "mode": self.mode,
+                "reason": self.reason or "",
+                "items_in": self.items_in,
+                "items_sent": self.items_sent,
+                "bytes_in": self.bytes_in,
+                "bytes_sent": self.bytes_sent,
+                "status": self.status,
+                "outcome": self.outcome,
+                "replays": self.replays,
+                "upstream_ms": round(self.upstream_s * 1000, 3),
+                "added_ms": round(self.added_s * 1000, 3),
+                **({"transport": self.transport.value} if self.transport else {}),
+                **(exp.fields() if exp is not None else {}),
+            }
+        )
