@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.machinery
+import importlib.util
 import os
 import shutil
 import sys
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.clean:
         print(f"removed {len(removed)} compiled modules; the pure build runs")
         return 0
+    if importlib.util.find_spec("mypyc") is None:
+        print("python -m proxy.build needs mypy (pip install -e '.[dev]') and a C compiler", file=sys.stderr)
+        return 2
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="upshift-mypyc-"))
     try:
