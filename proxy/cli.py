@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import yaml
 
+from proxy.build import build_kind
 from proxy.config import CONFIG_ENV, load_settings, settings_to_dict
 from proxy.errors import ConfigError
 from proxy.loop import loop_name
@@ -73,7 +74,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the effective settings as YAML and exit",
     )
-    p.add_argument("--version", action="version", version=f"upshift {_version()} ({loop_name()} event loop)")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"upshift {_version()} ({loop_name()} event loop, {build_kind()} build)",
+    )
     return p
 
 
@@ -106,14 +111,16 @@ def main(argv: list[str] | None = None) -> None:
         KeySource(settings.api_key)  # fail fast on a missing key file, before binding anything
         egress_for(settings)  # and on a proxy URL websockets would refuse (issue 22)
         log.info(
-            "upshift %s starting (%s event loop)",
+            "upshift %s starting (%s event loop, %s build)",
             _version(),
             loop_name(),
+            build_kind(),
             extra={
                 "listen": settings.listen,
                 "admin_listen": settings.admin_listen,
                 "mode": settings.mode,
                 "loop": loop_name(),
+                "build": build_kind(),
             },
         )
         # Imported lazily so that config errors (and tests of the loader) need no server. With

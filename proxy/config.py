@@ -402,6 +402,9 @@ ENV_PREFIX = "UPSHIFT_"
 """Prefix of every environment variable the loader reads."""
 CONFIG_ENV = "UPSHIFT_CONFIG"
 """Environment variable naming the YAML file (``--config`` wins over it)."""
+BUILD_ENV = frozenset({"UPSHIFT_COMPILE", "UPSHIFT_EXPECT_BUILD"})
+"""Read by the build (``hatch_build.py``) and its tests (``tests/test_build.py``), not by the
+sidecar: set in a shell that then runs it, they are no typo."""
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -719,7 +722,7 @@ def _is_service_link(name: str, value: str) -> bool:
 def _from_env(env: Mapping[str, str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or _is_service_link(name, raw):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in BUILD_ENV or _is_service_link(name, raw):
             continue
         leaf = _BY_ENV.get(name)
         if leaf is None:

@@ -25,6 +25,10 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
 Not errors: an upstream ``error`` event or ``response.failed`` is relayed to the app with its
 own status and body; a divergence in matching is a diff result (full resend); a full pool is a
 plan (wait, then HTTP). Codes are :class:`proxy.core.reasons.ErrorCode` values.
+
+Outside the taxonomy: :class:`InvalidTransition` (``AssertionError``), a bug in the planner, never
+sent to anyone. It lives here, not in ``proxy.core.lanes``, because the compiled build (mypyc)
+cannot make a native class of an ``AssertionError`` subclass; this module stays interpreted.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "ForeignResponse",
     "ForeignResponseRoute",
     "InvalidRequest",
+    "InvalidTransition",
     "ProxyError",
     "RequestError",
     "UnsupportedRequest",
@@ -67,6 +72,10 @@ def invalid_url_body(method: str, path: str) -> dict[str, Any]:
             "code": None,
         }
     }
+
+
+class InvalidTransition(AssertionError):
+    """A lane or socket step the tables of :mod:`proxy.core.lanes` do not allow: a bug in the caller."""
 
 
 class ProxyError(Exception):

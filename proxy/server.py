@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from proxy.build import build_kind
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.explainer import MissExplainer
@@ -324,11 +325,11 @@ def run(settings: Settings) -> int:
 
     One process (``workers`` above 1 is the supervisor's, :func:`proxy.ingress.workers.supervise`,
     which the command line chooses). On uvloop when it is installed (a default dependency on
-    CPython outside Windows), else on asyncio's own loop; the choice is logged and exported as
-    ``upshift_build_info``.
+    CPython outside Windows), else on asyncio's own loop; the choice, and the build (pure or
+    compiled), are logged and exported as ``upshift_build_info``.
     """
     setup_logging(settings.logging)
-    BUILD_INFO.labels(_version(), loop_name(), platform.python_version()).set(1)
+    BUILD_INFO.labels(_version(), loop_name(), platform.python_version(), build_kind()).set(1)
     return run_loop(serve(Server(settings)))
 
 

@@ -303,6 +303,15 @@ def test_env_errors_name_the_variable(env: dict[str, str], needles: list[str]) -
         assert needle in str(info.value)
 
 
+def test_the_build_variables_are_not_settings() -> None:
+    # UPSHIFT_COMPILE=1 exported for `pip install .` (or the compiled test run's
+    # UPSHIFT_EXPECT_BUILD) must not stop the sidecar started from the same shell.
+    env = {"UPSHIFT_COMPILE": "1", "UPSHIFT_EXPECT_BUILD": "compiled"}
+    assert load_settings(None, env, None) == load_settings(None, {}, None)
+    with pytest.raises(ConfigError, match="unknown variable UPSHIFT_COMPILED"):
+        load_settings(None, {"UPSHIFT_COMPILED": "1"}, None)
+
+
 def test_flag_errors() -> None:
     with pytest.raises(ConfigError, match=r"command line: mode: .*grpc"):
         load_settings({"mode": "grpc"}, {}, None)

@@ -28,4 +28,4 @@ def test_run_uses_that_loop() -> None:
 
 def test_version_names_the_loop() -> None:
     out = subprocess.run([sys.executable, "-m", "proxy", "--version"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0 and f"({loop_name()} event loop)" in out.stdout
+    assert out.returncode == 0 and f"({loop_name()} event loop," in out.stdout

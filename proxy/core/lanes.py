@@ -29,6 +29,7 @@ import enum
 from dataclasses import dataclass, field
 
 from proxy.core.demux import Demux
+from proxy.errors import InvalidTransition
 
 __all__ = [
     "LANE_TRANSITIONS",
@@ -118,10 +119,6 @@ SOCKET_TRANSITIONS: dict[tuple[SocketState, SocketEvent], SocketState] = {
     (SocketState.RETIRING, SocketEvent.CLOSE): SocketState.CLOSED,
 }
 """Every legal socket step."""
-
-
-class InvalidTransition(AssertionError):
-    """A step the tables do not allow: a bug in the caller."""
 
 
 def lane_step(state: LaneState, event: LaneEvent) -> LaneState:

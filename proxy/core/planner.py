@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -269,6 +269,10 @@ class Planner:
         """Sockets by state (closed ones are forgotten)."""
         self.busy_sockets = 0
         """Open or retiring sockets with at least one active lane."""
+        self.on_step: Callable[[str, enum.StrEnum, enum.StrEnum], None] | None = None
+        """Told every step taken, as ``("lane" | "socket", state, event)`` before it is taken
+        (tests check that every row of the tables is exercised): a seam of our own, since a
+        monkeypatched ``lane_step`` would not reach the compiled build. ``None`` in production."""
 
     def __repr__(self) -> str:
         c = self.lane_counts
@@ -572,6 +576,8 @@ class Planner:
     # -- transitions -------------------------------------------------------------------------
 
     def _lane(self, lane: Lane, event: LaneEvent) -> None:
+        if self.on_step is not None:
+            self.on_step("lane", lane.state, event)
         new = lane_step(lane.state, event)
         self.lane_counts[lane.state] -= 1
         if new is not LaneState.CLOSED:
@@ -579,6 +585,8 @@ class Planner:
         lane.state = new
 
     def _socket(self, sock: Socket, event: SocketEvent) -> None:
+        if self.on_step is not None:
+            self.on_step("socket", sock.state, event)
         new = socket_step(sock.state, event)
         self.socket_counts[sock.state] -= 1
         if new is not SocketState.CLOSED:

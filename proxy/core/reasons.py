@@ -12,6 +12,7 @@ from typing import TypeAlias
 
 __all__ = [
     "BodyAbort",
+    "Build",
     "BrowserRefusal",
     "ErrorCode",
     "ForwardOutcome",
@@ -29,6 +30,13 @@ __all__ = [
     "Route",
     "Tolerance",
 ]
+
+
+class Build(enum.StrEnum):
+    """Which build runs (``upshift_build_info{build}``, ``--version``): see :mod:`proxy.build`."""
+
+    PURE = "pure"
+    COMPILED = "compiled"
 
 
 class Hit(enum.StrEnum):

@@ -269,9 +269,15 @@ class ParsedRequest:
     def item_keys(self) -> list[bytes]:
         """:func:`~proxy.core.items.item_key` of every input item, computed once (canonicalises the
         whole history: :meth:`input_state` and :meth:`prefix_digests` avoid it after a fast parse)."""
-        if self._keys is None:
-            self.warm_keys(len(self.all_items()))
-            assert self._keys is not None
+        keys = self._keys
+        return keys if keys is not None else self._all_keys()
+
+    def _all_keys(self) -> list[bytes]:
+        # Not inline in item_keys: after ``if self._keys is None`` mypy keeps the attribute narrowed
+        # to None across the warm_keys() call, and the compiled build, trusting that, raised
+        # TypeError on the list it then held.
+        self.warm_keys(len(self.all_items()))
+        assert self._keys is not None
         return self._keys
 
     def warm_keys(self, count: int) -> bool:

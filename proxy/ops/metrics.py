@@ -17,6 +17,7 @@ from proxy.core.channel import HoldPath
 from proxy.core.reasons import (
     BodyAbort,
     BrowserRefusal,
+    Build,
     ErrorCode,
     ForwardOutcome,
     ListenerClose,
@@ -399,11 +400,11 @@ as an HTTP error); see proxy.core.channel.HoldPath."""
 
 BUILD_INFO = Gauge(
     "upshift_build_info",
-    "Always 1; the labels say which version runs on which event loop.",
-    ["version", "loop", "python"],
+    "Always 1; the labels say which version runs on which event loop, in which build.",
+    ["version", "loop", "python", "build"],
     registry=REGISTRY,
 )
-"""loop: uvloop | asyncio."""
+"""loop: uvloop | asyncio; build: pure | compiled (:mod:`proxy.build`)."""
 
 
 # -- every label value, from the enums that name them ------------------------------------------
@@ -440,6 +441,7 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "worker": frozenset(str(i) for i in range(32)),
     "path": _values(HoldPath),
     "loop": frozenset({"uvloop", "asyncio"}),
+    "build": _values(Build),
     "version": frozenset(),
     "python": frozenset(),
 }

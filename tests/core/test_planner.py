@@ -7,7 +7,7 @@ lane or socket table is never taken by the tests of this module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import enum
 from typing import Any
 
 import orjson
@@ -32,23 +32,7 @@ from proxy.core.reasons import MissReason, PassthroughReason
 from proxy.core.request import ParsedRequest, parse_request
 
 SEEN: set[tuple[str, str, str]] = set()
-
-
-@pytest.fixture(autouse=True)
-def record_transitions(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Note every (table, state, event) the planner takes."""
-
-    def lane(state: LaneState, event: LaneEvent) -> LaneState:
-        SEEN.add(("lane", state, event))
-        return lane_step(state, event)
-
-    def sock(state: SocketState, event: SocketEvent) -> SocketState:
-        SEEN.add(("socket", state, event))
-        return socket_step(state, event)
-
-    monkeypatch.setattr("proxy.core.planner.lane_step", lane)
-    monkeypatch.setattr("proxy.core.planner.socket_step", sock)
-    yield
+"""Every (table, state, event) step the planners of this module took (``Planner.on_step``)."""
 
 
 def user(text: str) -> dict[str, Any]:
@@ -71,8 +55,14 @@ def response(rid: str, *output: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "output": list(output)}
 
 
+def note_step(table: str, state: enum.StrEnum, event: enum.StrEnum) -> None:
+    SEEN.add((table, state, event))
+
+
 def planner(**limits: Any) -> Planner:
-    return Planner(LaneLimits(**limits), HeadTable(max_heads=100, ttl_seconds=3600))
+    p = Planner(LaneLimits(**limits), HeadTable(max_heads=100, ttl_seconds=3600))
+    p.on_step = note_step
+    return p
 
 
 def opened(p: Planner, plan: Plan, now: float = 0.0, *, lanes: bool = True) -> Plan:

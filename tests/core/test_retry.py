@@ -10,6 +10,7 @@ from proxy.core.reasons import ReplayCause
 from proxy.core.retry import (
     Replay,
     Surface,
+    SurfaceReason,
     classify,
     error_fields,
     is_connection_limit,
@@ -85,12 +86,12 @@ def test_connection_limit_flat_and_by_message() -> None:
 
 CASES: list[tuple[str, Any, bool, int, bool, Replay | Surface]] = [
     ("not_found", NOT_FOUND_SHAPES[0][1], False, 0, True, Replay(ReplayCause.PREVIOUS_RESPONSE_NOT_FOUND, False)),
-    ("not_found-app-anchor", NOT_FOUND_SHAPES[0][1], False, 0, False, Surface("app_anchor")),
-    ("not_found-emitted", NOT_FOUND_SHAPES[0][1], True, 0, True, Surface("emitted")),
-    ("not_found-second", NOT_FOUND_SHAPES[0][1], False, 1, True, Surface("attempted")),
+    ("not_found-app-anchor", NOT_FOUND_SHAPES[0][1], False, 0, False, Surface(SurfaceReason("app_anchor"))),
+    ("not_found-emitted", NOT_FOUND_SHAPES[0][1], True, 0, True, Surface(SurfaceReason("emitted"))),
+    ("not_found-second", NOT_FOUND_SHAPES[0][1], False, 1, True, Surface(SurfaceReason("attempted"))),
     ("limit", LIMIT, False, 0, True, Replay(ReplayCause.CONNECTION_LIMIT, True)),
     ("limit-full-send", LIMIT, False, 0, False, Replay(ReplayCause.CONNECTION_LIMIT, True)),
-    ("limit-second", LIMIT, False, 1, False, Surface("attempted")),
+    ("limit-second", LIMIT, False, 1, False, Surface(SurfaceReason("attempted"))),
     (
         "closed",
         UpstreamClosed("x", close_code=1006),
@@ -99,12 +100,12 @@ CASES: list[tuple[str, Any, bool, int, bool, Replay | Surface]] = [
         True,
         Replay(ReplayCause.CLOSED_BEFORE_FIRST_EVENT, True),
     ),
-    ("closed-emitted", UpstreamClosed("x", close_code=1011), True, 0, True, Surface("emitted")),
-    ("closed-second", UpstreamClosed("x"), False, 1, False, Surface("attempted")),
-    ("timeout", UpstreamTimeout("x"), False, 0, True, Surface("not_retryable")),
-    ("protocol", UpstreamProtocolError("x"), False, 0, True, Surface("not_retryable")),
-    ("429", RATE_LIMIT, False, 0, True, Surface("not_retryable")),
-    ("failed", SERVER_FAILED, False, 0, True, Surface("not_retryable")),
+    ("closed-emitted", UpstreamClosed("x", close_code=1011), True, 0, True, Surface(SurfaceReason("emitted"))),
+    ("closed-second", UpstreamClosed("x"), False, 1, False, Surface(SurfaceReason("attempted"))),
+    ("timeout", UpstreamTimeout("x"), False, 0, True, Surface(SurfaceReason("not_retryable"))),
+    ("protocol", UpstreamProtocolError("x"), False, 0, True, Surface(SurfaceReason("not_retryable"))),
+    ("429", RATE_LIMIT, False, 0, True, Surface(SurfaceReason("not_retryable"))),
+    ("failed", SERVER_FAILED, False, 0, True, Surface(SurfaceReason("not_retryable"))),
 ]
 
 
@@ -128,4 +129,4 @@ def test_message_too_big_goes_over_http_even_on_a_replay() -> None:
     too_big = UpstreamClosed("x", close_code=1009)
     assert classify(too_big, False, 0) == Replay(ReplayCause.FRAME_TOO_BIG, new_socket=False, over_http=True)
     assert classify(too_big, False, 1) == Replay(ReplayCause.FRAME_TOO_BIG, new_socket=False, over_http=True)
-    assert classify(too_big, True, 0) == Surface("emitted")
+    assert classify(too_big, True, 0) == Surface(SurfaceReason("emitted"))

@@ -25,9 +25,11 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 import proxy.ops.metrics
+from proxy.build import build_kind
 from proxy.config import env_name, setting_keys
 from proxy.core.reasons import MissReason, PassthroughReason
 from proxy.emulator import Emulator, LatencyModel
+from proxy.loop import loop_name
 from proxy.ops.demo import run_agent_loop
 from tests.sidecar import SidecarProcess
 
@@ -96,6 +98,9 @@ async def test_probes_and_metrics_follow_traffic(
     assert _sample(after, "upshift_upstream_sockets", state="idle") >= 1
     # The emulator agrees: one continuation arrived over WebSocket.
     assert emulator.stats.continuations["ws"] == 1
+    # Which build runs (pure, or compiled in the compiled CI run): the metric and the startup line.
+    assert _sample(after, "upshift_build_info", build=build_kind(), loop=loop_name()) == 1
+    assert f"{loop_name()} event loop, {build_kind()} build" in sc.logs()
 
     assert await sc.terminate() == 0
 

@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.core.explain import Detail, Explanation
+from proxy.core.reasons import MissReason
 from proxy.ops.health import Lifecycle, make_admin_app
 from proxy.ops.misses import RECENT, MissRing
 from proxy.ops.status import Sampler, render_status, snapshot
@@ -33,7 +34,8 @@ def _registry(lanes: bool) -> CollectorRegistry:
 
 def test_page_shows_figures_and_lanes_only_when_exported() -> None:
     ring = MissRing(3)
-    ring.add("diverged", 7, Explanation("diverged", 0, "message", "content[0].text", Detail.FIELD, 6, "ab12cd34"))
+    why = Explanation(MissReason.DIVERGED, 0, "message", "content[0].text", Detail.FIELD, 6, "ab12cd34")
+    ring.add("diverged", 7, why)
     for lanes in (False, True):
         reg = _registry(lanes)
         sampler = Sampler(5.0, 60.0, reg)
@@ -59,9 +61,8 @@ async def test_admin_routes(aiohttp_client: MakeClient) -> None:
     lifecycle = Lifecycle()
     client = await aiohttp_client(make_admin_app(lifecycle))
     RECENT.clear()
-    RECENT.add(
-        "settings_changed", 3, Explanation("settings_changed", None, None, "tools", Detail.SETTING, 2, "ffff0000")
-    )
+    why = Explanation(MissReason.SETTINGS_CHANGED, None, None, "tools", Detail.SETTING, 2, "ffff0000")
+    RECENT.add("settings_changed", 3, why)
     for path in ("/", "/status"):
         resp = await client.get(path)
         assert resp.status == 200 and resp.content_type == "text/html"
