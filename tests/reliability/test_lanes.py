@@ -39,6 +39,7 @@ async def test_300_conversations_of_one_key_share_32_sockets(
     modes: dict[str, int] = {}
     continued = later = 0
     peak_lanes = 0
+    full_before = metric("upshift_passthrough_total", reason="pool_full")
 
     async def loop(http: aiohttp.ClientSession, i: int) -> None:
         nonlocal continued, later, peak_lanes
@@ -59,7 +60,12 @@ async def test_300_conversations_of_one_key_share_32_sockets(
         await asyncio.gather(*(loop(http, i) for i in range(300)))
     assert sum(v for k, v in modes.items() if "@" not in k) == 1800
     why = {r: metric("upshift_passthrough_total", reason=r) for r in ("pool_full", "upgrade_refused", "ws_unavailable")}
-    assert modes.get("passthrough", 0) == 0, (modes, why)  # no turn fell back to HTTP
+    # No later turn fell back to HTTP. A first turn may, when all 300 arrive together and no
+    # socket has proven lanes yet (an unproven socket carries one response at a time): on two
+    # loaded cores some wait out pool.wait_seconds and go over HTTP as pool_full (slower, never
+    # wrong; a stored answer is adopted as the head, so its later turns continue).
+    assert all(modes.get(f"http@{turn}", 0) == 0 for turn in range(1, 6)), (modes, why)
+    assert modes.get("passthrough", 0) == modes.get("http@0", 0) == why["pool_full"] - full_before, (modes, why)
     assert continued >= 0.95 * later, (continued, later, modes)
     key = next(iter(emu.stats.keys.values()))
     assert key.peak_open <= 32 and key.refused == 0, key  # never even hit the cap
