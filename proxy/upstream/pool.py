@@ -128,13 +128,9 @@ class Turn:
         """The lane's next event ``(raw, parsed)``."""
         return await self.inbox.get(timeout)
 
-    def pending(self) -> bool:
-        """Whether another event is already buffered."""
-        return self.inbox.pending()
-
-    def take(self) -> list[tuple[bytes, dict[str, Any]]]:
-        """Every event already buffered, in order (none: empty)."""
-        return self.inbox.take()
+    async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every event already buffered, or those of the next read (:meth:`Inbox.burst`)."""
+        return await self.inbox.burst(timeout)
 
     def finish(
         self,
