@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from prometheus_client import Counter
 
 from proxy import contracts
 from proxy.config import LimitsSettings
@@ -280,6 +281,19 @@ async def pump(
         await down.write(batch)
 
 
+_CHILDREN: dict[tuple[object, ...], Counter] = {}
+"""Labelled children of the per-turn counters, by label values (every label is an enum value:
+a bounded set), so that a turn looks each up in one dict instead of prometheus' ``labels``."""
+
+
+def _child(metric: Counter, *values: str) -> Counter:
+    key = (metric, *values)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*values)
+    return child
+
+
 def count_hold_back(channel: Channel) -> None:
     """Count how ``channel``'s held lifecycle events left the hold (``upshift_held_lifecycle_total``).
 
@@ -288,7 +302,7 @@ def count_hold_back(channel: Channel) -> None:
     """
     path = channel.hold_path
     if path is not None:
-        HELD_LIFECYCLE.labels(path.value).inc()
+        _child(HELD_LIFECYCLE, path.value).inc()
 
 
 def new_request_id() -> str:
@@ -432,16 +446,16 @@ class Record:
             exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
         elif exp.reason:
             self.reason = exp.reason
-        REQUESTS.labels(self.route, self.mode, self.outcome).inc()
+        _child(REQUESTS, self.route, self.mode, self.outcome).inc()
         missed = self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL
         if self.mode == Mode.CONTINUATION:
             INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
         elif self.reason and not self.replays and missed:
             # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
-            CONTINUATION_MISSES.labels(self.reason).inc()
+            _child(CONTINUATION_MISSES, self.reason).inc()
             RECENT.add(self.reason, self.items_in, exp)
         if self.mode == Mode.PASSTHROUGH and self.route == Route.RESPONSES:
-            PASSTHROUGH.labels(self.reason or "unknown").inc()
+            _child(PASSTHROUGH, self.reason or "unknown").inc()
         ADDED_LATENCY.observe(self.added_s)
         access_log(
             {
