@@ -31,11 +31,12 @@ from .capacity import run_capacity
 from .floor import FloorProc
 from .memory import WORKLOADS, run_budget, run_memory
 from .network import DEFAULT_FLAGS, run_network
-from .overhead import parse_size, run_overhead, slopes
+from .overhead import SizeResult, parse_size, run_overhead, slopes
 from .phases import LoadMonitor, meta, profile_pass, pyinstrument_pass, quiet_stderr, rollouts_phase, wait_quiet
 from .procs import EmulatorProc, Managed, SidecarProc, arm_watchdog, install_signal_handlers, stop_all
 from .stall import run_stall
 from .summary import targets
+from .tls import LoopbackCA
 from .workload import RolloutSpec
 
 JSON = Any
@@ -113,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-repeats", type=int, default=3, help="rounds of each stall scenario (medians reported)")
     p.add_argument("--no-sidecar", action="store_true", help="setups A and C only")
     p.add_argument("--no-profile", action="store_true", help="skip the profile of the sidecar")
+    p.add_argument("--tls", action="store_true",
+                   help="added-latency phase: also run it with the emulator behind TLS on loopback (private CA, "
+                        "trustme), sidecar and floors alike; both are reported")  # fmt: skip
     p.add_argument("--no-floor", action="store_true",
                    help="added-latency phase: skip the bare relay (bench.floor) beside the sidecar")  # fmt: skip
     p.add_argument("--profiler", choices=["pyinstrument", "py-spy"], default="pyinstrument",
@@ -176,6 +180,55 @@ async def _start_sidecar(logs: Path, emu: EmulatorProc, pin: bool) -> SidecarPro
     return side
 
 
+async def _overhead(
+    args: argparse.Namespace,
+    logs: Path,
+    emu: EmulatorProc,
+    side: SidecarProc,
+    sizes: list[str],
+    roles: dict[str, Managed],
+    tls: LoopbackCA | None = None,
+) -> list[SizeResult]:
+    """The added-latency phase against ``emu``, with the floor relays (unless ``--no-floor``)."""
+    floors: dict[str, FloorProc] = {}
+    try:
+        if not args.no_floor:
+            for name, with_aiohttp in (("floor", False), ("floor_aiohttp", True)):
+                floor = floors[name] = FloorProc(logs, emu.base_url, with_aiohttp=with_aiohttp, tls=tls)
+                floor.start([0] if args.pin else None)
+                await floor.ready()
+                roles[name] = floor
+        return await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log,
+                                  light=args.light_settings, floors=floors)  # fmt: skip
+    finally:
+        for name, floor in floors.items():
+            floor.stop()
+            roles.pop(name, None)
+
+
+async def _overhead_tls(
+    args: argparse.Namespace, logs: Path, sizes: list[str], roles: dict[str, Managed]
+) -> list[SizeResult]:
+    """``--tls``: the added-latency phase with its own emulator behind TLS (a private CA on
+    loopback, :mod:`bench.tls`), a sidecar that trusts it by ``egress.ca_file``, and floors that
+    speak TLS to it as well, so that each ratio compares like with like."""
+    tls = LoopbackCA.create(logs / "tls")
+    emu = EmulatorProc(logs, {}, tls=tls)
+    side = SidecarProc(logs / "tls", emu.base_url, tls=tls)
+    try:
+        emu.start([1] if args.pin else None)
+        await emu.ready()
+        roles["emulator_tls"] = emu
+        side.start([0] if args.pin else None)
+        await side.ready()
+        roles["sidecar_tls"] = side
+        return await _overhead(args, logs / "tls", emu, side, sizes, roles, tls)
+    finally:
+        for name, proc in (("sidecar_tls", side), ("emulator_tls", emu)):
+            proc.stop()
+            roles.pop(name, None)
+
+
 async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
     """All requested phases; returns the report."""
     phases = [p for p in args.phases.split(",") if p]
@@ -215,23 +268,16 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             monitor.phase()
             log("phase overhead: added latency per history size (zero latency)")
             sizes = [s for s in args.sizes.split(",") if s]
-            floors: dict[str, FloorProc] = {}
-            if not args.no_floor:
-                for name, with_aiohttp in (("floor", False), ("floor_aiohttp", True)):
-                    floor = floors[name] = FloorProc(logs, emu.base_url, with_aiohttp=with_aiohttp)
-                    floor.start([0] if args.pin else None)
-                    await floor.ready()
-                    extra_roles[name] = floor
-            try:
-                found = await run_overhead(emu, side, sizes, reps=args.reps, seed=args.seed, log=log,
-                                           light=args.light_settings, floors=floors)  # fmt: skip
-            finally:
-                for name, floor in floors.items():
-                    floor.stop()
-                    extra_roles.pop(name, None)
+            found = await _overhead(args, logs, emu, side, sizes, extra_roles)
             report["overhead"] = [r.report() for r in found]
             report["overhead_slopes"] = slopes(found)
             load["overhead"] = monitor.phase()
+            if args.tls:
+                await wait_quiet(args.wait_quiet, log)
+                monitor.phase()
+                log("phase overhead, TLS: the same, the emulator behind TLS on loopback (private CA)")
+                report["overhead_tls"] = [r.report() for r in await _overhead_tls(args, logs, sizes, extra_roles)]
+                load["overhead_tls"] = monitor.phase()
             if not args.no_profile and args.profiler == "pyinstrument":
                 log("profile: a sidecar under pyinstrument during continuation turns")
                 report["profile"] = await pyinstrument_pass(

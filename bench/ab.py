@@ -2,6 +2,8 @@
 
     python -m bench.ab --base fc58807                 # base commit vs this working tree
     python -m bench.ab --base main~3 --sizes 1k,200k,1m --rounds 8 --reps 150 --json out.json
+    python -m bench.ab --base fc58807 --tls           # the emulator behind TLS (wss://), both sides
+    python -m bench.ab --base fc58807 --emulator-args "--delta-chars 2"   # many small deltas per turn
 
 One emulator (zero latency) serves two sidecar processes: **A** runs the code of ``--base``
 (a detached ``git worktree`` in a temporary directory, removed afterwards), **B** this checkout's
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from typing import Any
 from .overhead import run_overhead
 from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
 from .stats import percentile
+from .tls import LoopbackCA
 
 JSON = Any
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,16 +45,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", default="1k,200k", help="history sizes (default: 1k,200k)")
     p.add_argument("--rounds", type=int, default=8, help="rounds; each runs A and B once (default: 8)")
     p.add_argument("--reps", type=int, default=150, help="continuation turns per size per run (default: 150)")
+    p.add_argument("--tls", action="store_true", help="the emulator behind TLS on loopback (a private CA)")
+    p.add_argument("--emulator-args", default="",
+                   help="more emulator flags, e.g. '--delta-chars 2' (more, smaller events per read)")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the figures here")
     return p.parse_args(argv)
 
 
-async def _compare(base_dir: Path, sizes: list[str], rounds: int, reps: int) -> JSON:
+async def _compare(
+    base_dir: Path, sizes: list[str], rounds: int, reps: int, tls: bool = False, emulator_args: str = ""
+) -> JSON:
     logs = Path(tempfile.mkdtemp(prefix="upshift-ab-"))
-    emu = EmulatorProc(logs, ZERO)
+    ca = LoopbackCA.create(logs / "tls") if tls else None
+    emu = EmulatorProc(logs, ZERO, shlex.split(emulator_args), tls=ca)
     emu.start()
     await emu.ready()
-    sides = {"A": SidecarProc(logs / "a", emu.base_url), "B": SidecarProc(logs / "b", emu.base_url)}
+    sides = {"A": SidecarProc(logs / "a", emu.base_url, tls=ca), "B": SidecarProc(logs / "b", emu.base_url, tls=ca)}
     sides["A"].cwd = base_dir
     for side in sides.values():
         side.start()
@@ -100,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_dir), args.base],
                        check=True, capture_output=True)  # fmt: skip
         try:
-            out = asyncio.run(_compare(base_dir, sizes, args.rounds, args.reps))
+            out = asyncio.run(_compare(base_dir, sizes, args.rounds, args.reps, args.tls, args.emulator_args))
         finally:
             stop_all()
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], check=False)
-    out["base"] = args.base
+    out["base"], out["tls"], out["emulator_args"] = args.base, args.tls, args.emulator_args
     for size, row in out["sizes"].items():
         print(
             f"{size}: CPU/turn A {row['A']['cpu_ms_per_turn']:.2f} ms, B {row['B']['cpu_ms_per_turn']:.2f} ms "

@@ -7,7 +7,8 @@ bodies, keep-alive) on 127.0.0.1:PORT with uvloop and bare asyncio protocols, an
 turn over one upstream WebSocket per app connection: ``orjson.loads`` of the body, the input
 past the last turn's items plus ``previous_response_id`` in one masked frame, then each event
 frame parsed (``orjson.loads``: a relay has to know its type and its end) and written to the
-app as SSE, one write per burst of frames.
+app as SSE, one write per burst of frames. An ``https://`` upstream is reached over TLS
+(``--ca``: the CA to trust), as the sidecar reaches a ``wss://`` one.
 
 It is a lower bound, not a product: no aiohttp, no websockets state machine, no matching beyond
 "the same first item and more items than last time" (nothing verifies the prefix), no settings
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import ssl
 import struct
 import sys
 from collections import OrderedDict
@@ -31,6 +33,7 @@ import orjson
 from websockets.speedups import apply_mask
 
 from .procs import Managed, free_port
+from .tls import LoopbackCA
 
 __all__ = ["FloorProc", "main"]
 
@@ -123,9 +126,14 @@ def _sse(frames: list[bytes], chains: Chains, key: bytes, n_input: int) -> tuple
     return b"".join(parts), False
 
 
-async def _connect(address: tuple[str, int]) -> _Upstream:
-    host, port = address
-    _, up = await asyncio.get_running_loop().create_connection(_Upstream, host, port)
+Address = tuple[str, int, ssl.SSLContext | None]
+"""The upstream's host, port and TLS context (None: plain ``ws://``)."""
+
+
+async def _connect(address: Address) -> _Upstream:
+    host, port, context = address
+    loop = asyncio.get_running_loop()
+    _, up = await loop.create_connection(_Upstream, host, port, ssl=context, server_hostname=host if context else None)
     key = base64.b64encode(os.urandom(16)).decode()
     request = (
         f"GET /v1/responses HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -140,7 +148,7 @@ async def _connect(address: tuple[str, int]) -> _Upstream:
 class _App(asyncio.Protocol):
     """One app connection: requests in order, one upstream socket."""
 
-    def __init__(self, upstream: tuple[str, int], chains: OrderedDict[bytes, tuple[int, str | None]]) -> None:
+    def __init__(self, upstream: Address, chains: OrderedDict[bytes, tuple[int, str | None]]) -> None:
         self.upstream_address = upstream
         self.chains = chains
         self.buffer = b""
@@ -201,7 +209,7 @@ class _App(asyncio.Protocol):
             self._next()
 
 
-def _aiohttp_app(address: tuple[str, int], chains: Chains) -> Any:
+def _aiohttp_app(address: Address, chains: Chains) -> Any:
     """The same relay with aiohttp serving the app side, as the sidecar does (``--aiohttp``): what
     aiohttp's request and response machinery adds to the floor."""
     from aiohttp import web
@@ -244,9 +252,11 @@ def _aiohttp_app(address: tuple[str, int], chains: Chains) -> Any:
     return app
 
 
-async def _serve(port: int, upstream: str, with_aiohttp: bool) -> None:
+async def _serve(port: int, upstream: str, with_aiohttp: bool, ca_file: str | None) -> None:
     parts = urlsplit(upstream)
-    address = (parts.hostname or "127.0.0.1", parts.port or 80)
+    tls = parts.scheme == "https"
+    context = ssl.create_default_context(cafile=ca_file) if tls else None
+    address = (parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), context)
     chains: Chains = OrderedDict()
     if with_aiohttp:
         from aiohttp import web
@@ -261,9 +271,11 @@ async def _serve(port: int, upstream: str, with_aiohttp: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.floor PORT UPSTREAM [--aiohttp]`` (uvloop where it is installed)."""
+    """``python -m bench.floor PORT UPSTREAM [--aiohttp] [--ca PEM]`` (uvloop where it is
+    installed; an ``https://`` upstream over TLS, trusting the CA of ``--ca``)."""
     args = sys.argv[1:] if argv is None else argv
-    serve = _serve(int(args[0]), args[1], "--aiohttp" in args[2:])
+    ca_file = args[args.index("--ca") + 1] if "--ca" in args[2:] else None
+    serve = _serve(int(args[0]), args[1], "--aiohttp" in args[2:], ca_file)
     try:
         import uvloop
 
@@ -275,10 +287,15 @@ def main(argv: list[str] | None = None) -> None:
 class FloorProc(Managed):
     """The floor relay as a process beside the sidecar (same interface as :class:`SidecarProc`)."""
 
-    def __init__(self, log_dir: Any, upstream: str, *, with_aiohttp: bool = False) -> None:
+    def __init__(
+        self, log_dir: Any, upstream: str, *, with_aiohttp: bool = False, tls: LoopbackCA | None = None
+    ) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "bench.floor", str(self.port), upstream, *(["--aiohttp"] if with_aiohttp else [])]
-        super().__init__("floor-aiohttp" if with_aiohttp else "floor", argv, log_dir)
+        if tls is not None:
+            argv += ["--ca", str(tls.ca_file)]
+        name = "floor-aiohttp" if with_aiohttp else "floor"
+        super().__init__(name + ("-tls" if tls else ""), argv, log_dir)
 
     @property
     def base_url(self) -> str:

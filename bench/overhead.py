@@ -187,7 +187,7 @@ async def _measure_size(
     result = SizeResult(label, size)
     headers = sdk_headers()
     side_url, emu_url = side.base_url + "/responses", emu.base_url + "/responses"
-    connector = aiohttp.TCPConnector(limit=4)
+    connector = aiohttp.TCPConnector(limit=4, ssl=emu.ssl_context or True)
     rng = random.Random(size)
     cpu = _Cpu(emu, side)
     timeout = aiohttp.ClientTimeout(total=300, sock_read=READ_TIMEOUT)
@@ -196,10 +196,10 @@ async def _measure_size(
         while len(result.added_total) < reps:
             chain = _Chain(size, f"{label}-{seed}-{chain_no}-{time.monotonic_ns()}", per_chain + 1, seed, light)
             chain_no += 1
+            tls: dict[str, Any] = {"ssl": emu.ssl_context} if emu.ssl_context is not None else {}
             ws = await websockets.connect(
-                emu.base_url.replace("http://", "ws://") + "/responses",
-                additional_headers={"Authorization": f"Bearer {API_KEY}"},
-                compression=None, max_size=None, ping_interval=None,
+                emu.ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"},
+                compression=None, max_size=None, ping_interval=None, **tls,
             )  # fmt: skip
             try:
                 for turn in range(per_chain + 1):

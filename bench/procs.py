@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,6 +21,8 @@ from typing import Any
 
 import aiohttp
 import psutil
+
+from .tls import LoopbackCA
 
 __all__ = [
     "EmulatorProc",
@@ -126,10 +129,10 @@ class Managed:
         """Whether the process still runs."""
         return self.popen is not None and self.popen.poll() is None
 
-    async def wait_ready(self, url: str, timeout: float = 30.0) -> None:
+    async def wait_ready(self, url: str, timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None) -> None:
         """Poll ``url`` until it answers 200 (or fail with the log tail)."""
         deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=_connector(ssl_context)) as session:
             while time.monotonic() < deadline:
                 if not self.alive():
                     raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
@@ -189,32 +192,48 @@ class Managed:
             _LIVE.remove(self)
 
 
-class EmulatorProc(Managed):
-    """``python -m proxy.emulator`` on a free port."""
+def _connector(context: ssl.SSLContext | None) -> aiohttp.TCPConnector | None:
+    return aiohttp.TCPConnector(ssl=context) if context is not None else None
 
-    def __init__(self, log_dir: Path, latency: dict[str, float], extra: list[str] | None = None) -> None:
+
+class EmulatorProc(Managed):
+    """``python -m proxy.emulator`` on a free port; behind TLS with ``tls`` (:mod:`bench.tls`)."""
+
+    def __init__(
+        self, log_dir: Path, latency: dict[str, float], extra: list[str] | None = None, tls: LoopbackCA | None = None
+    ) -> None:
         self.port = free_port()
+        self.tls = tls
+        self.ssl_context = tls.client_context() if tls is not None else None
+        """What a client of this emulator trusts (None: plain HTTP)."""
         argv = [sys.executable, "-m", "proxy.emulator", "--listen", f"127.0.0.1:{self.port}", "--log-level", "WARNING"]
         for key, value in latency.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
-        super().__init__("emulator", argv + (extra or []), log_dir)
+        if tls is not None:
+            argv += ["--tls-cert", str(tls.cert_file), "--tls-key", str(tls.key_file)]
+        super().__init__("emulator-tls" if tls else "emulator", argv + (extra or []), log_dir)
 
     @property
     def base_url(self) -> str:
-        """``http://127.0.0.1:PORT/v1``."""
-        return f"http://127.0.0.1:{self.port}/v1"
+        """``http://127.0.0.1:PORT/v1`` (``https://`` behind TLS)."""
+        return self.root + "/v1"
 
     @property
     def root(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://127.0.0.1:{self.port}"
+        """``http://127.0.0.1:PORT`` (``https://`` behind TLS)."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        """``ws://127.0.0.1:PORT/v1/responses`` (``wss://`` behind TLS)."""
+        return "ws" + self.base_url[4:] + "/responses"
 
     async def ready(self) -> None:
         """Wait for the health endpoint."""
-        await self.wait_ready(self.root + "/_emulator/health")
+        await self.wait_ready(self.root + "/_emulator/health", ssl_context=self.ssl_context)
 
     async def _call(self, method: str, path: str, body: JSON = None) -> JSON:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=_connector(self.ssl_context)) as session:
             async with session.request(method, self.root + path, json=body) as resp:
                 resp.raise_for_status()
                 return await resp.json()
@@ -243,9 +262,15 @@ class SidecarProc(Managed):
     """``python -m proxy`` pointed at the emulator, admin on its own port."""
 
     def __init__(
-        self, log_dir: Path, upstream: str, env: dict[str, str] | None = None, wrap: list[str] | None = None
+        self,
+        log_dir: Path,
+        upstream: str,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
+        tls: LoopbackCA | None = None,
     ) -> None:
-        """``wrap``: interpreter options before ``-m proxy`` (e.g. ``["-m", "pyinstrument", ...]``)."""
+        """``wrap``: interpreter options before ``-m proxy`` (e.g. ``["-m", "pyinstrument", ...]``);
+        ``tls``: the CA of an emulator behind TLS, trusted as ``egress.ca_file``."""
         self.port = free_port()
         self.admin_port = free_port()
         argv = [
@@ -256,6 +281,7 @@ class SidecarProc(Managed):
             "UPSHIFT_POOL_MAX_SOCKETS_PER_IDENTITY": "8192",
             "UPSHIFT_POOL_MAX_SOCKETS_TOTAL": "8192",
             "UPSHIFT_MATCHING_MAX_HEADS": "20000",
+            **({"UPSHIFT_EGRESS_CA_FILE": str(tls.ca_file)} if tls is not None else {}),
         }
         super().__init__("sidecar", argv, log_dir, {**defaults, **(env or {})})
 

@@ -43,6 +43,33 @@ def _kb(n: JSON) -> str:
     return "–" if not n else f"{n / 1000:,.1f} KB"
 
 
+def _floor_table(report: JSON) -> list[str]:
+    """The sidecar beside the floor relays (bench.floor) of the same run, plain and (``--tls``)
+    with the emulator behind TLS: CPU per turn and added p50, and their ratios."""
+    runs = [(kind, report.get(key) or []) for kind, key in (("plain", "overhead"), ("TLS", "overhead_tls"))]
+    if not any(o.get("floor") or o.get("floor_aiohttp") for _, found in runs for o in found):
+        return []
+    lines = [
+        "",
+        "Sidecar beside the floor relays of the same run (bench.floor: bare asyncio, and aiohttp serving the app "
+        "side), each speaking to the upstream as the sidecar does:",
+        "",
+        "| Upstream | History | Sidecar CPU ms/turn | Bare floor CPU | aiohttp floor CPU | Sidecar / aiohttp floor "
+        "| Sidecar / bare floor | Added p50 sidecar / aiohttp floor ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, found in runs:
+        for o in found:
+            bare, web = o.get("floor") or {}, o.get("floor_aiohttp") or {}
+            lines.append(
+                f"| {kind} | {o['label']} | {_f(o['sidecar_cpu_ms_per_request'], 3)} | "
+                f"{_f(bare.get('cpu_ms_per_request'), 3)} | {_f(web.get('cpu_ms_per_request'), 3)} | "
+                f"{_f(web.get('cpu_ratio_sidecar_over_floor'))} | {_f(bare.get('cpu_ratio_sidecar_over_floor'))} | "
+                f"{_f(o['added_ms'].get('p50'))} / {_f((web.get('added_ms') or {}).get('p50'))} |"
+            )
+    return lines
+
+
 def markdown(report: JSON) -> str:
     """The measured figures as markdown tables."""
     meta = report["meta"]
@@ -131,6 +158,7 @@ def markdown(report: JSON) -> str:
             f"{_f(o.get('emulator_cpu_ms_per_ws_turn'), 3)} | {_f(o.get('cpu_ratio_sidecar_over_emulator_ws'))} | "
             f"{_f(o['first_turn_added_ms'].get('p50'))} |"
         )
+    lines += _floor_table(report)
     slopes = report.get("overhead_slopes") or {}
     if slopes:
         parts = [f"{name.replace('_', ' ')}: {v['at_zero']:g} + {v['per_mb']:g} per MB" for name, v in slopes.items()]

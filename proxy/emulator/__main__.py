@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from .config import FAST_LATENCY, LATENCY_PRESETS, REALISTIC_LATENCY, EmulatorConfig, load_config_file
 from .server import Emulator
 
-__all__ = ["build_parser", "config_from_args", "main", "parse_listen"]
+__all__ = ["build_parser", "config_from_args", "main", "parse_listen", "tls_context"]
 
 _LATENCY_HELP = f"""latency model (all 0 by default; see docs/emulator.md for sources):
   realistic preset (GPT-5-class): {dataclasses.asdict(REALISTIC_LATENCY)}
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument(
         "--background-delay", type=float, help=f"seconds a background response stays queued ({d.background_delay_s:g})"
     )
+    tls = p.add_argument_group("tls")
+    tls.add_argument("--tls-cert", help="PEM certificate chain: serve HTTPS and wss:// (with --tls-key)")
+    tls.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     return p  # fmt: skip
 
@@ -152,9 +156,20 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     return config.replace(**changes)
 
 
-async def _serve(config: EmulatorConfig, host: str, port: int) -> None:
+def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The server context of ``--tls-cert`` / ``--tls-key`` (None: plain HTTP)."""
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        raise ValueError("--tls-cert and --tls-key go together")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+async def _serve(config: EmulatorConfig, host: str, port: int, context: ssl.SSLContext | None = None) -> None:
     emulator = Emulator(config)
-    await emulator.start(host, port)
+    await emulator.start(host, port, ssl_context=context)
     logging.getLogger("proxy.emulator").info(
         "emulator listening on %s (WebSocket %s)", emulator.base_url, emulator.ws_url
     )
@@ -175,11 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         config = config_from_args(args)
-    except (OSError, ValueError, KeyError) as exc:
+        context = tls_context(args.tls_cert, args.tls_key)
+    except (OSError, ValueError, KeyError, ssl.SSLError) as exc:
         print(f"emulator: {exc}", file=sys.stderr)
         return 1
     host, port = args.listen
-    asyncio.run(_serve(config, host, port))
+    asyncio.run(_serve(config, host, port, context))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -138,6 +139,8 @@ class Emulator:
         self._runner: web.AppRunner | None = None
         self.host = "127.0.0.1"
         self.port = 0
+        self.tls = False
+        """Served over TLS (:meth:`start` with an ``ssl_context``)."""
 
     @property
     def stats(self) -> Stats:
@@ -146,9 +149,9 @@ class Emulator:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` (IPv6 hosts bracketed)."""
+        """``http://host:port`` (``https://`` over TLS; IPv6 hosts bracketed)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -157,7 +160,7 @@ class Emulator:
 
     @property
     def ws_url(self) -> str:
-        """``ws://host:port/v1/responses``."""
+        """``ws://host:port/v1/responses`` (``wss://`` over TLS)."""
         return "ws" + self.url[4:] + "/v1/responses"
 
     def record(self, response_id: str) -> dict[str, JSON] | None:
@@ -169,11 +172,13 @@ class Emulator:
         self.state.reset()
         self.faults.clear()
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        """Listen on ``host:port`` (0 = a free port; read it back from ``.port``)."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Listen on ``host:port`` (0 = a free port; read it back from ``.port``), over TLS with
+        ``ssl_context`` (then :attr:`url` is ``https://``, :attr:`ws_url` ``wss://``)."""
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
+        self.tls = ssl_context is not None
         await site.start()
         server = site._server
         assert server is not None and isinstance(server, asyncio.base_events.Server)

@@ -35,6 +35,7 @@ from proxy.ops.metrics import (
     REPLAYS,
     REQUESTS,
     UPSTREAM_BYTES_SENT,
+    child,
 )
 from proxy.ops.misses import RECENT
 from proxy.upstream.passthrough import Forwarded
@@ -219,16 +220,16 @@ class Record:
             exp = None  # a continuation after all, a replay, or HTTP: the verdict did not stand
         elif exp.reason:
             self.reason = exp.reason
-        REQUESTS.labels(self.route, self.mode, self.outcome).inc()
+        child(REQUESTS, self.route, self.mode, self.outcome).inc()
         missed = self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL
         if self.mode == Mode.CONTINUATION:
             INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
         elif self.reason and not self.replays and missed:
             # A replay is counted in upshift_replays_total; misses are the matcher's verdicts.
-            CONTINUATION_MISSES.labels(self.reason).inc()
+            child(CONTINUATION_MISSES, self.reason).inc()
             RECENT.add(self.reason, self.items_in, exp)
         if self.mode == Mode.PASSTHROUGH and self.route == Route.RESPONSES:
-            PASSTHROUGH.labels(self.reason or "unknown").inc()
+            child(PASSTHROUGH, self.reason or "unknown").inc()
         ADDED_LATENCY.observe(self.added_s)
         access_log(
             {

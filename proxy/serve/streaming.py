@@ -1,15 +1,15 @@
 """The app's side of one ``POST /v1/responses``, and the loop that feeds it from upstream.
 
 ``stream: true``: an SSE ``StreamResponse``, prepared when the first event is released (so an
-error before any response event can still become an HTTP status), one write per upstream event
-(or per released batch), the upstream's JSON bytes unchanged. ``stream: false``: nothing is
-written until the terminal event; then one JSON body.
+error before any response event can still become an HTTP status), one write per read of the
+upstream socket (all the events it brought; or per released batch), the upstream's JSON bytes
+unchanged. ``stream: false``: nothing is written until the terminal event; then one JSON body.
 
 ``x-upshift-overhead-ms`` is the sidecar's own time up to the moment the headers go out: wall
 time since the request arrived minus the time spent waiting on the upstream (inside
-:meth:`UpstreamSocket.recv`). For a stream that is the overhead before the first byte; the
-access log and ``upshift_added_latency_seconds`` record the same measure at the end of the
-response. A failed first attempt that is replayed counts as the sidecar's time, not upstream's.
+:meth:`Inbox.burst`). For a stream that is the overhead before the first byte; the access log
+and ``upshift_added_latency_seconds`` record the same measure at the end of the response. A
+failed first attempt that is replayed counts as the sidecar's time, not upstream's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from proxy.core.answer import Answer, AnswerKind
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTimeout, BodyTooLarge, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
-from proxy.ops.metrics import HELD_LIFECYCLE
+from proxy.ops.metrics import HELD_LIFECYCLE, child
 from proxy.serve.memory import BodyBuffer, Lease
 
 _AHEAD = 256 * 1024
@@ -54,8 +54,11 @@ __all__ = [
     "timed_stream",
 ]
 
-_MAX_BATCH = 64
-"""Most events written to the app in one write."""
+_MAX_WRITE = 1024 * 1024
+"""Most bytes of events (as upstream sent them) written to the app in one write: more than one
+read of the upstream socket brings (256 KiB), so a read's events leave in one write; a backlog
+(the app reads slowly) goes in writes of this size, each followed by aiohttp's drain, which
+bounds what waits in the app's write buffer."""
 
 
 def json_body(obj: Any) -> bytes:
@@ -188,9 +191,7 @@ class LeasedLane(Protocol):
     """What :func:`pump` needs of a lane lent by the pool (:class:`proxy.upstream.pool.Turn`)."""
 
     async def send(self, frame: bytes) -> None: ...
-    async def recv(self, timeout: float) -> tuple[bytes, dict[str, Any]]: ...
-    def take(self) -> list[tuple[bytes, dict[str, Any]]]: ...
-    def pending(self) -> bool: ...
+    async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]: ...
 
 
 async def pump(
@@ -219,29 +220,29 @@ async def pump(
     stream, on_id = down.stream, down.on_id
     clock = time.perf_counter
     batch: list[Out] = []
+    size = 0
     while not channel.done:
-        events = lane.take()
-        if not events:
-            # While lifecycle events are held, wait only until their deadline (the bounded
-            # hold-back): then they go to the app, and a later loss is surfaced, not replayed.
-            deadline = channel.deadline()
-            wait = idle_timeout if deadline is None else max(0.0, min(idle_timeout, deadline - clock()))
-            waited = clock()
-            try:
-                events = [await lane.recv(wait)]
-            except UpstreamTimeout:
-                down.upstream_wait += clock() - waited
-                if deadline is None or wait >= idle_timeout:
-                    raise  # a real idle timeout
-                released = channel.on_timer(clock())
-                if released and stream:
-                    await down.write(released)
-                continue
+        # While lifecycle events are held, wait only until their deadline (the bounded
+        # hold-back): then they go to the app, and a later loss is surfaced, not replayed.
+        deadline = channel.deadline()
+        wait = idle_timeout if deadline is None else max(0.0, min(idle_timeout, deadline - clock()))
+        waited = clock()
+        try:
+            events = await lane.burst(wait)
+        except UpstreamTimeout:
             down.upstream_wait += clock() - waited
+            if deadline is None or wait >= idle_timeout:
+                raise  # a real idle timeout
+            released = channel.on_timer(clock())
+            if released and stream:
+                await down.write(released)
+            continue
+        down.upstream_wait += clock() - waited
         now = clock()
-        # Events that arrived together leave together: one write (one wakeup of the app) per
-        # burst of up to _MAX_BATCH instead of one per event; never held back while upstream
-        # is silent. After the terminal event the loop ends and the last batch goes below.
+        # Events that arrived together leave together (issue 24): one wake-up and one write
+        # (one wakeup of the app) per read of the upstream socket, however many events it
+        # carried; never held back while upstream is silent. After the terminal event the
+        # loop ends and the last batch goes below.
         for raw, event in events:
             if on_id is not None and event.get("type") == "response.created":
                 created = event.get("response")
@@ -251,14 +252,15 @@ async def pump(
             outs = channel.feed(raw, event, now)
             if outs and stream:
                 batch += outs
-                if len(batch) >= _MAX_BATCH:
+                size += len(raw)
+                if size >= _MAX_WRITE:
                     await down.write(batch)
-                    batch = []
+                    batch, size = [], 0
             if channel.done:
                 break  # anything after the terminal event is not this response's
-        if batch and not channel.done and not lane.pending():
+        if batch and not channel.done:
             await down.write(batch)
-            batch = []
+            batch, size = [], 0
     if batch:
         await down.write(batch)
 
@@ -271,7 +273,7 @@ def count_hold_back(channel: Channel) -> None:
     """
     path = channel.hold_path
     if path is not None:
-        HELD_LIFECYCLE.labels(path.value).inc()
+        child(HELD_LIFECYCLE, path.value).inc()
 
 
 def new_request_id() -> str:

@@ -20,6 +20,7 @@ import enum
 import logging
 import random
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -80,16 +81,30 @@ def completed_response(body: bytes) -> dict[str, Any] | None:
     return None
 
 
-_GAUGES = (
-    SOCKETS.labels("open"),
-    SOCKETS.labels("busy"),
-    SOCKETS.labels("idle"),
-    SOCKETS.labels("connecting"),
-    LANES.labels("busy"),
-    LANES.labels("idle"),
-    LANES.labels("draining"),
-)
-"""The pool's gauge children, in :meth:`Pool._publish`'s order (looked up once)."""
+_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
+"""The pools of this process (tests run several): the gauges below add theirs up."""
+
+
+def _gauge(count: Callable[[Planner], int]) -> Callable[[], float]:
+    return lambda: float(sum(count(pool.planner) for pool in list(_POOLS)))
+
+
+def _live(planner: Planner) -> int:
+    return planner.socket_counts[SocketState.OPEN] + planner.socket_counts[SocketState.RETIRING]
+
+
+# The socket and lane gauges are read from the planners when scraped (issue 24): a turn pays
+# nothing for them, and a scrape sees the counts as they are.
+for _child, _count in (
+    (SOCKETS.labels("open"), _live),
+    (SOCKETS.labels("busy"), lambda p: p.busy_sockets),
+    (SOCKETS.labels("idle"), lambda p: _live(p) - p.busy_sockets),
+    (SOCKETS.labels("connecting"), lambda p: p.socket_counts[SocketState.CONNECTING]),
+    (LANES.labels("busy"), lambda p: p.lane_counts[LaneState.BUSY]),
+    (LANES.labels("idle"), lambda p: p.lane_counts[LaneState.IDLE]),
+    (LANES.labels("draining"), lambda p: p.lane_counts[LaneState.DRAINING]),
+):
+    _child.set_function(_gauge(_count))
 
 
 class SocketUse(enum.Enum):
@@ -129,13 +144,9 @@ class Turn:
         """The lane's next event ``(raw, parsed)``."""
         return await self.inbox.get(timeout)
 
-    def pending(self) -> bool:
-        """Whether another event is already buffered."""
-        return self.inbox.pending()
-
-    def take(self) -> list[tuple[bytes, dict[str, Any]]]:
-        """Every event already buffered, in order (none: empty)."""
-        return self.inbox.take()
+    async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every event already buffered, or those of the next read (:meth:`Inbox.burst`)."""
+        return await self.inbox.burst(timeout)
 
     def finish(
         self,
@@ -202,10 +213,9 @@ class Pool:
         self._opening: set[asyncio.Task[None]] = set()
         self._housekeeper: asyncio.Task[None] | None = None
         self._closed = False
-        self._published: tuple[int, ...] = (0,) * len(_GAUGES)
-        """What :meth:`_publish` last added to the shared gauges."""
         self.close_code = 1000
         """Close code for sockets retired from now on (1001 once the sidecar drains)."""
+        _POOLS.add(self)
 
     def __repr__(self) -> str:
         c = self.planner.lane_counts
@@ -256,7 +266,6 @@ class Pool:
                 return Plan(PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE), now - started
             plan = self.planner.plan(identity.digest, req, now, replay=replay, may_open=may_open)
             self._close_soon(plan.close)
-            self._publish()
             if plan.kind is PlanKind.HTTP_CONTINUE and not self.settings.pool.http_continuations:
                 return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED), now - started
             if plan.kind is PlanKind.WAIT:
@@ -294,7 +303,6 @@ class Pool:
                     continue
                 except asyncio.CancelledError:
                     self.planner.finished(plan.lane, self._clock())
-                    self._publish()
                     raise
             waited = self._clock() - started
             if deadline is not None:
@@ -333,7 +341,6 @@ class Pool:
         sock = self._socks.get(key[0])
         if sock is None or sock.error is not None:
             self.planner.finished(key, self._clock())
-            self._publish()
             raise sock.error if sock is not None and sock.error else UpstreamClosed("The upstream socket closed.")
         inbox = sock.open_inbox(key[1])
         turn = Turn(key, sock, inbox)
@@ -378,18 +385,15 @@ class Pool:
             inbox.on_drained = lambda: self._drained(sock, inbox, key)
             self.planner.abandon(key)
         self._wake()
-        self._publish()
 
     def _drained(self, sock: UpstreamSocket, inbox: Inbox, key: LaneKey) -> None:
         sock.close_inbox(inbox)
         self._close_soon(self.planner.finished(key, self._clock()))
         self._wake()
-        self._publish()
 
     def retire(self, socket_id: int) -> None:
         """No new turns on ``socket_id`` (a limit was reached); closed once drained."""
         self._close_soon(self.planner.retire(socket_id))
-        self._publish()
 
     def lanes_refused(self) -> None:
         """The upstream does not take ``stream_id``: default lanes only for a while."""
@@ -458,7 +462,6 @@ class Pool:
         finally:
             self._ready.pop(sid, None)
             self._wake()
-            self._publish()
         now = self._clock()
         record = self.planner.socket(sid)
         try:
@@ -480,7 +483,6 @@ class Pool:
             self.planner.open_failed(sid, now, status=None, headers={})
             ready.set_exception(UpstreamUnavailable(f"The upstream socket could not be used: {exc}"))
             self._wake()
-            self._publish()
             return
         if self._closed or record is None:  # the pool closed meanwhile
             self._socks[sid] = sock
@@ -491,7 +493,6 @@ class Pool:
         self.planner.opened(sid, now)
         ready.set_result(None)
         self._publish_cap(record.identity)
-        self._publish()
 
     def _lost(self, sock: UpstreamSocket) -> None:
         """The reader saw the connection end: every lane of it ends too."""
@@ -499,7 +500,6 @@ class Pool:
             del self._socks[sock.key]
         self.planner.socket_lost(sock.key)
         self._wake()
-        self._publish()
 
     def _close_soon(self, ids: list[int] | tuple[int, ...], code: int | None = None) -> None:
         """Close sockets in their own tasks: a cancelled request cannot interrupt the cleanup."""
@@ -511,29 +511,6 @@ class Pool:
             task = asyncio.get_running_loop().create_task(sock.close(code))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-
-    def _publish(self) -> None:
-        """Bring the socket and lane gauges up to date (deltas: several pools share them)."""
-        planner = self.planner
-        sockets, lanes = planner.socket_counts, planner.lane_counts
-        live = sockets[SocketState.OPEN] + sockets[SocketState.RETIRING]
-        busy = planner.busy_sockets
-        values = (
-            live,
-            busy,
-            live - busy,
-            sockets[SocketState.CONNECTING],
-            lanes[LaneState.BUSY],
-            lanes[LaneState.IDLE],
-            lanes[LaneState.DRAINING],
-        )
-        published = self._published
-        if values == published:
-            return
-        for gauge, value, before in zip(_GAUGES, values, published, strict=True):
-            if value != before:
-                gauge.inc(value - before)
-        self._published = values
 
     # -- housekeeping --------------------------------------------------------------------------
 
@@ -566,7 +543,6 @@ class Pool:
             task.add_done_callback(self._tasks.discard)
         if tick.close:
             self._wake()
-        self._publish()
 
     async def _reseed(self, job: Reseed) -> None:
         """Rebuild a rotated ``store: false`` head on a new lane with a ``generate: false`` create
@@ -599,7 +575,6 @@ class Pool:
             response_id = None
         RESEEDS.labels("ok" if response_id else "failed").inc()
         self._close_soon(self.planner.reseeded(job.anchor, plan.lane, self._clock(), response_id))
-        self._publish()
 
     async def close(self, code: int = 1001) -> None:
         """Close every socket (1001: going away) and stop housekeeping."""
@@ -614,6 +589,5 @@ class Pool:
         await asyncio.gather(*self._opening, return_exceptions=True)
         self.planner.close_all()
         self._close_soon(list(self._socks), code)
-        self._publish()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -149,8 +149,9 @@ _TERMINAL = frozenset({"response.completed", "response.failed", "response.incomp
 class Inbox:
     """The events of one lane's response in flight, filled by the socket's reader.
 
-    A turn reads with :meth:`get`; everything that arrived meanwhile is kept in order, so the
-    turn can write a whole burst to the app at once (:meth:`pending`). An abandoned turn's inbox
+    A turn reads with :meth:`burst`: everything that arrived meanwhile, in order, so the turn
+    writes a whole read's events to the app at once. The reader wakes the waiting turn once
+    per read (:meth:`put` of the read's second event finds the waiter already woken). An abandoned turn's inbox
     *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
     """
 
@@ -188,27 +189,22 @@ class Inbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def pending(self) -> bool:
-        """Whether another event is already here (the caller may batch its writes)."""
-        return bool(self.frames)
+    async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every event already here, or, if none, every event of the next read that brings
+        one: one wake-up per read of the socket, however many events it carried (issue 24).
 
-    def take(self) -> list[tuple[bytes, dict[str, Any]]]:
-        """Every event already here, in order, or none (raises nothing: :meth:`get` does)."""
+        Raises:
+            UpstreamClosed | UpstreamProtocolError: the socket failed (and nothing is left).
+            UpstreamTimeout: nothing arrived within ``timeout``.
+        """
         if not self.frames:
-            return []
+            await self._wait(timeout)
         frames = list(self.frames)
         self.frames.clear()
         return frames
 
-    async def get(self, timeout: float) -> tuple[bytes, dict[str, Any]]:
-        """The next event of this lane: ``(raw bytes, parsed object)``.
-
-        Raises:
-            UpstreamClosed | UpstreamProtocolError: the socket failed.
-            UpstreamTimeout: nothing arrived within ``timeout``.
-        """
-        if self.frames:
-            return self.frames.popleft()
+    async def _wait(self, timeout: float) -> None:
+        """Until an event or the error is here (raised if no event is)."""
         if self.error is not None:
             raise self.error
         loop = asyncio.get_running_loop()
@@ -219,12 +215,21 @@ class Inbox:
         finally:
             timer.cancel()
             self._waiter = None
-        if not self.frames and self.error is None:
+        if not self.frames:
+            if self.error is not None:
+                raise self.error
             raise UpstreamTimeout(f"The upstream sent nothing for {timeout:g} s.")
-        if self.frames:
-            return self.frames.popleft()
-        assert self.error is not None
-        raise self.error
+
+    async def get(self, timeout: float) -> tuple[bytes, dict[str, Any]]:
+        """The next event of this lane: ``(raw bytes, parsed object)``.
+
+        Raises:
+            UpstreamClosed | UpstreamProtocolError: the socket failed.
+            UpstreamTimeout: nothing arrived within ``timeout``.
+        """
+        if not self.frames:
+            await self._wait(timeout)
+        return self.frames.popleft()
 
 
 def _wake_up(waiter: asyncio.Future[None]) -> None:

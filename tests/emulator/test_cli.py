@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import aiohttp
 import pytest
 
 from proxy.emulator import REALISTIC_LATENCY, load_config_file
-from proxy.emulator.__main__ import build_parser, config_from_args, parse_listen
+from proxy.emulator.__main__ import build_parser, config_from_args, parse_listen, tls_context
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,3 +69,44 @@ async def test_module_runs(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_module_serves_tls_with_cert_and_key(tmp_path: Path) -> None:
+    trustme = pytest.importorskip("trustme", reason="trustme is in the test extra: pip install -e '.[test]'")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    chain, key = tmp_path / "server.pem", tmp_path / "server.key"
+    chain.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(key))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.emulator", "--listen", f"127.0.0.1:{port}",
+        "--tls-cert", str(chain), "--tls-key", str(key),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                try:
+                    async with session.get(f"https://127.0.0.1:{port}/_emulator/health", ssl=context) as resp:
+                        assert resp.status == 200
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            else:
+                pytest.fail("emulator did not start")
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):  # not a CA of this machine's
+                await session.get(f"https://127.0.0.1:{port}/_emulator/health")
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+def test_tls_needs_both_cert_and_key() -> None:
+    assert tls_context(None, None) is None
+    with pytest.raises(ValueError, match="go together"):
+        tls_context("server.pem", None)
