@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import TracebackType
 
 import orjson
 
 from proxy.core.sse import encode_event
+from tests.loopback import LoopbackServer
 
 
-class FakePeer:
+class FakePeer(LoopbackServer):
     """A TCP server on 127.0.0.1 that plays a peer replica.
 
     Behaviours: ``silent`` (accepts, reads, never answers), ``error_500`` (a plain 500 that no
@@ -21,14 +21,12 @@ class FakePeer:
     """
 
     def __init__(self, behaviour: str, delay: float = 0.3) -> None:
+        super().__init__()
         self.behaviour = behaviour
         self.delay = delay
         self.requests = 0
         self.concurrent = 0
         self.max_concurrent = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def open_connections(self) -> int:
@@ -38,20 +36,6 @@ class FakePeer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> FakePeer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from types import TracebackType
 from typing import Any
 
 import orjson
 
 from proxy.emulator import Emulator
+from tests.loopback import LoopbackServer
 from tests.sidecar import Sidecar
 
 _TERMINAL = (b'"response.completed"', b'"response.failed"', b'"response.incomplete"', b'"error"')
@@ -43,36 +43,20 @@ def _frames(buffer: bytearray) -> list[bytes]:
     return out
 
 
-class Coalescer:
+class Coalescer(LoopbackServer):
     """A TCP relay that passes the upgrade through, then holds the upstream's frames until
     ``turns`` terminal events arrived and writes everything it holds in one write."""
 
     def __init__(self, upstream_port: int) -> None:
+        super().__init__()
         self.upstream_port = upstream_port
         self.turns = 1
         self.writes = 0
         """Coalesced writes made to the sidecar (each: one read at the sidecar)."""
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
-
-    async def __aenter__(self) -> Coalescer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, app_r: asyncio.StreamReader, app_w: asyncio.StreamWriter) -> None:
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
