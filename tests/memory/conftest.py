@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from tests.sidecar import ROOT, SidecarProcess
@@ -146,17 +145,3 @@ def limited(tmp_path: Path) -> Iterator[LimitedFactory]:
     yield make
     for proc in started:
         proc.kill()
-
-
-async def scrape(admin: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(admin + "/metrics") as resp:
-        return await resp.text()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample of the exposition text (0 when absent)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-    for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.split()[-1])
-    return 0.0

@@ -19,7 +19,8 @@ import pytest
 
 from bench.memory import LoadResult, check_oracle, conversation_load
 from proxy.emulator import Emulator
-from tests.memory.conftest import MIB, LimitedFactory, LimitedSidecar, metric, scrape
+from tests.exposition import metric, scrape
+from tests.memory.conftest import MIB, LimitedFactory, LimitedSidecar
 
 
 async def _ready_probes(admin: str, stop: asyncio.Event, statuses: list[int]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from tests.exposition import scrape
 from tests.sidecar import SidecarProcess
 
 MODEL = "gpt-5"
@@ -38,6 +39,29 @@ def hostport(side: SidecarProcess) -> tuple[str, int]:
     return host, int(port)
 
 
+async def raw_request(
+    name: str,
+    port: int,
+    host: str,
+    *,
+    method: str = "POST",
+    path: str = "/v1/responses",
+    key: str = MALLORY,
+    length: int = 0,
+    first: bytes = b"",
+    extra: str = "",
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw HTTP/1.1 request that declares ``length`` body bytes and sends ``first``."""
+    reader, writer = await asyncio.open_connection(name, port)
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\n{extra}Content-Length: {length}\r\n\r\n"
+    )
+    writer.write(head.encode() + first)
+    await writer.drain()
+    return reader, writer
+
+
 async def raw_head(
     side: SidecarProcess,
     length: int,
@@ -49,14 +73,7 @@ async def raw_head(
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A raw ``POST /v1/responses`` that declares ``length`` body bytes and sends ``first``."""
     name, port = hostport(side)
-    reader, writer = await asyncio.open_connection(name, port)
-    head = (
-        f"POST /v1/responses HTTP/1.1\r\nHost: {host or f'{name}:{port}'}\r\nAuthorization: Bearer {key}\r\n"
-        f"Content-Type: application/json\r\n{extra}Content-Length: {length}\r\n\r\n"
-    )
-    writer.write(head.encode() + first)
-    await writer.drain()
-    return reader, writer
+    return await raw_request(name, port, host or f"{name}:{port}", key=key, length=length, first=first, extra=extra)
 
 
 async def answer(reader: asyncio.StreamReader, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
@@ -82,17 +99,7 @@ def openai_error(data: bytes, code: str) -> dict[str, Any]:
 
 
 async def metrics(side: SidecarProcess) -> str:
-    async with aiohttp.ClientSession() as session, session.get(side.admin + "/metrics") as resp:
-        return await resp.text()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample of the exposition text (0 when absent)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-    for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.split()[-1])
-    return 0.0
+    return await scrape(side.admin)
 
 
 def body_limit(side_logs_413: bytes) -> int:

@@ -6,7 +6,6 @@ env``), refused with an OpenAI-style 403 and nothing forwarded, and the legitima
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -14,7 +13,8 @@ import orjson
 import pytest
 
 from proxy.emulator import Emulator
-from tests.security.ingress import ALICE, Spawn, answer, body, hostport, metric, metrics, openai_error, started
+from tests.exposition import metric
+from tests.security.ingress import ALICE, Spawn, answer, body, hostport, metrics, openai_error, raw_request, started
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,11 +140,4 @@ async def test_access_control_headers_of_relayed_answers_are_dropped(emulator: E
 
 
 async def _raw(name: str, port: int, method: str, path: str, host: str, payload: bytes) -> Any:
-    reader, writer = await asyncio.open_connection(name, port)
-    head = (
-        f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ALICE}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
-    writer.write(head.encode() + payload)
-    await writer.drain()
-    return reader, writer
+    return await raw_request(name, port, host, method=method, path=path, key=ALICE, length=len(payload), first=payload)

@@ -13,7 +13,8 @@ import orjson
 import pytest
 
 from proxy.emulator import Emulator, context_digest
-from tests.security.ingress import ALICE, Spawn, metric, metrics, openai_error, started
+from tests.exposition import metric
+from tests.security.ingress import ALICE, Spawn, metrics, openai_error, started
 
 pytestmark = pytest.mark.timeout(90)
 

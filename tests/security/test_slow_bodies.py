@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from proxy.emulator import Emulator, context_digest
+from tests.exposition import metric
 from tests.security.ingress import (
     ALICE,
     MALLORY,
@@ -23,7 +24,6 @@ from tests.security.ingress import (
     answer,
     body,
     body_limit,
-    metric,
     metrics,
     openai_error,
     raw_head,
