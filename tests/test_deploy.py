@@ -11,7 +11,6 @@ Regenerate the ConfigMap after editing config.yaml with::
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import dockerfile  # type: ignore[import-not-found]  # ships no type information
 import pytest
 import yaml
 
-from tests.tools import tool_env, which
+from tests.tools import kustomize, tool_env, which
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -58,14 +57,7 @@ def _load_kustomize(directory: str) -> list[dict[str, Any]]:
     """Rendered objects: via kubectl kustomize when present, else the plain files."""
     kubectl = which("kubectl")
     if kubectl is not None:
-        out = subprocess.run(
-            [kubectl, "kustomize", str(K8S / directory)],
-            check=True,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "KUBECONFIG": "/dev/null"},
-        ).stdout
-        return [d for d in yaml.safe_load_all(out) if d]
+        return kustomize(kubectl, K8S / directory)
     docs: list[dict[str, Any]] = []
     for sub in ("base", directory):
         for path in sorted((K8S / sub).glob("*.yaml")):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import yaml
 from proxy.emulator import Emulator
 from tests.security.support import Tenant, injected_env, start_process
 from tests.sidecar import SidecarProcess
-from tests.tools import which
+from tests.tools import kustomize, which
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDECAR = ROOT / "deploy" / "k8s" / "sidecar"
@@ -47,14 +46,7 @@ def render(tmp: Path, *, namespace: str | None = None, app: str | None = None) -
         spec["nameSuffix"] = f"-{app}"
         spec["labels"] = [{"pairs": {"app.kubernetes.io/name": app}, "includeSelectors": True}]
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump(spec))
-    out = subprocess.run(
-        [kubectl, "kustomize", str(overlay)],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "KUBECONFIG": "/dev/null"},
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return kustomize(kubectl, overlay)
 
 
 def app_key(docs: list[dict[str, Any]]) -> str:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["tool_env", "which"]
+import yaml
+
+__all__ = ["kustomize", "tool_env", "which"]
 
 _BESIDE = str(Path(sys.executable).parent)
 
@@ -28,3 +32,15 @@ def tool_env(**extra: str) -> dict[str, str]:
     if _BESIDE not in path.split(os.pathsep):
         path = os.pathsep.join(p for p in (path, _BESIDE) if p)
     return {**os.environ, "PATH": path, **extra}
+
+
+def kustomize(kubectl: str, directory: Path) -> list[dict[str, Any]]:
+    """The objects ``kubectl kustomize directory`` renders (no cluster: ``KUBECONFIG=/dev/null``)."""
+    out = subprocess.run(
+        [kubectl, "kustomize", str(directory)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KUBECONFIG": "/dev/null"},
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
