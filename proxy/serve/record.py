@@ -116,7 +116,7 @@ class Record:
 
     def pumped(self, sent: int, upstream_s: float) -> None:
         """The pump stage: ``sent`` more bytes went upstream on a socket; the upstream's time so far."""
-        UPSTREAM_BYTES_SENT.labels("websocket").inc(sent)
+        child(UPSTREAM_BYTES_SENT, "websocket").inc(sent)
         self.bytes_sent += sent
         self.upstream_s = upstream_s
 
