@@ -143,7 +143,9 @@ class PoolSettings:
     more wait for a slot, and the wait counts in the added latency."""
     wait_seconds: float = 1.0
     """How long a request waits for a free lane when every lane it may use is busy, before it
-    goes over HTTP (``pool_full``)."""
+    goes over HTTP (``pool_full``). While the identity's sockets are still opening or probing
+    their lanes (a burst of new conversations), the wait counts from when that stops, at most
+    ``timeouts.connect_seconds`` later."""
     idle_close_seconds: float = 900.0
     """Close a socket unused for this long (its conversation head goes with it)."""
     rotate_after_seconds: float = 3300.0

@@ -209,6 +209,9 @@ class Plan:
     """A spare socket to open in the background (nobody waits for it)."""
     over_http: bool = False
     """A WAIT that may become an HTTP continuation (the head is stored): the pool decides when."""
+    growing: bool = False
+    """A WAIT for lanes a moment away (a socket of the identity in its handshake or probing its
+    lanes), not for busy ones: ``pool.wait_seconds`` counts from when the growing stops."""
 
     @property
     def stream_id(self) -> str | None:
@@ -446,7 +449,17 @@ class Planner:
             return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED, close=tuple(close))
         if not live and not may_open:
             return Plan(PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE, close=tuple(close))
-        return Plan(PlanKind.WAIT, reason, close=tuple(close))
+        return Plan(PlanKind.WAIT, reason, close=tuple(close), growing=self._slow_start or self._growing(identity))
+
+    def _growing(self, identity: str) -> bool:
+        """Whether ``identity``'s sockets are still growing: one is in its handshake, or probing
+        its lanes (its first named lane's first event proves or refuses them). Lanes are a
+        moment away, not taken: a burst of new conversations waits for them, it evicts no head
+        (a ``store: false`` one would be forgotten) and is not yet ``pool_full``."""
+        for sock in self._by_identity.get(identity, {}).values():
+            if sock.state is SocketState.CONNECTING or sock.demux.probing:
+                return True
+        return False
 
     def _slots(self, sock: Socket) -> int:
         slots = self.limits.lanes_per_socket if self.named_lanes else 1
@@ -511,8 +524,8 @@ class Planner:
         self._slow_start = False
         if may_open and self._can_open(identity, now, close):
             return self._open(identity, now), True, None
-        if self._slow_start:
-            return None  # a socket will open in a moment: wait for it rather than evict a head
+        if self._slow_start or self._growing(identity):
+            return None  # a socket will open or prove its lanes in a moment: wait, evict no head
         victim: Lane | None = None
         for sock in socks:
             if sock.state is not SocketState.OPEN:

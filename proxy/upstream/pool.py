@@ -249,7 +249,9 @@ class Pool:
         """The next attempt of ``req``, with its lane reserved and its socket open.
 
         Waits (at most ``pool.wait_seconds``) when every lane the identity may use is busy, and
-        for the handshake of a new socket; a refused or failed handshake never fails the
+        for the handshake of a new socket (while the identity's sockets are still opening or
+        probing their lanes, ``pool.wait_seconds`` counts from when that stops, at most
+        ``timeouts.connect_seconds`` later); a refused or failed handshake never fails the
         request: it takes another lane or goes over HTTP.
 
         Returns:
@@ -270,6 +272,9 @@ class Pool:
                 return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED), now - started
             if plan.kind is PlanKind.WAIT:
                 pool = self.settings.pool
+                if plan.growing:  # lanes a moment away (a handshake, a probe): the wait has not begun
+                    cap = started + pool.wait_seconds + self.settings.timeouts.connect_seconds
+                    deadline = min(now + pool.wait_seconds, cap)
                 deadline = deadline if deadline is not None else now + pool.wait_seconds
                 if plan.over_http and pool.http_continuations:
                     # Stored: a short wait for a lane, then an HTTP continuation (a new head: a

@@ -330,6 +330,36 @@ def test_eviction_detaches_a_stored_head_and_forgets_an_unstored_one() -> None:
     assert (again.kind, again.hydrated) == (PlanKind.CONTINUE, True)
 
 
+def test_while_a_socket_opens_or_probes_a_new_conversation_waits_and_evicts_no_head() -> None:
+    # A burst of new conversations of one key: socket 1's lanes are a busy one and an idle one
+    # holding an unstored head; socket 2 is still in its handshake, then probing its lanes.
+    # Lanes are a moment away: a new conversation waits (growing: pool.wait_seconds has not
+    # begun) instead of taking over the head, which store: false could never get back.
+    p = planner(lanes_per_socket=2, max_sockets_per_identity=2, spread_sockets=1)
+    r = req([user("s")], store=False)
+    a = opened(p, p.plan("id", r, 0.0))
+    complete(p, a, r, "resp_s", 1.0, call(1))
+    busy = p.plan("id", req([user("b")], store=False), 1.0)
+    assert busy.lane == (1, "u1")
+    probe = p.plan("id", req([user("c")], store=False), 1.0)
+    assert probe.open_socket and probe.lane == (2, "u1")
+    d = req([user("d")], store=False)
+    waiting = p.plan("id", d, 1.0)
+    assert (waiting.kind, waiting.growing, waiting.lane) == (PlanKind.WAIT, True, None)
+    p.opened(2, 1.1)
+    sock = p.socket(2)
+    assert sock is not None
+    sock.demux.sent("u1")  # the probe went out; its first event is on its way
+    assert p.plan("id", d, 1.1).growing
+    prove(p, 2)
+    assert p.plan("id", d, 1.2).lane == (2, None)  # proven: the socket takes a second response
+    cont = p.plan("id", req([user("s"), call(1), result(1)], store=False), 1.2)
+    assert (cont.kind, cont.lane, cont.response_id) == (PlanKind.CONTINUE, a.lane, "resp_s")
+    # Nothing growing and every lane busy: a plain wait for busy lanes (pool_full after it).
+    full = p.plan("id", req([user("e")], store=False), 1.3)
+    assert (full.kind, full.growing) == (PlanKind.WAIT, False)
+
+
 def test_rotation_retires_busy_sockets_and_closes_idle_ones() -> None:
     p = planner(rotate_after_seconds=10, idle_close_seconds=100)
     r = req([user("a")])
