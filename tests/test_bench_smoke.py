@@ -61,3 +61,87 @@ def test_ab_compares_a_commit_with_the_working_tree(tmp_path: Path) -> None:
     assert row["B_over_A_cpu"] > 0 and "1k: CPU/turn A" in proc.stdout
     after = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     assert after == before  # the base worktree is gone
+
+
+# -- bench.budget: perf's samples into rows ----------------------------------------------------------
+
+_SCRIPT_FLAT = """\
+   1001001  ffffffff817003a2 __d_lookup_rcu ([kernel.kallsyms])
+   2002002      7fbdaa69c624 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)
+   3003003      7f7e723d662a CPyDef_proxy___core___planner___Planner___plan (/r/proxy/_compiled__mypyc.so)
+   1001001      7f7e723d6000 CPy_GetItem (/r/proxy/_compiled__mypyc.so)
+   1001001      7f7e723d6000 loads (/site-packages/orjson/orjson.cpython-311-x86_64-linux-gnu.so)
+"""
+
+_SCRIPT_STACKS = """\
+   1001001
+\t          16a14d _PyObject_Free (/root/.pyenv/versions/3.13.0/lib/libpython3.13.so.1.0)
+\t    7fd7f3cee7b5 py::Channel.feed:{repo}/proxy/core/channel.py (/tmp/perf-9623.map)
+\t    7fd7f3cee7e5 py::pump:{repo}/proxy/serve/streaming.py (/tmp/perf-9623.map)
+
+   2002002
+\t          16a14d _PyEval_EvalFrameDefault (/root/.pyenv/versions/3.13.0/lib/libpython3.13.so.1.0)
+\t    7fd7f3cee7e5 py::StreamResponse.write:/v/lib/python3.13/site-packages/aiohttp/web_response.py (/tmp/perf-1.map)
+
+   4004004
+\t          16a14d _PyEval_EvalFrameDefault (/root/.pyenv/versions/3.13.0/lib/libpython3.13.so.1.0)
+\t    7fd7f3cee7e5 py::BaseEventLoop._run_once:/py/lib/python3.13/asyncio/base_events.py (/tmp/perf-1.map)
+
+   1001001
+\t    ffffffff8225bc41 do_syscall_64 ([kernel.kallsyms])
+\t          20d07 send (/usr/lib/x86_64-linux-gnu/libc.so.6)
+"""
+
+
+def test_budget_rows_follow_the_leaf_frame_and_the_innermost_python_function() -> None:
+    from bench import budget
+
+    flat = budget.rows_of(_SCRIPT_FLAT)
+    assert flat == {
+        budget.KERNEL: 1001001,
+        budget.INTERPRETER: 2002002,
+        "upshift compiled: core.planner": 3003003,
+        budget.MYPYC_RUNTIME: 1001001,
+        "orjson (JSON)": 1001001,
+    }
+    stacks = budget.rows_of(_SCRIPT_STACKS.format(repo=ROOT))
+    assert stacks == {
+        "upshift interpreted: proxy/core/channel.py": 1001001,  # the innermost Python frame
+        "aiohttp (Python)": 2002002,
+        "asyncio (stdlib, Python)": 4004004,
+        budget.KERNEL: 1001001,  # the leaf decides: a system call, whoever made it
+    }
+    by_function = budget.rows_of(_SCRIPT_STACKS.format(repo=ROOT), functions=True)
+    assert by_function["upshift interpreted: proxy/core/channel.py Channel.feed"] == 1001001
+
+
+def _perf_allowed() -> str | None:
+    import shutil
+
+    if shutil.which("perf") is None:
+        return "perf is not installed (Debian: linux-perf)"
+    probe = subprocess.run(["perf", "record", "-o", "/dev/null", "-q", "--", "true"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"perf may not sample here: {probe.stderr.strip()[-200:]}"
+
+
+@pytest.mark.timeout(200)
+def test_budget_samples_the_sidecar_and_the_floor_and_the_rows_add_up(tmp_path: Path) -> None:
+    why = _perf_allowed()
+    if why is not None:
+        pytest.skip(why)
+    out = tmp_path / "budget.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.budget", "--turns", "20", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert len(result["relays"]) == 2
+    for relay in result["relays"].values():
+        assert relay["turns"] == 20
+        # What perf sampled during the turns is the process's CPU over them (within sampling
+        # noise and perf's own cost): the rows account for the turn, nothing is left out.
+        assert 0.6 * relay["cpu_us_per_turn"] <= relay["sampled_us_per_turn"] <= 1.6 * relay["cpu_us_per_turn"], relay
