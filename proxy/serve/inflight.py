@@ -8,12 +8,28 @@ behind a 200 (:meth:`Streams.cut_all`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from types import TracebackType
 
 from proxy.core.channel import Channel
 from proxy.serve.streaming import Downstream
 
-__all__ = ["Streams", "cut_stream"]
+__all__ = ["Pumping", "Streams", "cut_stream"]
+
+
+class Pumping:
+    """One response in :class:`Streams` for the length of a ``with`` block (a plain class, not a
+    generator-based context manager: it is entered and left on every turn)."""
+
+    __slots__ = ("_entry", "_open")
+
+    def __init__(self, open_: set[tuple[Downstream, Channel]], entry: tuple[Downstream, Channel]) -> None:
+        self._open, self._entry = open_, entry
+
+    def __enter__(self) -> None:
+        self._open.add(self._entry)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._open.discard(self._entry)
 
 
 class Streams:
@@ -25,15 +41,9 @@ class Streams:
     def __len__(self) -> int:
         return len(self._open)
 
-    @contextlib.contextmanager
-    def pumping(self, down: Downstream, channel: Channel) -> Iterator[None]:
-        """``down`` is fed from ``channel`` inside the block."""
-        entry = (down, channel)
-        self._open.add(entry)
-        try:
-            yield
-        finally:
-            self._open.discard(entry)
+    def pumping(self, down: Downstream, channel: Channel) -> Pumping:
+        """``with streams.pumping(down, channel)``: ``down`` is fed from ``channel`` inside the block."""
+        return Pumping(self._open, (down, channel))
 
     async def cut_all(self) -> None:
         """End every response still streaming (:func:`cut_stream`)."""

@@ -21,8 +21,9 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -159,6 +160,27 @@ class Turn:
         """The terminal event arrived; ``response`` (completed) becomes the lane's head."""
         self.terminal = True
         self.req, self.response, self.prefix_state, self.retire = req, response, prefix_state, retire
+
+
+class Lease:
+    """One lane lent for one response: ``async with pool.lease(plan) as turn`` (a plain class,
+    not a generator-based context manager: it is entered and left on every turn)."""
+
+    __slots__ = ("_plan", "_pool", "_turn")
+
+    def __init__(self, pool: Pool, plan: Plan) -> None:
+        self._pool, self._plan = pool, plan
+        self._turn: Turn | None = None
+
+    async def __aenter__(self) -> Turn:
+        self._turn = self._pool._lent(self._plan)
+        return self._turn
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._turn is not None
+        self._pool._returned(self._turn, exc)
 
 
 class Pool:
@@ -334,40 +356,36 @@ class Pool:
 
     # -- leases --------------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def lease(self, plan: Plan) -> AsyncIterator[Turn]:
-        """Lend the plan's lane for one response.
+    def lease(self, plan: Plan) -> Lease:
+        """Lend the plan's lane for one response (``async with pool.lease(plan) as turn``).
 
         Raises:
             UpstreamClosed: the socket closed between the plan and the lease.
         """
+        return Lease(self, plan)
+
+    def _lent(self, plan: Plan) -> Turn:
         key = plan.lane
         assert key is not None, "lease of a plan without a lane"
         sock = self._socks.get(key[0])
         if sock is None or sock.error is not None:
             self.planner.finished(key, self._clock())
             raise sock.error if sock is not None and sock.error else UpstreamClosed("The upstream socket closed.")
-        inbox = sock.open_inbox(key[1])
-        turn = Turn(key, sock, inbox)
-        try:
-            yield turn
-        except UpstreamClosed:
-            if key[1] is not None and not sock.demux.proven and not inbox.seen:
+        return Turn(key, sock, sock.open_inbox(key[1]))
+
+    def _returned(self, turn: Turn, exc: BaseException | None) -> None:
+        """The lease of ``turn`` ended, by ``exc`` if it failed (which goes on up)."""
+        if isinstance(exc, UpstreamClosed):
+            key, sock = turn.key, turn.socket
+            if key[1] is not None and not sock.demux.proven and not turn.inbox.seen:
                 # Closed right after a named lane's first create on a socket that never routed
                 # a stream_id: an upstream that refuses lanes by closing (then retried later).
                 self.lanes_refused()
-            self._end(turn)
-            raise
-        except UpstreamTimeout:
+        self._end(turn)
+        if isinstance(exc, UpstreamTimeout):
             # A stalled response makes the whole socket suspect: no new turns on it; it closes
             # once its other lanes are done.
-            self._end(turn)
-            self.retire(key[0])
-            raise
-        except BaseException:
-            self._end(turn)
-            raise
-        self._end(turn)
+            self.retire(turn.key[0])
 
     def _end(self, turn: Turn) -> None:
         """End a lease, synchronously (safe on cancellation)."""
