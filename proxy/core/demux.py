@@ -28,9 +28,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from proxy.core.retry import is_lane_refusal
 
-__all__ = ["Demux", "LaneSignal", "LaneSupport", "Routed", "Stray", "Unroutable"]
+__all__ = ["BadEvent", "Demux", "LaneSignal", "LaneSupport", "Routed", "Stray", "Unroutable", "strip_stream_id"]
+
+
+class BadEvent(ValueError):
+    """A message of the upstream that is not a JSON object (the socket's protocol is broken)."""
 
 
 class LaneSupport(enum.StrEnum):
@@ -81,7 +87,7 @@ _STRAY = Stray()
 class Demux:
     """The lanes in flight on one socket and the routing rule for its events."""
 
-    __slots__ = ("_flight", "_routed", "support")
+    __slots__ = ("_flight", "_members", "_routed", "support")
 
     def __init__(self) -> None:
         self.support = LaneSupport.UNKNOWN
@@ -89,6 +95,8 @@ class Demux:
         """Lanes with a response in flight, in the order their creates were sent."""
         self._routed: dict[str | None, Routed] = {}
         """One :class:`Routed` per lane (an event costs no allocation on the hot path)."""
+        self._members: dict[str, bytes] = {}
+        """Each named lane's ``"stream_id":…`` member as the upstream writes it."""
 
     def __repr__(self) -> str:
         return f"<Demux {self.support} in flight {list(self._flight)}>"
@@ -173,3 +181,55 @@ class Demux:
             return Routed(lane, LaneSignal.REFUSED)
         self.support = LaneSupport.IGNORED
         return Routed(lane, LaneSignal.IGNORED)
+
+    def receive(self, raw: bytes) -> tuple[Routed | Stray | Unroutable, bytes, dict[str, Any]]:
+        """One message of the socket: parsed, routed (:meth:`route`) by its top-level
+        ``stream_id``, which a routed event's bytes and object no longer hold
+        (:func:`strip_stream_id`: the app asked over HTTP).
+
+        Raises:
+            BadEvent: the message is not a JSON object.
+        """
+        try:
+            event = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadEvent(f"The upstream sent a frame that is not JSON: {exc}") from None
+        if not isinstance(event, dict):
+            raise BadEvent("The upstream sent a frame that is not a JSON object.")
+        sid = event.pop("stream_id", None)
+        if sid is not None and not isinstance(sid, str):
+            sid = None  # not a lane name: placed as an event without one (its bytes unchanged)
+        route = self.route(sid, event)
+        if sid is not None and route.__class__ is Routed:
+            member = self._members.get(sid)
+            if member is None:
+                member = self._members[sid] = b'"stream_id":' + orjson.dumps(sid)
+            raw = strip_stream_id(raw, sid, event, member)
+        return route, raw, event
+
+
+def strip_stream_id(raw: bytes, sid: str, event: dict[str, Any], member: bytes = b"") -> bytes:
+    """``raw`` without its top-level ``"stream_id"`` member (the app asked over HTTP).
+
+    The member (``member``: its compact form, when the caller has it) is cut out of the bytes
+    when it occurs exactly once (the usual case: no re-serialisation); otherwise the parsed
+    event, already without it, is written anew.
+    """
+    member = member or b'"stream_id":' + orjson.dumps(sid)
+    # Where upstreams put it, first or last: then it is the top-level member by position alone
+    # (the pattern cannot occur inside a JSON string, whose quotes are escaped, and a nested
+    # object's last member is followed by two braces), found without scanning the event.
+    tail = b"," + member + b"}"
+    if raw.endswith(tail):
+        return raw[: len(raw) - len(tail)] + b"}"
+    head = b"{" + member + b","
+    if raw.startswith(head):
+        return b"{" + raw[len(head) :]
+    at = raw.find(member)
+    if at >= 0 and raw.find(member, at + 1) < 0:
+        end = at + len(member)
+        if raw[end : end + 1] == b",":
+            return raw[:at] + raw[end + 1 :]
+        if raw[at - 1 : at] == b",":
+            return raw[: at - 1] + raw[end:]
+    return orjson.dumps(event)

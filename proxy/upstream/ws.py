@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import (
     InvalidHandshake,
@@ -35,7 +34,7 @@ from websockets.protocol import State
 
 from proxy.config import Settings
 from proxy.contracts import ws_parser_error, ws_take_over
-from proxy.core.demux import Demux, LaneSignal, Routed, Unroutable
+from proxy.core.demux import BadEvent, Demux, LaneSignal, Routed, Unroutable
 from proxy.errors import (
     UpstreamClosed,
     UpstreamError,
@@ -56,7 +55,6 @@ __all__ = [
     "closed_error",
     "live_sockets",
     "open_websocket",
-    "strip_stream_id",
 ]
 
 MAX_RECEIVED_FRAME = 64 * 1024 * 1024
@@ -155,12 +153,10 @@ class Inbox:
     *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
     """
 
-    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "member", "on_drained", "seen")
+    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "seen")
 
     def __init__(self, lane: str | None) -> None:
         self.lane = lane
-        self.member = b'"stream_id":' + orjson.dumps(lane) if lane is not None else b""
-        """The lane's ``stream_id`` member as the upstream writes it (cut out of its events)."""
         self.frames: deque[tuple[bytes, dict[str, Any]]] = deque()
         self.error: UpstreamError | None = None
         self.draining = False
@@ -461,30 +457,20 @@ class UpstreamSocket(asyncio.Protocol):
         self._fail(closed_error(rcvd, self.protocol.close_sent))
 
     def _message(self, raw: bytes) -> bool:
-        """One message: parsed, placed by the demux, handed to its lane's inbox; False once
+        """One message: parsed and placed by the demux, handed to its lane's inbox; False once
         the socket failed (stop processing)."""
         try:
-            event = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            self._protocol_error(f"The upstream sent a frame that is not JSON: {exc}")
+            route, raw, event = self.demux.receive(raw)
+        except BadEvent as exc:
+            self._protocol_error(str(exc))
             return False
-        if not isinstance(event, dict):
-            self._protocol_error("The upstream sent a frame that is not a JSON object.")
-            return False
-        sid = event.pop("stream_id", None)
-        if sid is not None and not isinstance(sid, str):
-            sid = None  # not a lane name: placed as an event without one (its bytes unchanged)
-        route = self.demux.route(sid, event)
         if route.__class__ is Routed:
             assert isinstance(route, Routed)
             if route.signal is not None and self._on_signal is not None:
                 self._on_signal(route.signal)
             inbox = self.inboxes.get(route.lane)
-            if inbox is None:
-                return True  # its reader never opened an inbox (nothing waits for it)
-            if sid is not None:
-                raw = strip_stream_id(raw, sid, event, inbox.member)
-            inbox.put(raw, event)
+            if inbox is not None:  # else its reader never opened an inbox (nothing waits for it)
+                inbox.put(raw, event)
         elif isinstance(route, Unroutable):
             self._fail(
                 UpstreamClosed(
@@ -584,30 +570,3 @@ _LIVE: weakref.WeakSet[UpstreamSocket] = weakref.WeakSet()
 def live_sockets() -> int:
     """Upstream sockets of this process whose connection is not yet lost (tests' leak checks)."""
     return len(_LIVE)
-
-
-def strip_stream_id(raw: bytes, sid: str, event: dict[str, Any], member: bytes = b"") -> bytes:
-    """``raw`` without its top-level ``"stream_id"`` member (the app asked over HTTP).
-
-    The member (``member``: its compact form, when the caller has it) is cut out of the bytes
-    when it occurs exactly once (the usual case: no re-serialisation); otherwise the parsed
-    event, already without it, is written anew.
-    """
-    member = member or b'"stream_id":' + orjson.dumps(sid)
-    # Where upstreams put it, first or last: then it is the top-level member by position alone
-    # (the pattern cannot occur inside a JSON string, whose quotes are escaped, and a nested
-    # object's last member is followed by two braces), found without scanning the event.
-    tail = b"," + member + b"}"
-    if raw.endswith(tail):
-        return raw[: len(raw) - len(tail)] + b"}"
-    head = b"{" + member + b","
-    if raw.startswith(head):
-        return b"{" + raw[len(head) :]
-    at = raw.find(member)
-    if at >= 0 and raw.find(member, at + 1) < 0:
-        end = at + len(member)
-        if raw[end : end + 1] == b",":
-            return raw[:at] + raw[end + 1 :]
-        if raw[at - 1 : at] == b",":
-            return raw[: at - 1] + raw[end:]
-    return orjson.dumps(event)
