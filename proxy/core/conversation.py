@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from proxy.core.explain import EchoFields, echo_fields, item_digests
 from proxy.core.fair import FairShares
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
-from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped
+from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped, projection
 from proxy.core.reasons import Hit, MissReason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
 
@@ -513,7 +513,9 @@ class HeadTable:
             return None
         output = response.get("output")
         chained = req.previous_response_id is not None
-        fps = tuple(fingerprint(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
+        items = [i for i in output if isinstance(i, dict)] if isinstance(output, list) else []
+        seen = [projection(i) for i in items]  # once per item: for the fingerprint and the echo fields
+        fps = tuple(fingerprint(i, s) for i, s in zip(items, seen, strict=True))
         prefix = None
         if chained:
             head = Head(identity, anchor, response_id, req.settings_digest, 0, b"", fps, now, chained=True)
@@ -530,7 +532,7 @@ class HeadTable:
                 last_used=now,
             )
             head.items = digests
-            head.echo = tuple(echo_fields(i) for i in output if isinstance(i, dict)) if isinstance(output, list) else ()
+            head.echo = tuple(echo_fields(i, s) for i, s in zip(items, seen, strict=True))
             if self.listener is not None:
                 self.listener.recorded(head, req)
             raw = raw_prefix(req, prefix_state)

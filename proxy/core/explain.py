@@ -202,10 +202,11 @@ _LISTS = ("content", "summary")
 """Fields whose elements are named one by one (``content[0].text``, ``summary[1].text``)."""
 
 
-def _projection(item: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """:func:`~proxy.core.items.projection`, one entry per field path."""
+def _projection(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
+    """:func:`~proxy.core.items.projection` (``seen``, when the caller has it), one entry per
+    field path."""
     out: list[tuple[str, Any]] = []
-    for key, value in projection(item).items():
+    for key, value in (projection(item) if seen is None else seen).items():
         name = _safe(key) or "?"
         if key not in _LISTS or not isinstance(value, list) or not value:
             out.append((name, value))
@@ -232,10 +233,11 @@ def _shared(paths: tuple[str, ...]) -> tuple[str, ...]:
     return paths
 
 
-def echo_fields(item: Mapping[str, Any]) -> EchoFields:
-    """What a head keeps of one upstream output item to name the field an echo changed."""
+def echo_fields(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> EchoFields:
+    """What a head keeps of one upstream output item to name the field an echo changed
+    (``seen``: its :func:`~proxy.core.items.projection`, when the caller has it)."""
     kind = _kind(item)
-    out = [(path, _d(value)) for path, value in _projection(item)]
+    out = [(path, _d(value)) for path, value in _projection(item, seen)]
     if kind == "reasoning" and item.get("encrypted_content") is not None:
         out.append(("encrypted_content", _d(item["encrypted_content"])))
     return _shared(tuple(path for path, _ in out)), b"".join(d for _, d in out)

@@ -210,10 +210,12 @@ def projection(item: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fingerprint(item: Mapping[str, Any]) -> OutputFingerprint:
-    """Project an upstream output item (as in ``response.output``) for echo matching."""
+def fingerprint(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> OutputFingerprint:
+    """Project an upstream output item (as in ``response.output``) for echo matching
+    (``seen``: its :func:`projection`, when the caller has it)."""
     kind = _kind(item)
-    seen = projection(item)
+    if seen is None:
+        seen = projection(item)
     alt = phaseless = None
     if kind == "reasoning" and item.get("encrypted_content") is not None:
         alt = digest(_dumps(item["encrypted_content"]))
