@@ -346,7 +346,10 @@ async def _run(args: argparse.Namespace) -> JSON:
         relay.stop()
     result["load_after"] = os.getloadavg()
     emu.stop()
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep:
+        print(f"  perf data kept in {work} (perf report -i {work}/perf-PID.data)")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -357,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--freq", type=int, default=2999, help="perf samples per second (default: 2999)")
     p.add_argument("--tls", action="store_true", help="the emulator behind TLS on loopback (wss://)")
     p.add_argument("--json", help="also write the result as JSON here")
+    p.add_argument("--keep", action="store_true", help="keep the perf data (and the processes' logs)")
     p.add_argument("--functions", action="store_true", help="one row per upshift function, not per file (3.12+)")
     args = p.parse_args(argv)
     if shutil.which("perf") is None:
