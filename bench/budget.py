@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 import websockets
 
-from proxy.build import build_kind
+from proxy.build import COMPILED, build_kind
 
 from .clients import API_KEY, READ_TIMEOUT, echo_items, post_sse, sdk_headers, ws_turn
 from .floor import FloorProc
@@ -88,6 +88,8 @@ PYTHON_FRAMES = sys.version_info >= (3, 12)
 """``python -X perf`` (3.12+) makes Python functions visible to perf: the relays run with it, and
 samples are taken with call chains (DWARF unwinding: the interpreter has no frame pointers)."""
 MYPYC_RUNTIME = "upshift compiled: mypyc runtime (boxing, dict/list helpers)"
+_SHORT = {name.rsplit(".", 1)[1]: name.removeprefix("proxy.") for name in COMPILED}
+"""A compiled module's short name (mypyc's symbols use it where it is unique) → ``core.planner``."""
 _NATIVE = re.compile(r"^(?:CPyDef_|CPyPy_|CPyL?_?)(?P<path>[A-Za-z0-9_]+)")
 
 
@@ -100,7 +102,16 @@ def _module(symbol: str) -> str:
     parts = match.group("path").split("___")
     if parts[0] == "proxy" and len(parts) >= 3:
         return f"{parts[1]}.{parts[2]}"
-    return parts[0] if len(parts) > 1 else ""
+    if parts[0] in ("core", "wire") and len(parts) >= 3:
+        return f"{parts[0]}.{parts[1]}"  # a name two packages share (core.sse, wire.sse)
+    if len(parts) < 2:
+        return ""
+    return _SHORT.get(parts[0], parts[0])
+
+
+def _is_compiled(dso: str) -> bool:
+    """Whether ``dso`` is upshift's mypyc library (``proxy/_compiled__mypyc….so``)."""
+    return "_compiled" in dso
 
 
 def row(dso: str, symbol: str) -> str:
@@ -108,7 +119,7 @@ def row(dso: str, symbol: str) -> str:
     the module its symbol belongs to."""
     if dso.startswith("[kernel") or dso.startswith("[vdso"):
         return KERNEL
-    if "_compiled" in dso or (dso.startswith("proxy") and dso.endswith(".so")):
+    if _is_compiled(dso):
         module = _module(symbol)
         return f"upshift compiled: {module}" if module else MYPYC_RUNTIME
     for needle, name in _C_PARTS:
@@ -132,6 +143,10 @@ def python_row(file: str, func: str = "", *, functions: bool = False) -> str:
     parts = Path(file).parts
     if "site-packages" in parts:
         return f"{parts[parts.index('site-packages') + 1]} (Python)"
+    if file == "<string>":
+        # Generated code (dataclass methods), and, in practice, samples whose unwinding stopped
+        # at such a trampoline: cProfile counts a handful of these calls in 300 turns.
+        return "Python frames perf could not place (<string>)"
     if file.startswith("<frozen"):
         return "importlib (Python)"
     stdlib = [i for i, part in enumerate(parts) if re.fullmatch(r"python3\.\d+", part)]
@@ -159,22 +174,33 @@ def _samples(script: str) -> list[tuple[int, list[re.Match[str]]]]:
     return samples
 
 
+def _caller(frames: list[re.Match[str]], functions: bool) -> str | None:
+    """Whose work an interpreter (or mypyc runtime) sample is: the innermost compiled upshift
+    function or Python function on its call chain, whichever is nearer the leaf."""
+    for frame in frames:
+        dso, symbol = frame.group("dso"), frame.group("sym")
+        if _is_compiled(dso) and _module(symbol):
+            return f"upshift compiled: {_module(symbol)}"
+        py = _PY.match(symbol)
+        if py is not None:
+            return python_row(py.group("file"), py.group("func"), functions=functions)
+    return None
+
+
 def rows_of(script: str, *, functions: bool = False) -> Counter[str]:
     """Nanoseconds by row from ``perf script -F period,ip,sym,dso`` text: each sample's leaf
     frame decides its row (:func:`row`); with call chains, an interpreter sample goes to the
-    innermost Python frame's file (``python -X perf``, Python 3.12+: :func:`python_row`)."""
+    innermost compiled upshift function or Python function (``python -X perf``, Python 3.12+:
+    :func:`python_row`), whichever is nearer the leaf: the interpreter's own C code (allocation,
+    dict and attribute lookups) is then charged to the code that asked for it."""
     out: Counter[str] = Counter()
     for period, frames in _samples(script):
         if not frames:
             out["unknown"] += period
             continue
         name = row(frames[0].group("dso"), frames[0].group("sym"))
-        if name == INTERPRETER:
-            for frame in frames:
-                py = _PY.match(frame.group("sym"))
-                if py is not None:
-                    name = python_row(py.group("file"), py.group("func"), functions=functions)
-                    break
+        if name in (INTERPRETER, MYPYC_RUNTIME):
+            name = _caller(frames, functions) or name
         out[name] += period
     return out
 
@@ -191,7 +217,7 @@ class _Perf:
         assert exe is not None
         argv = [exe, "record", "-F", str(freq), "-e", "cpu-clock", "-p", str(pid), "-o", str(self.data), "-D", "-1",
                 f"--control=fifo:{self.ctl},{self.ack}", "-q",
-                *(["--call-graph", "dwarf,16384"] if stacks else [])]  # fmt: skip
+                *(["--call-graph", "dwarf,32768"] if stacks else [])]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         track(self.proc)
         # perf opens the FIFOs itself: open ours after it, without blocking the loop meanwhile.

@@ -100,7 +100,7 @@ def test_budget_rows_follow_the_leaf_frame_and_the_innermost_python_function() -
     assert flat == {
         budget.KERNEL: 1001001,
         budget.INTERPRETER: 2002002,
-        "upshift compiled: core.planner": 3003003,
+        "upshift compiled: core.planner": 3003003,  # a full name, or a short one: the same row
         budget.MYPYC_RUNTIME: 1001001,
         "orjson (JSON)": 1001001,
     }
