@@ -20,6 +20,8 @@ object and the symbol it hit (:func:`row`):
 * the C parts under it: aiohttp's HTTP parser and multidict/yarl, orjson, uvloop, websockets'
   masking, OpenSSL, libc (allocation, copies), and the kernel (system calls, loopback TCP).
 
+The rows are then summed into the steps of a turn (:data:`STEPS`: the app side, the upstream
+socket, matching, events to the app, bookkeeping, …), the floor's own relay code being one step.
 Reported per row: µs per turn (sampled time / continuation turns), beside the process CPU per
 turn measured without perf (``/proc`` schedstat around each turn, as the overhead phase reads it)
 as the check that the rows add up. Needs ``perf`` (Debian: ``linux-perf``) and permission to
@@ -56,7 +58,7 @@ from .overhead import _calls, _Chain, parse_size
 from .procs import EmulatorProc, Managed, SidecarProc, install_signal_handlers, stop_all, track
 from .tls import LoopbackCA
 
-__all__ = ["main", "row", "rows_of"]
+__all__ = ["STEPS", "main", "row", "rows_of", "steps_of"]
 
 JSON = Any
 
@@ -316,6 +318,58 @@ async def _profile(
     }
 
 
+STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("app side: HTTP in and out (aiohttp; upshift's listener, reception, identity, browser guard)",
+     ("aiohttp (Python)", "aiohttp C", "multidict", "yarl (Python)", "aiosignal", "proxy/ingress/",
+      "proxy/serve/identity.py")),
+    ("kernel: system calls, loopback TCP, scheduling", (KERNEL,)),
+    ("event loop (uvloop, asyncio)", ("uvloop", "asyncio (stdlib", "_asyncio", "_weakrefset")),
+    ("upstream socket: frames in and out, demux (upshift's ws shell, wsframe, demux; websockets)",
+     ("proxy/upstream/ws.py", "core.demux", "wire.wsframe", "websockets (Python)", "proxy/core/demux.py",
+      "proxy/wire/wsframe.py")),
+    ("events to the app: channel, SSE encoding, pump, writes", ("proxy/serve/streaming.py", "core.channel",
+     "core.sse", "wire.sse", "core.answer", "proxy/core/channel.py", "proxy/core/sse.py", "proxy/wire/sse.py",
+     "proxy/core/answer.py")),
+    ("the turn's bookkeeping: handler, pool, memory budget, record, access log, metrics",
+     ("proxy/serve/", "proxy/upstream/", "core.budget", "proxy/core/budget.py", "proxy/ops/", "prometheus_client",
+      "logging (stdlib", "proxy/server.py", "proxy/contracts.py", "secrets (stdlib", "random (stdlib",
+      "collections (stdlib")),
+    ("matching and heads: parse, plan, record (conversation, items, fastparse, request, planner, …)",
+     ("core.conversation", "core.items", "core.fastparse", "core.request", "core.planner", "core.explain",
+      "core.fair", "core.owners", "core.rawjson", "core.lanes", "core.reseed", "core.retry", "core.affinity",
+      "proxy/core/")),
+    ("JSON (orjson)", ("orjson",)),
+    ("libc: allocation, copies", ("libc",)),
+    ("OpenSSL (TLS; sha256 of the prefix digests)", ("OpenSSL",)),
+    ("the floor relay's own code (bench/floor.py: its match, frame and SSE)", ("bench/floor.py",)),
+    ("interpreter, not placed (3.11: all interpreted code; 3.12+: frames perf could not unwind)",
+     (INTERPRETER, "could not place", "mypyc runtime")),
+)  # fmt: skip
+"""The steps of a turn, each a list of row-name fragments (the first step that matches a row
+takes it; rows no step names go to "other")."""
+
+
+def steps_of(rows: dict[str, float]) -> dict[str, float]:
+    """µs per turn by :data:`STEPS` (plus ``other``) from µs per turn by row."""
+    out = {name: 0.0 for name, _ in STEPS}
+    out["other"] = 0.0
+    for key, value in rows.items():
+        step = next((name for name, needles in STEPS if any(n in key for n in needles)), "other")
+        out[step] += value
+    return out
+
+
+def _steps_table(result: JSON) -> str:
+    names = list(result["relays"])
+    steps = {n: steps_of(result["relays"][n]["rows_us_per_turn"]) for n in names}
+    lines = ["| step of a turn (µs per turn) | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for step in steps[names[0]]:
+        cells = [steps[n][step] for n in names]
+        if any(c >= 1.0 for c in cells):
+            lines.append(f"| {step} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def _table(result: JSON) -> str:
     """The Markdown table: one row per budget row, µs per turn for each relay."""
     names = list(result["relays"])
@@ -399,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     tls = ", TLS" if args.tls else ""
     load = f"load {result['load_before'][0]:.2f} → {result['load_after'][0]:.2f}"
     print(f"\n{result['build']} build, Python {result['python']}, {args.size} history{tls}, {load}\n")
+    print(_steps_table(result) + "\n")
     print(_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -113,6 +113,12 @@ def test_budget_rows_follow_the_leaf_frame_and_the_innermost_python_function() -
     }
     by_function = budget.rows_of(_SCRIPT_STACKS.format(repo=ROOT), functions=True)
     assert by_function["upshift interpreted: proxy/core/channel.py Channel.feed"] == 1001001
+    # Rows sum into the steps of a turn; nothing is lost on the way.
+    steps = budget.steps_of({k: v / 1000 for k, v in (flat + stacks).items()})
+    assert abs(sum(steps.values()) - sum((flat + stacks).values()) / 1000) < 1e-6
+    matching = next(name for name, _ in budget.STEPS if name.startswith("matching"))
+    assert steps[matching] == 3003.003  # core.planner; the interpreted channel.py is an event step
+    assert steps["other"] == 0
 
 
 def _perf_allowed() -> str | None:
