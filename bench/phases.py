@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from proxy.build import build_kind
+
 from . import hotspots
 from .overhead import run_overhead
 from .procs import EmulatorProc, SidecarProc
@@ -64,6 +66,7 @@ def meta(argv: list[str], latency: dict[str, float], spec: RolloutSpec, json_pat
         "cpus": os.cpu_count(),
         "cpu_model": _cpu_model(),
         "python": platform.python_version(),
+        "build": str(build_kind()),
         "commit": _commit(),
         "versions": versions,
         "latency": lat,

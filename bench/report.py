@@ -75,7 +75,8 @@ def markdown(report: JSON) -> str:
     meta = report["meta"]
     lines = [
         f"Run of {meta['date']} (`{meta['command']}`), {meta['cpus']} CPUs ({meta['cpu_model']}), Python "
-        f"{meta['python']}, commit `{meta['commit']}`. Latency model: `{meta['latency']}`. Workload: "
+        f"{meta['python']} ({meta.get('build', 'pure')} build), commit `{meta['commit']}`. "
+        f"Latency model: `{meta['latency']}`. Workload: "
         f"{meta['workload']}. Raw JSON: `{meta['json']}`.",
         "",
         "### Targets",
