@@ -449,13 +449,16 @@ class Planner:
             return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED, close=tuple(close))
         if not live and not may_open:
             return Plan(PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE, close=tuple(close))
-        return Plan(PlanKind.WAIT, reason, close=tuple(close), growing=self._slow_start or self._growing(identity))
+        return Plan(PlanKind.WAIT, reason, close=tuple(close), growing=self._growing(identity))
 
     def _growing(self, identity: str) -> bool:
-        """Whether ``identity``'s sockets are still growing: one is in its handshake, or probing
-        its lanes (its first named lane's first event proves or refuses them). Lanes are a
-        moment away, not taken: a burst of new conversations waits for them, it evicts no head
-        (a ``store: false`` one would be forgotten) and is not yet ``pool_full``."""
+        """Whether ``identity``'s sockets are still growing: the slow start held its last open
+        back, or one is in its handshake, or probing its lanes (its first named lane's first
+        event proves or refuses them). Lanes are a moment away, not taken: a burst of new
+        conversations waits for them, it evicts no head (a ``store: false`` one would be
+        forgotten) and is not yet ``pool_full``."""
+        if self._slow_start:
+            return True
         for sock in self._by_identity.get(identity, {}).values():
             if sock.state is SocketState.CONNECTING or sock.demux.probing:
                 return True
@@ -524,7 +527,7 @@ class Planner:
         self._slow_start = False
         if may_open and self._can_open(identity, now, close):
             return self._open(identity, now), True, None
-        if self._slow_start or self._growing(identity):
+        if self._growing(identity):
             return None  # a socket will open or prove its lanes in a moment: wait, evict no head
         victim: Lane | None = None
         for sock in socks:
