@@ -14,6 +14,9 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  ├─ ForeignResponse                     400 previous_response_not_found
     │  ├─ ForeignResponseRoute                404 (code null: the upstream's unknown id)
     │  └─ UnsupportedRequest                  400 unsupported
+    ├─ MemoryRefused                          retry-after: the memory budget (proxy.serve.memory)
+    │  ├─ MemoryBusy                          429 memory_busy
+    │  └─ MemoryTooLarge                      503 memory_too_large
     ├─ UpstreamError                          5xx
     │  ├─ UpstreamUnavailable(ConnectionError)502 upstream_unavailable
     │  │  └─ UpstreamRefused                  502 upstream_refused (upgrade answered non-101)
@@ -25,6 +28,9 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
 Not errors: an upstream ``error`` event or ``response.failed`` is relayed to the app with its
 own status and body; a divergence in matching is a diff result (full resend); a full pool is a
 plan (wait, then HTTP). Codes are :class:`proxy.core.reasons.ErrorCode` values.
+
+Outside the tree: :class:`ClientGone` (``ConnectionResetError``), the app leaving mid-body, not an
+error of ours.
 
 Outside the taxonomy: :class:`InvalidTransition` (``AssertionError``), a bug in the planner, never
 sent to anyone. It lives here, not in ``proxy.core.lanes``, because the compiled build (mypyc)
@@ -39,6 +45,7 @@ from proxy.core.reasons import ErrorCode
 from proxy.redact import redact_urls
 
 __all__ = [
+    "ClientGone",
     "BodyTimeout",
     "BodyTooLarge",
     "ForeignHost",
@@ -49,6 +56,9 @@ __all__ = [
     "ForeignResponseRoute",
     "InvalidRequest",
     "InvalidTransition",
+    "MemoryTooLarge",
+    "MemoryRefused",
+    "MemoryBusy",
     "ProxyError",
     "RequestError",
     "UnsupportedRequest",
@@ -72,6 +82,12 @@ def invalid_url_body(method: str, path: str) -> dict[str, Any]:
             "code": None,
         }
     }
+
+
+class ClientGone(ConnectionResetError):
+    """The app closed its connection before its body was complete (not an error of ours: one
+    INFO line and ``upshift_request_bodies_aborted_total{reason="client_gone"}``). Here, not in
+    :mod:`proxy.serve.streaming`: a compiled module cannot define a subclass of a builtin error."""
 
 
 class InvalidTransition(AssertionError):
@@ -195,6 +211,34 @@ class ForeignResponseRoute(RequestError):
         body = super().body()
         body["error"]["code"] = None
         return body
+
+
+class MemoryRefused(ProxyError):
+    """A request the memory budget cannot take (nothing was read or forwarded; issue 12,
+    :mod:`proxy.serve.memory`)."""
+
+    retryable = True
+    retry_after = 1
+
+    def headers(self, request_id: str) -> dict[str, str]:
+        """The answer's headers: ``retry-after`` (every OpenAI SDK honours it)."""
+        return {"x-request-id": request_id, "retry-after": str(self.retry_after), "x-should-retry": "true"}
+
+
+class MemoryBusy(MemoryRefused):
+    """The request waited ``limits.memory_wait_seconds`` for memory."""
+
+    status = 429
+    code = ErrorCode.MEMORY_BUSY
+    type = "rate_limit_error"
+
+
+class MemoryTooLarge(MemoryRefused):
+    """The request would not fit even into an empty budget."""
+
+    status = 503
+    code = ErrorCode.MEMORY_TOO_LARGE
+    retry_after = 5
 
 
 class UpstreamError(ProxyError):

@@ -57,8 +57,8 @@ from proxy.core.budget import (
     derive,
 )
 from proxy.core.conversation import PrefixCache
-from proxy.core.reasons import ErrorCode, MemoryRefusal
-from proxy.errors import BodyTimeout, ProxyError
+from proxy.core.reasons import MemoryRefusal
+from proxy.errors import BodyTimeout, MemoryBusy, MemoryRefused, MemoryTooLarge
 from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
 
 __all__ = [
@@ -84,33 +84,6 @@ listener's aiohttp read buffer is 16 KiB, proxy/server.py; measured: a connectio
 a 4 MB body adds ~124 KiB of RSS, 756 KiB with aiohttp's default 64 KiB buffer)."""
 _TRIM_DELAY = 0.25
 """Seconds the gate must stay idle before memory is handed back to the OS."""
-
-
-class MemoryRefused(ProxyError):
-    """A request the memory budget cannot take (nothing was read or forwarded)."""
-
-    retryable = True
-    retry_after = 1
-
-    def headers(self, request_id: str) -> dict[str, str]:
-        """The answer's headers: ``retry-after`` (every OpenAI SDK honours it)."""
-        return {"x-request-id": request_id, "retry-after": str(self.retry_after), "x-should-retry": "true"}
-
-
-class MemoryBusy(MemoryRefused):
-    """The request waited ``limits.memory_wait_seconds`` for memory."""
-
-    status = 429
-    code = ErrorCode.MEMORY_BUSY
-    type = "rate_limit_error"
-
-
-class MemoryTooLarge(MemoryRefused):
-    """The request would not fit even into an empty budget."""
-
-    status = 503
-    code = ErrorCode.MEMORY_TOO_LARGE
-    retry_after = 5
 
 
 # -- the budget's size ---------------------------------------------------------------------------
@@ -561,9 +534,6 @@ class Lease:
         await self.gate._more(ticket, more)
         self.waited += loop.time() - started
         self.covered = target
-
-    grow = arrived
-    """The former name of :meth:`arrived` (chunked bodies)."""
 
     def read(self, size: int) -> None:
         """The whole body is read (``size`` bytes): it no longer grows, and a step paid ahead

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import orjson
@@ -30,7 +30,7 @@ from proxy.config import LimitsSettings
 from proxy.core.answer import Answer, AnswerKind
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.sse import CONTENT_TYPE, encode_events
-from proxy.errors import BodyTimeout, BodyTooLarge, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
+from proxy.errors import BodyTimeout, BodyTooLarge, ClientGone, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
 from proxy.ops.metrics import HELD_LIFECYCLE, child
 from proxy.serve.memory import BodyBuffer, Lease
 
@@ -42,6 +42,7 @@ log = logging.getLogger("upshift.streaming")
 
 __all__ = [
     "BodyClock",
+    "BodyWatch",
     "ClientGone",
     "Downstream",
     "LeasedLane",
@@ -51,7 +52,6 @@ __all__ = [
     "new_request_id",
     "pump",
     "read_body",
-    "timed_stream",
 ]
 
 _MAX_WRITE = 1024 * 1024
@@ -194,18 +194,16 @@ class LeasedLane(Protocol):
     async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]: ...
 
 
-async def pump(
-    lane: LeasedLane, frame: bytes | list[bytes], channel: Channel, down: Downstream, idle_timeout: float
-) -> None:
-    """Send ``frame`` and move its response's events to the app until the channel is done.
+async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Downstream, idle_timeout: float) -> None:
+    """Send the frame and move its response's events to the app until the channel is done.
 
     :attr:`Downstream.on_id` is told the response's id when its ``response.created`` arrives,
     before that event can reach the app (issue 22: the id's owner is known before the app could
     name it).
 
-    ``frame`` may come as a one-element list that pump empties: then the frame is freed as
-    soon as it is sent, not when the response ends, and the request's memory lease
-    (:attr:`Downstream.lease`) shrinks to the body (issue 12).
+    ``frames`` holds the one frame, and pump empties it: the caller keeps no reference, so the
+    frame is freed as soon as it is sent, not when the response ends, and the request's memory
+    lease (:attr:`Downstream.lease`) shrinks to the body (issue 12).
 
     Returns when the terminal event arrived; what the app gets for it (if it was held) is the
     caller's decision.
@@ -213,8 +211,7 @@ async def pump(
     Raises:
         UpstreamClosed | UpstreamTimeout | UpstreamProtocolError: from the socket or a bad frame.
     """
-    await lane.send(frame.pop() if isinstance(frame, list) else frame)
-    del frame
+    await lane.send(frames.pop())
     if down.lease is not None:
         down.lease.sent()
     stream, on_id = down.stream, down.on_id
@@ -279,11 +276,6 @@ def count_hold_back(channel: Channel) -> None:
 def new_request_id() -> str:
     """``req_`` + 32 hex digits, as OpenAI's ``x-request-id``."""
     return "req_" + os.urandom(16).hex()
-
-
-class ClientGone(ConnectionResetError):
-    """The app closed its connection before its body was complete (not an error of ours: one
-    INFO line and ``upshift_request_bodies_aborted_total{reason="client_gone"}``)."""
 
 
 DECODED = frozenset({"gzip", "deflate"})
@@ -378,7 +370,7 @@ class BodyClock:
         self.grace = limits.body_grace_seconds
 
 
-class _Watch:
+class BodyWatch:
     """Enforces a :class:`BodyClock` on one body with one timer (re-armed only when it fires,
     at most once per grace period): nothing is done per chunk but counting."""
 
@@ -447,21 +439,6 @@ class _Watch:
             self.handle = None
 
 
-async def timed_stream(content: Any, clock: BodyClock) -> AsyncIterator[bytes]:
-    """A body relayed as it arrives (the other ``/v1`` routes: uploads, batches) under the same
-    deadlines as a ``POST /v1/responses`` body (issue 21): :class:`BodyTimeout` once it stalls
-    or trickles, so it never holds an HTTP relay slot for longer than the body deadline."""
-    watch = _Watch(clock, content)
-    try:
-        async for chunk in content.iter_any():
-            watch.chunk(len(chunk))
-            yield chunk
-    finally:
-        watch.stop()
-    if watch.fired is not None:
-        raise watch.fired
-
-
 async def read_body(
     request: web.Request, limit: int, lease: Lease | None = None, clock: BodyClock | None = None
 ) -> bytes:
@@ -489,7 +466,7 @@ async def read_body(
     content = request.content
     if length is not None and length > limit:
         raise BodyTooLarge(message)  # declared (for an encoded body: already its wire size)
-    watch = _Watch(clock, content) if clock is not None else None
+    watch = BodyWatch(clock, content) if clock is not None else None
     try:
         if encoding is not None:
             return await _read_unknown(content, limit, message, lease, watch, _Decoder(encoding, limit, message))
@@ -507,7 +484,7 @@ async def read_body(
             watch.stop()
 
 
-async def _grow(lease: Lease, size: int, watch: _Watch | None) -> None:
+async def _grow(lease: Lease, size: int, watch: BodyWatch | None) -> None:
     if watch is not None:
         watch.pause()
     try:
@@ -517,7 +494,7 @@ async def _grow(lease: Lease, size: int, watch: _Watch | None) -> None:
             watch.resume()
 
 
-async def _read_known(content: Any, length: int, lease: Lease | None, watch: _Watch | None) -> bytes:
+async def _read_known(content: Any, length: int, lease: Lease | None, watch: BodyWatch | None) -> bytes:
     # One buffer of the declared size, filled chunk by chunk as they arrive (aiohttp's
     # readexactly keeps every chunk and joins them: twice the body at the end). readany()
     # hands over one received chunk as it is (read(n) joins what is buffered: a copy); the
@@ -544,7 +521,7 @@ async def _read_unknown(
     limit: int,
     message: str,
     lease: Lease | None,
-    watch: _Watch | None,
+    watch: BodyWatch | None,
     decoder: _Decoder | None = None,
 ) -> bytes:
     chunks: list[bytes] = []

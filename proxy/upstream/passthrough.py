@@ -37,7 +37,7 @@ from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeou
 from proxy.ops.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
-from proxy.serve.streaming import BodyClock, timed_stream
+from proxy.serve.streaming import BodyClock, BodyWatch
 from proxy.upstream.egress import egress_for
 from proxy.upstream.sniff import IdSniffer
 
@@ -207,6 +207,21 @@ class Options:
 
 
 _NO_OPTIONS = Options()
+
+
+async def timed_stream(content: Any, clock: BodyClock) -> AsyncIterator[bytes]:
+    """A body relayed as it arrives (the other ``/v1`` routes: uploads, batches) under the same
+    deadlines as a ``POST /v1/responses`` body (issue 21): :class:`BodyTimeout` once it stalls
+    or trickles, so it never holds an HTTP relay slot for longer than the body deadline."""
+    watch = BodyWatch(clock, content)
+    try:
+        async for chunk in content.iter_any():
+            watch.chunk(len(chunk))
+            yield chunk
+    finally:
+        watch.stop()
+    if watch.fired is not None:
+        raise watch.fired
 
 
 class Passthrough:

@@ -8,7 +8,7 @@ from typing import Any
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, echo_fields, first_field_diff
 from proxy.core.explainer import MissExplainer
-from proxy.core.reasons import Tolerance
+from proxy.core.reasons import Hit, Mode, Tolerance
 from tests.core.test_conversation import call, reasoning, req, response, result
 
 IDLE = lambda anchor: True  # noqa: E731
@@ -211,7 +211,7 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
         calls.append(threading.current_thread().name)
         return Explanation(MissReason.DIVERGED, miss_item=0, identity="id")
 
-    rec = Record("req_1", mode="full", reason=MissReason.NO_HEAD, status=200)
+    rec = Record("req_1", mode=Mode.FULL, reason=MissReason.NO_HEAD, status=200)
     rec.explain(explainer, MissReason.NO_HEAD)
     rec.finish()
     assert calls == [] and lines() == []  # not on the request's path
@@ -219,12 +219,12 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     assert calls == [threading.current_thread().name]  # a small request: the loop's next round
     (line,) = lines()
     assert (line["reason"], line["miss_item"]) == (MissReason.DIVERGED, 0)
-    replayed = Record("req_2", mode="continuation", reason="continuation", status=200)
+    replayed = Record("req_2", mode=Mode.CONTINUATION, reason=Hit.CONTINUATION, status=200)
     replayed.explain(explainer, MissReason.NO_HEAD)
     replayed.finish()  # the verdict did not stand: nothing computed, the line at once
     assert len(calls) == 1 and len(lines()) == 2
     # issue 22: a large request's miss is explained in a thread of its own, never on the loop.
-    large = Record("req_3", mode="full", reason=MissReason.NO_HEAD, status=200, bytes_in=4 * 1024 * 1024)
+    large = Record("req_3", mode=Mode.FULL, reason=MissReason.NO_HEAD, status=200, bytes_in=4 * 1024 * 1024)
     large.explain(explainer, MissReason.NO_HEAD)
     large.finish()
     for _ in range(200):
