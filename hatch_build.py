@@ -18,7 +18,7 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 SWITCH = "UPSHIFT_COMPILE"
-TYPED = ("orjson", "websockets")
+TYPED = ("aiohttp", "orjson", "websockets")
 """The project's dependencies that the compiled modules import."""
 
 
