@@ -4,6 +4,7 @@
     python -m bench.ab --base main~3 --sizes 1k,200k,1m --rounds 8 --reps 150 --json out.json
     python -m bench.ab --base fc58807 --tls           # the emulator behind TLS (wss://), both sides
     python -m bench.ab --base fc58807 --emulator-args "--delta-chars 2"   # many small deltas per turn
+    python -m proxy.build && python -m bench.ab --base fc58807 --compiled-base   # both compiled
 
 One emulator (zero latency) serves two sidecar processes: **A** runs the code of ``--base``
 (a detached ``git worktree`` in a temporary directory, removed afterwards), **B** this checkout's
@@ -48,6 +49,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls", action="store_true", help="the emulator behind TLS on loopback (a private CA)")
     p.add_argument("--emulator-args", default="",
                    help="more emulator flags, e.g. '--delta-chars 2' (more, smaller events per read)")  # fmt: skip
+    p.add_argument("--compiled-base", action="store_true",
+                   help="compile A's worktree (python -m proxy.build --root): compiled against compiled, "
+                        "when this tree is compiled in place too")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the figures here")
     return p.parse_args(argv)
 
@@ -110,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_dir), args.base],
                        check=True, capture_output=True)  # fmt: skip
         try:
+            if args.compiled_base:
+                subprocess.run([sys.executable, "-m", "proxy.build", "--root", str(base_dir)], cwd=base_dir, check=True)
             out = asyncio.run(_compare(base_dir, sizes, args.rounds, args.reps, args.tls, args.emulator_args))
         finally:
             stop_all()
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], check=False)
     out["base"], out["tls"], out["emulator_args"] = args.base, args.tls, args.emulator_args
+    out["compiled_base"] = args.compiled_base
     for size, row in out["sizes"].items():
         print(
             f"{size}: CPU/turn A {row['A']['cpu_ms_per_turn']:.2f} ms, B {row['B']['cpu_ms_per_turn']:.2f} ms "
