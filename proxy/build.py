@@ -2,8 +2,8 @@
 
 The pure build is the default and the reference: ``pip install .`` needs no compiler. The compiled
 build turns the modules a turn spends its time in (:data:`COMPILED`: the sans-I/O core, the frame
-and SSE codecs and the serving shells a turn runs through) into C extensions with mypyc; they behave the same and cost less CPU
-(docs/benchmarks.md). Two ways to get it:
+and SSE codecs and the serving shells a turn runs through) into C extensions with mypyc; they
+behave the same and cost less CPU (docs/benchmarks.md). Two ways to get it:
 
 - ``UPSHIFT_COMPILE=1 pip install .`` (or ``-e .``): the build hook (``hatch_build.py``) puts the
   extensions in the wheel (an editable install: next to the sources, as below).
