@@ -191,7 +191,9 @@ async def test_a_fourth_replica_moves_only_its_own_conversations(emulator: Emula
             assert full == ([SPLIT] if new_owner else []), conv.task
             moved += bool(full)
             assert_fidelity(emulator, conv)
-        assert moved <= CONVERSATIONS / 3
+        # Which conversations the fourth takes depends on the ports (random): about a quarter, so
+        # the bound is loose (a third failed one run in twenty); the exact set is checked above.
+        assert 0 < moved <= CONVERSATIONS / 2
     finally:
         for server in servers:
             await server.stop()

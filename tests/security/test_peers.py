@@ -74,6 +74,11 @@ def _replica(upstream: str, api: int, peer: int, peers: list[str], files: Files,
                 tls_ca_file=files.ca,
                 tls_server_name=PEER_NAME,
                 secret_file=secret,
+                # Four replicas and 24 agents share the test's one event loop: a proof of the
+                # secret over a fresh TLS connection can take longer than the 0.75 s default on
+                # a loaded CI machine, which would skip a live owner for 5 s (not this test's case;
+                # tests/ingress/test_replicas.py does the same).
+                connect_timeout_seconds=5.0,
             ),
         )
     )
