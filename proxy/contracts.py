@@ -151,7 +151,7 @@ class CheckedUnixConnector(UnixConnector):
 # events_received, close_expected, close_rcvd/close_sent, state, extensions).
 
 
-def ws_take_over(connection: object, protocol: asyncio.Protocol) -> tuple[asyncio.Transport, Protocol, bytes]:
+def ws_take_over(connection: object, protocol: asyncio.BaseProtocol) -> tuple[asyncio.Transport, Protocol, bytes]:
     """Take an open ``websockets.asyncio.client.ClientConnection``'s transport over: from now on
     ``protocol`` receives its bytes, and the connection object is only kept for its sans-I/O
     protocol.

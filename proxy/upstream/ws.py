@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -62,6 +63,20 @@ MAX_RECEIVED_FRAME = 64 * 1024 * 1024
 
 _CLOSE_TIMEOUT = 2.0
 """Seconds to wait for the closing handshake before dropping the TCP connection."""
+
+_READ_BYTES = 256 * 1024
+"""Size of the buffer one read of an upstream socket lands in (uvloop's own read size)."""
+
+_READ_BUFFERS = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """The read buffer of this thread's sockets: one for all of them (a read is copied out before
+    the next read of any socket lands, in the same event-loop callback), not 256 KiB a socket."""
+    view: memoryview | None = getattr(_READ_BUFFERS, "view", None)
+    if view is None:
+        view = _READ_BUFFERS.view = memoryview(bytearray(_READ_BYTES))
+    return view
 
 
 _UNSENDABLE = frozenset({CloseCode.NO_STATUS_RCVD, CloseCode.ABNORMAL_CLOSURE, CloseCode.TLS_HANDSHAKE})
@@ -233,7 +248,7 @@ def _wake_up(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-class UpstreamSocket(asyncio.Protocol):
+class UpstreamSocket(asyncio.BufferedProtocol):
     """Moves bytes between one upstream connection and its codecs: received bytes go through
     the frame reader (:mod:`proxy.wire.wsframe`) and the lane demultiplexer
     (:class:`proxy.core.demux.Demux`) into the inboxes of the lanes in flight; sends go through
@@ -241,7 +256,10 @@ class UpstreamSocket(asyncio.Protocol):
 
     After the handshake (websockets' client) the socket takes the transport over as its
     protocol (:func:`proxy.contracts.ws_take_over`): bytes in, messages out, routed in the same
-    callback (no reader task, no message queue between them). Without an extension the frames
+    callback (no reader task, no message queue between them). It is a buffered protocol: the
+    transport reads into a buffer the socket lends (:meth:`get_buffer`); over TLS that lets the
+    loop decrypt every record a read brought into it at once, where a plain protocol costs one
+    256 KiB allocation per TLS record (uvloop's ``SSLProtocol._do_read__copied``). Without an extension the frames
     are read by :class:`~proxy.wire.wsframe.FrameReader`; with one (compression) by websockets'
     own protocol (:class:`~proxy.wire.wsframe.LibraryReader`).
 
@@ -298,6 +316,7 @@ class UpstreamSocket(asyncio.Protocol):
         self._keepalive: asyncio.TimerHandle | None = None
         self._closer: asyncio.TimerHandle | None = None
         self._close_rcvd: Close | None = None
+        self._buffer = _read_buffer()
         self.transport, self.protocol, held = ws_take_over(ws, self)
         self._library = bool(self.protocol.extensions) or bool(held)
         """Frames read by websockets' protocol (an extension was negotiated, or the library
@@ -419,7 +438,14 @@ class UpstreamSocket(asyncio.Protocol):
 
     # -- receiving -----------------------------------------------------------------------------
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self._buffer[:nbytes]))  # copied out: the buffer is shared
+
     def data_received(self, data: bytes) -> None:
+        """The bytes of one read."""
         if self.error is not None:
             return  # after a failure nothing more is processed
         results = self._reader.feed(data)
