@@ -14,7 +14,6 @@ __all__ = ["CONTENT_TYPE", "encode_event", "encode_events", "nested_error"]
 CONTENT_TYPE = "text/event-stream; charset=utf-8"
 """``Content-Type`` of a streamed ``/v1/responses`` answer."""
 
-_NEWLINES = (b"\n", b"\r")
 _HEADS: dict[str, bytes] = {}
 """``event: <type>\ndata: `` per event type seen (a few dozen); bounded by :data:`_MAX_HEADS`."""
 _MAX_HEADS = 256
@@ -59,7 +58,9 @@ def encode_events(events: Iterable[tuple[str, bytes]]) -> bytes:
     parts: list[bytes] = []
     add = parts.append
     for event_type, data in events:
-        if _NEWLINES[0] in data or _NEWLINES[1] in data:
+        # ``find``, not ``in``: ``bytes in bytes`` first tries the operand as an int and builds
+        # (then clears) a TypeError each time; ``find`` takes the buffer at once.
+        if data.find(b"\n") >= 0 or data.find(b"\r") >= 0:
             data = b"\ndata: ".join(data.splitlines())
         add(_head(event_type))
         add(data)

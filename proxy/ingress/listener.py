@@ -167,10 +167,11 @@ class GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        # The first byte of a later request on a kept-alive connection starts its deadline.
+        starts = False
         if data:
             self._guard.touch(self)
-            if self._header_timer is None and self._between_requests():
-                self._arm()  # the first byte of a later request on a kept-alive connection
+            starts = self._header_timer is None and self._between_requests()
             # Bytes after the last request's body are a new request's (on Python 3.11 the handler
             # task starts a loop turn after its message is dequeued: no handler state says it).
             last = self._last_payload
@@ -185,6 +186,10 @@ class GuardedHandler(RequestHandler):
         # this request and close the connection just as the client reuses it.
         if queued or contracts.handler_request_count(self) != before or contracts.handler_upgraded(self):
             self._disarm()
+        elif starts:
+            # Armed only now, at the same loop time: a request whose head came whole in its first
+            # read (the usual case) costs no timer (issue 24: one created and cancelled per request).
+            self._arm()
 
     def _account(self, data: bytes, idle: bool) -> None:
         """Count ``data`` and find the end of the head of the request it starts or continues."""
