@@ -40,30 +40,35 @@ def _output(n: int) -> dict[str, Any]:
     return {"type": "function_call_output", "call_id": f"call_{n}", "output": "ok " * 20}
 
 
-def run(size: int, turns: int) -> float:
-    """Median µs per continuation turn of one conversation starting at ``size`` bytes of history."""
-    heads = HeadTable(max_heads=1000, ttl_seconds=3600)
+def run(size: int, turns: int, conversations: int = 1) -> float:
+    """Median µs per continuation turn of ``conversations`` conversations of one identity (one
+    key), taking turns, each starting at ``size`` bytes of history (its own first message)."""
+    heads = HeadTable(max_heads=10_000, ttl_seconds=3600)
     planner = Planner(LaneLimits(), heads)
-    items: list[dict[str, Any]] = [{"role": "user", "content": "x" * size}]
+    chats: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": f"{c} " + "x" * size}] for c in range(conversations)
+    ]
     times: list[float] = []
     for n in range(turns + 1):
-        body = orjson.dumps({"model": "m", "stream": True, "input": items})
-        began = time.perf_counter()
-        req = heads.parse("id", body)
-        plan = planner.plan("id", req, float(n))
-        assert plan.lane is not None
-        if plan.open_socket:
-            planner.opened(plan.lane[0], float(n))
-            sock = planner.socket(plan.lane[0])
-            assert sock is not None
-            sock.demux.support = LaneSupport.PROVEN
-        response = {"id": f"resp_{n}", "output": [_call(n)]}
-        planner.finished(plan.lane, float(n), req=req, response=response)
-        elapsed = time.perf_counter() - began
-        if n:  # the first turn is a full send: not what a conversation spends its turns on
-            assert plan.kind is PlanKind.CONTINUE, plan
-            times.append(elapsed)
-        items = [*items, _call(n), _output(n)]
+        for c, items in enumerate(chats):
+            body = orjson.dumps({"model": "m", "stream": True, "input": items})
+            now = float(n * conversations + c)
+            began = time.perf_counter()
+            req = heads.parse("id", body)
+            plan = planner.plan("id", req, now)
+            assert plan.lane is not None, plan
+            if plan.open_socket:
+                planner.opened(plan.lane[0], now)
+                sock = planner.socket(plan.lane[0])
+                assert sock is not None
+                sock.demux.support = LaneSupport.PROVEN
+            response = {"id": f"resp_{c}_{n}", "output": [_call(n)]}
+            planner.finished(plan.lane, now, req=req, response=response)
+            elapsed = time.perf_counter() - began
+            if n:  # the first turn is a full send: not what a conversation spends its turns on
+                assert plan.kind is PlanKind.CONTINUE, plan
+                times.append(elapsed)
+            chats[c] = [*items, _call(n), _output(n)]
     return statistics.median(times) * 1e6
 
 
@@ -113,10 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="1k,200k", help=f"history sizes of {', '.join(SIZES)} (default: 1k,200k)")
     p.add_argument("--turns", type=int, default=40, help="continuation turns per round (default: 40)")
     p.add_argument("--rounds", type=int, default=15, help="rounds; the median is reported (default: 15)")
+    p.add_argument(
+        "--conversations", default="1",
+        help="conversations of one key taking turns, e.g. 1,100,1000 (default: 1; each count its own row)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     for name in args.sizes.split(","):
-        per_round = [run(SIZES[name], args.turns) for _ in range(args.rounds)]
-        print(f"{build_kind()} build, {name} history: parse + plan + finish {statistics.median(per_round):.1f} µs/turn")
+        for count in (int(c) for c in args.conversations.split(",")):
+            per_round = [run(SIZES[name], args.turns, count) for _ in range(args.rounds)]
+            of = f", {count} conversations of one key" if count > 1 else ""
+            took = statistics.median(per_round)
+            print(f"{build_kind()} build, {name} history{of}: parse + plan + finish {took:.1f} µs/turn")
     events = statistics.median(run_events(args.turns) for _ in range(args.rounds))
     print(f"{build_kind()} build, 19 events: frames + channel + SSE {events:.1f} µs/turn")
 

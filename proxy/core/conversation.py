@@ -37,6 +37,7 @@ Two classes, one job each:
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from typing import Any, Protocol
 
 from proxy.core.explain import EchoFields, echo_fields, item_digests
 from proxy.core.fair import FairShares
-from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, raw_prefix
+from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, prefix_digest, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped, projection
 from proxy.core.reasons import Hit, MissReason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
@@ -140,6 +141,11 @@ class _Prefix:
     """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
 
 
+_BYTES_PER_COMPARE = 512
+"""SHA-256 of this many bytes costs about what comparing one more candidate prefix costs (the
+interpreter's share of a comparison, ~0.3 µs; hashing ~0.7 ns a byte)."""
+
+
 class PrefixCache:
     """The raw prefixes of recorded request bodies and the hot bodies among them.
 
@@ -156,8 +162,13 @@ class PrefixCache:
         self.keeper: Keeper | None = None
         """Asked before a body is kept, told when one is let go (the memory budget)."""
         self._prefixes: dict[Hashable, _Prefix] = {}
-        self._probes: dict[str, dict[int, dict[bytes, list[Hashable]]]] = {}
-        """identity → prefix length → the prefix's last bytes → anchors."""
+        self._probes: dict[str, dict[int, dict[bytes, dict[bytes, list[Hashable]]]]] = {}
+        """identity → prefix length → the prefix's last bytes → its digest → anchors. Prefixes of
+        one length and one ending (templated conversations, the same tool output) are told apart
+        by one digest of the new body's bytes, not one comparison each."""
+        self._lengths: dict[str, list[int]] = {}
+        """identity → the prefix lengths of :attr:`_probes`, ascending (kept sorted as they come and
+        go: a parse starts below its body's size, longest first, and sorts nothing)."""
         self._hot: OrderedDict[Hashable, float] = OrderedDict()
         self._hot_size = 0
         self._fair_hot = FairShares()
@@ -182,19 +193,48 @@ class PrefixCache:
         """
         by_length = self._probes.get(identity)
         if by_length:
-            size = len(body)
-            # Longest prefix first: it is the most recent turn of the conversation.
-            for length in sorted(by_length, reverse=True):
-                if length >= size:
+            lengths = self._lengths[identity]
+            # Longest prefix first (it is the most recent turn of the conversation), and only
+            # those shorter than the body.
+            for k in range(bisect_left(lengths, len(body)) - 1, -1, -1):
+                length = lengths[k]
+                by_digest = by_length[length].get(body[length - PROBE : length])
+                if by_digest is None:
                     continue
-                for anchor in by_length[length].get(body[length - PROBE : length], ()):
+                for anchor in self._holding(by_digest, body, length):
                     prefix = self._prefixes[anchor]
-                    if not prefix.raw.starts(body):
-                        continue
                     fast = fast_parse(prefix.raw, anchor, prefix.n_input, prefix.input_state, body)
                     if fast is not None:
                         return fast
         return parse_request(body)
+
+    def _holding(self, by_digest: dict[bytes, list[Hashable]], body: bytes, length: int) -> list[Hashable]:
+        """The anchors of one length and ending whose prefix ``body`` starts with (every anchor
+        under one digest holds the same bytes; one digest at most can match).
+
+        One prefix (the usual case): compared byte for byte while its body is hot, else by its
+        digest. Several: one digest of ``body``'s bytes finds them when that costs less than
+        comparing each (hashing :data:`_BYTES_PER_COMPARE` bytes costs about one comparison);
+        otherwise each hot one is compared (templated conversations differ early: the
+        comparison stops there) and the cold ones share one digest of ``body``.
+        """
+        if len(by_digest) == 1:
+            anchors = next(iter(by_digest.values()))
+            return anchors if self._prefixes[anchors[0]].raw.starts(body) else []
+        if length < len(by_digest) * _BYTES_PER_COMPARE:
+            return by_digest.get(prefix_digest(body, length), [])
+        digest = None
+        for key, anchors in by_digest.items():
+            hot = self._prefixes[anchors[0]].raw.body
+            if hot is not None:
+                if body.startswith(memoryview(hot)[:length]):
+                    return anchors
+                continue
+            if digest is None:
+                digest = prefix_digest(body, length)
+            if key == digest:
+                return anchors
+        return []
 
     def raw(self, anchor: Hashable) -> RawPrefix | None:
         """The raw prefix kept for ``anchor``."""
@@ -210,8 +250,12 @@ class PrefixCache:
         """Keep ``prefix`` under ``anchor`` (which holds none); its body if memory allows."""
         self._prefixes[anchor] = prefix
         raw = prefix.raw
-        probes = self._probes.setdefault(prefix.identity, {}).setdefault(raw.length, {})
-        probes.setdefault(raw.probe, []).append(anchor)
+        by_length = self._probes.setdefault(prefix.identity, {})
+        probes = by_length.get(raw.length)
+        if probes is None:
+            probes = by_length[raw.length] = {}
+            insort(self._lengths.setdefault(prefix.identity, []), raw.length)
+        probes.setdefault(raw.probe, {}).setdefault(raw.digest, []).append(anchor)
         if raw.body is not None and self.keeper is not None and not self.keeper.keep(anchor, len(raw.body)):
             raw.body = None  # no memory to spare: the digest serves this prefix
         if raw.body is not None:
@@ -229,13 +273,19 @@ class PrefixCache:
             return None
         by_length = self._probes[prefix.identity]
         probes = by_length[prefix.raw.length]
-        probes[prefix.raw.probe].remove(anchor)
-        if not probes[prefix.raw.probe]:
+        by_digest = probes[prefix.raw.probe]
+        by_digest[prefix.raw.digest].remove(anchor)
+        if not by_digest[prefix.raw.digest]:
+            del by_digest[prefix.raw.digest]
+        if not by_digest:
             del probes[prefix.raw.probe]
             if not probes:
                 del by_length[prefix.raw.length]
+                lengths = self._lengths[prefix.identity]
+                del lengths[bisect_left(lengths, prefix.raw.length)]
                 if not by_length:
                     del self._probes[prefix.identity]
+                    del self._lengths[prefix.identity]
         return prefix
 
     def cool(self, anchor: Hashable) -> None:

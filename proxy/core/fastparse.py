@@ -64,7 +64,12 @@ class RawPrefix:
         """Whether ``body`` starts with this prefix."""
         if self.body is not None:
             return body.startswith(memoryview(self.body)[: self.length])
-        return hashlib.sha256(memoryview(body)[: self.length]).digest()[:16] == self.digest
+        return prefix_digest(body, self.length) == self.digest
+
+
+def prefix_digest(body: bytes, length: int) -> bytes:
+    """:attr:`RawPrefix.digest` of a prefix of ``length`` bytes of ``body``."""
+    return hashlib.sha256(memoryview(body)[:length]).digest()[:16]
 
 
 def prefix_length(req: ParsedRequest) -> int | None:

@@ -225,3 +225,32 @@ def test_conversations_with_the_same_settings_share_one_block() -> None:
     heads.record("id", "s9", other, {"id": "resp_9", "output": [call(9)]}, 0)
     nine = heads.prefixes.raw("s9")
     assert nine is not None and nine.settings is not blocks[0]
+
+
+@pytest.mark.parametrize("hot", [True, False])
+@pytest.mark.parametrize(("count", "pad"), [(40, 0), (4, 6000)])  # one digest finds them; each compared
+def test_templated_conversations_of_one_length_and_ending_each_continue_from_their_own_head(
+    hot: bool, count: int, pad: int
+) -> None:
+    """Conversations of one key whose prefixes have one length and end in the same bytes (one
+    template, the same tool output): each next body is fast-parsed from its own head, hot (the
+    body compared) or cooled (the digest), and a forgotten head is found by none."""
+    heads = HeadTable(max_heads=1000, ttl_seconds=1e9, hot_bytes=1 << 30 if hot else 0)
+    chats = [[{"role": "user", "content": f"ticket {c:04d}: do the steps" + "." * pad}] for c in range(count)]
+    for n in range(3):
+        for c, items in enumerate(chats):
+            raw = body(items)
+            req = heads.parse("id", raw)
+            if n:
+                assert req.base is not None and req.base.anchor == f"lane{c}", (n, c, req.base)
+                assert req.all_items() == parse_request(raw).all_items() == items
+            heads.record("id", f"lane{c}", req, {"id": f"resp_{c}_{n}", "output": [call(n)]}, n * 100 + c)
+            chats[c] = items + [call(n), output(n, "done")]
+    for c in range(0, count, 2):
+        heads.discard(f"lane{c}")
+    for c, items in enumerate(chats):
+        req = heads.parse("id", body(items))
+        assert (req.base is None) if c % 2 == 0 else (req.base is not None and req.base.anchor == f"lane{c}")
+    for c in range(1, count, 2):
+        heads.discard(f"lane{c}")
+    assert len(heads.prefixes) == 0 and heads.parse("id", body(chats[1])).base is None
