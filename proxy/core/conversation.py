@@ -225,9 +225,9 @@ class PrefixCache:
             return by_digest.get(prefix_digest(body, length), [])
         digest = None
         for key, anchors in by_digest.items():
-            hot = self._prefixes[anchors[0]].raw.body
-            if hot is not None:
-                if body.startswith(memoryview(hot)[:length]):
+            raw = self._prefixes[anchors[0]].raw
+            if raw.body is not None:
+                if raw.starts(body):
                     return anchors
                 continue
             if digest is None:

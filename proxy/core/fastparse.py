@@ -69,7 +69,8 @@ class RawPrefix:
 
 def prefix_digest(body: bytes, length: int) -> bytes:
     """:attr:`RawPrefix.digest` of a prefix of ``length`` bytes of ``body``."""
-    return hashlib.sha256(memoryview(body)[:length]).digest()[:16]
+    digest: bytes = hash_prefix(body, length).digest()
+    return digest[:16]
 
 
 def prefix_length(req: ParsedRequest) -> int | None:
