@@ -41,6 +41,32 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def common_free_port(hosts: Sequence[str], tries: int = 50) -> int:
+    """A port free right now on every one of ``hosts`` (replicas on one port, several addresses).
+
+    An ephemeral port free on 127.0.0.1 may be taken on another loopback address (or by a wildcard
+    socket), so each candidate is bound on all of them before it is handed out.
+    """
+    for _ in range(tries):
+        socks: list[socket.socket] = []
+        try:
+            first = socket.socket()
+            socks.append(first)
+            first.bind((hosts[0], 0))
+            port = int(first.getsockname()[1])
+            for host in hosts[1:]:
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return port
+    raise RuntimeError(f"no port free on all of {hosts}")
+
+
 def identity_digest(upstream: str) -> str:
     """The identity every test app has (its own key passed through)."""
     return identify(CIMultiDict(HEADERS), upstream=upstream, authorization=HEADERS["Authorization"]).digest
