@@ -11,11 +11,18 @@ import importlib.machinery
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from types import FrameType
+
+import aiohttp
+import orjson
 
 from proxy.build import COMPILED, build_kind
 from proxy.core.reasons import Build
+from proxy.emulator import Emulator
 from proxy.loop import loop_name
+from tests.sidecar import Sidecar
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,3 +62,37 @@ def test_the_compiled_modules_need_nothing_at_run_time() -> None:
 def test_version_names_the_build() -> None:
     out = subprocess.run([sys.executable, "-m", "proxy", "--version"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and f"({loop_name()} event loop, {build_kind()} build)" in out.stdout
+
+
+async def test_no_interpreted_dataclass_init_runs_on_a_turn(stack: tuple[Emulator, Sidecar]) -> None:
+    # mypyc compiles a dataclass's methods as the dataclasses module writes them: Python code
+    # built with exec (mypyc issue 671), so each instance of a compiled module's dataclass ran an
+    # interpreted __init__ (0.2-0.6 us each, ~5 % of a 1 KB turn's CPU). Those made on a
+    # continuation's path write their own __init__ (dataclass(init=False)); this catches one that
+    # does not, in either build: such an __init__ is Python code from "<string>".
+    _, sidecar = stack
+    ran: Counter[str] = Counter()
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        code = frame.f_code
+        if event == "call" and code.co_name == "__init__" and code.co_filename == "<string>":
+            cls = type(frame.f_locals.get("self"))
+            if cls.__module__ in COMPILED:
+                ran[f"{cls.__module__}.{cls.__qualname__}"] += 1
+
+    first = {"model": "gpt-5", "input": [{"role": "user", "content": "hi"}], "stream": True}
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-test"}) as http:
+        modes = []
+        for turn in range(3):
+            sys.setprofile(profile if turn else None)  # continuations: a first turn opens sockets
+            try:
+                async with http.post(sidecar.base_url + "/responses", json=first) as resp:
+                    data = await resp.read()
+            finally:
+                sys.setprofile(None)
+            assert resp.status == 200, data
+            modes.append(resp.headers["x-upshift-mode"])
+            completed = orjson.loads(data.rsplit(b"data: ", 1)[1])["response"]
+            first["input"] += [*completed["output"], {"role": "user", "content": f"and {turn}?"}]
+    assert modes == ["full", "continuation", "continuation"]  # the path measured is a turn's
+    assert not ran, f"dataclasses built on a turn with the interpreted __init__: {dict(ran)}"

@@ -104,7 +104,7 @@ class Verdict(enum.StrEnum):
     RELEASED = "released"
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, init=False)
 class Ticket:
     """One request's share of the budget."""
 
@@ -124,8 +124,26 @@ class Ticket:
     more: int = 0
     """A growth waiting in the queue (a granted ticket whose next step did not fit)."""
 
+    def __init__(
+        self,
+        want: int,
+        held: int = 0,
+        verdict: Verdict = Verdict.WAITING,
+        waited: bool = False,
+        key: Hashable = None,
+        need: int = 0,
+        more: int = 0,
+    ) -> None:
+        self.want = want
+        self.held = held
+        self.verdict = verdict
+        self.waited = waited
+        self.key = key
+        self.need = need
+        self.more = more
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Effects:
     """What the caller must do after a budget call."""
 
@@ -133,6 +151,10 @@ class Effects:
     """Tickets that were waiting and are granted now (wake them)."""
     evict: list[Hashable] = field(default_factory=list)
     """Kept bodies to let go of (already no longer counted)."""
+
+    def __init__(self, granted: list[Ticket] | None = None, evict: list[Hashable] | None = None) -> None:
+        self.granted = [] if granted is None else granted
+        self.evict = [] if evict is None else evict
 
 
 @dataclass(frozen=True, slots=True)

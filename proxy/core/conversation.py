@@ -73,7 +73,7 @@ class Keeper(Protocol):
         ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Head:
     """The end state of one completed response on one socket."""
 
@@ -95,8 +95,36 @@ class Head:
     echo: tuple[EchoFields, ...] = ()
     """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
 
+    def __init__(
+        self,
+        identity: str,
+        anchor: Hashable,
+        response_id: str,
+        settings: bytes,
+        n_input: int,
+        input_digest: bytes,
+        output: tuple[OutputFingerprint, ...],
+        last_used: float,
+        store: bool = False,
+        chained: bool = False,
+        items: bytes | None = None,
+        echo: tuple[EchoFields, ...] = (),
+    ) -> None:
+        self.identity = identity
+        self.anchor = anchor
+        self.response_id = response_id
+        self.settings = settings
+        self.n_input = n_input
+        self.input_digest = input_digest
+        self.output = output
+        self.last_used = last_used
+        self.store = store
+        self.chained = chained
+        self.items = items
+        self.echo = echo
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Match:
     """A continuation: send ``new_items`` with ``previous_response_id=response_id`` on ``anchor``."""
 
@@ -105,8 +133,14 @@ class Match:
     new_items: list[Any]
     items_avoided: int
 
+    def __init__(self, anchor: Hashable, response_id: str, new_items: list[Any], items_avoided: int) -> None:
+        object.__setattr__(self, "anchor", anchor)
+        object.__setattr__(self, "response_id", response_id)
+        object.__setattr__(self, "new_items", new_items)
+        object.__setattr__(self, "items_avoided", items_avoided)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Lookup:
     """The outcome of :meth:`HeadTable.lookup`."""
 
@@ -118,18 +152,29 @@ class Lookup:
     dropped_phase: int = 0
     """Assistant messages of the head's output that the echo sent without their ``phase``."""
 
+    def __init__(
+        self, match: Match | None, reason: Hit | MissReason, dropped_reasoning: int = 0, dropped_phase: int = 0
+    ) -> None:
+        object.__setattr__(self, "match", match)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
+        object.__setattr__(self, "dropped_phase", dropped_phase)
+
 
 _Key = tuple[str, bytes, int, bytes]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _Bucket:
     """Prefix lengths present among the heads of one (identity, settings)."""
 
     lengths: Counter[int] = field(default_factory=Counter)
 
+    def __init__(self, lengths: Counter[int] | None = None) -> None:
+        self.lengths = Counter() if lengths is None else lengths
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class _Prefix:
     """What the fast parse needs of one recorded body."""
 
@@ -139,6 +184,12 @@ class _Prefix:
     n_input: int
     input_state: Any
     """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
+
+    def __init__(self, identity: str, raw: RawPrefix, n_input: int, input_state: Any) -> None:
+        self.identity = identity
+        self.raw = raw
+        self.n_input = n_input
+        self.input_state = input_state
 
 
 _BYTES_PER_COMPARE = 512

@@ -95,7 +95,7 @@ class Services:
 SERVICES = web.AppKey("upshift_services", Services)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Arrival:
     """What the ingress layer hands the local handler: the request's body, read within the
     limit under its memory lease, who sent it, and its access record."""
@@ -107,6 +107,22 @@ class Arrival:
     started: float
     mem: Lease | None = None
 
+    def __init__(
+        self,
+        request: web.Request,
+        body: bytes,
+        identity: Identity,
+        rec: Record,
+        started: float,
+        mem: Lease | None = None,
+    ) -> None:
+        self.request = request
+        self.body = body
+        self.identity = identity
+        self.rec = rec
+        self.started = started
+        self.mem = mem
+
 
 def refuse(exc: ProxyError, headers: dict[str, str], rec: Record, started: float) -> web.Response:
     """A request refused by the sidecar itself (nothing forwarded)."""
@@ -116,7 +132,7 @@ def refuse(exc: ProxyError, headers: dict[str, str], rec: Record, started: float
     return web.Response(body=json_body(exc.body()), status=exc.status, content_type="application/json", headers=headers)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Exchange:
     """One ``POST /v1/responses`` served here, from its parse to its answer: what every stage
     reads, and the one access record they fill (one stage, one write)."""
@@ -131,6 +147,24 @@ class Exchange:
     """0 for the first try; a replay counts up."""
     prefix: asyncio.Future[Any] | None = None
     """The history prefix's hash, computed in a thread for a large body (the next fast parse)."""
+
+    def __init__(
+        self,
+        svc: Services,
+        req: ParsedRequest,
+        down: Downstream,
+        identity: Identity,
+        rec: Record,
+        attempt: int = 0,
+        prefix: asyncio.Future[Any] | None = None,
+    ) -> None:
+        self.svc = svc
+        self.req = req
+        self.down = down
+        self.identity = identity
+        self.rec = rec
+        self.attempt = attempt
+        self.prefix = prefix
 
 
 async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
