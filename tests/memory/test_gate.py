@@ -236,3 +236,18 @@ async def test_a_whole_frame_pays_for_its_masked_copy_until_it_is_sent() -> None
         await small.whole_frame(1200)
         assert small.held == before
     assert gate.budget.in_flight == 0
+
+
+async def test_memory_goes_back_to_the_os_only_after_the_gate_stayed_idle() -> None:
+    # malloc_trim walks the whole heap: under steady load (short idle gaps between requests) the
+    # memory is about to be used again, so it is handed back only once the load stops.
+    gate = _gate(10 * MIB)
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 0.8  # more than three trim delays of requests 50 ms apart
+    while loop.time() < until:
+        async with gate.lease(64 * 1024) as lease:
+            await lease.arrived(64 * 1024)
+        await asyncio.sleep(0.05)
+    assert gate.trims == 0
+    await asyncio.sleep(0.4)  # the load stopped: one trim, a trim delay later
+    assert gate.trims == 1 and gate.budget.idle
