@@ -38,7 +38,7 @@ Two classes, one job each:
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -168,10 +168,11 @@ _Key = tuple[str, bytes, int, bytes]
 class _Bucket:
     """Prefix lengths present among the heads of one (identity, settings)."""
 
-    lengths: Counter[int] = field(default_factory=Counter)
+    lengths: dict[int, int] = field(default_factory=dict)
+    """Prefix length → heads with it (a plain dict: ``Counter``'s methods are interpreted code)."""
 
-    def __init__(self, lengths: Counter[int] | None = None) -> None:
-        self.lengths = Counter() if lengths is None else lengths
+    def __init__(self, lengths: dict[int, int] | None = None) -> None:
+        self.lengths = {} if lengths is None else lengths
 
 
 @dataclass(slots=True, init=False)
@@ -650,8 +651,11 @@ class HeadTable:
         self._by_response[head.response_id] = anchor
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
-            bucket = self._buckets.setdefault((head.identity, head.settings), _Bucket())
-            bucket.lengths[head.n_input] += 1
+            bucket_key = (head.identity, head.settings)
+            bucket = self._buckets.get(bucket_key)
+            if bucket is None:  # (not setdefault: that builds a bucket on every insert)
+                bucket = self._buckets[bucket_key] = _Bucket()
+            bucket.lengths[head.n_input] = bucket.lengths.get(head.n_input, 0) + 1
             if prefix is not None:
                 self.prefixes.add(anchor, prefix, now)
         while len(self._heads) > self.max_heads:
@@ -676,8 +680,10 @@ class HeadTable:
                 del self._index[key]
         bucket_key = (head.identity, head.settings)
         bucket = self._buckets[bucket_key]
-        bucket.lengths[head.n_input] -= 1
-        if bucket.lengths[head.n_input] <= 0:
+        left = bucket.lengths[head.n_input] - 1
+        if left > 0:
+            bucket.lengths[head.n_input] = left
+        else:
             del bucket.lengths[head.n_input]
         if not bucket.lengths:
             del self._buckets[bucket_key]
