@@ -121,6 +121,8 @@ def parser() -> argparse.ArgumentParser:
                    help="added-latency phase: skip the bare relay (bench.floor) beside the sidecar")  # fmt: skip
     p.add_argument("--profiler", choices=["pyinstrument", "py-spy"], default="pyinstrument",
                    help="pyinstrument: a second sidecar run under it; py-spy: samples the timed one")  # fmt: skip
+    p.add_argument("--profile-native", action="store_true",
+                   help="with --profiler py-spy: C frames too (the compiled build), at the run's sizes")  # fmt: skip
     p.add_argument("--pin", action="store_true", help="pin the sidecar to CPU 0, emulator and bench to CPU 1")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
@@ -289,7 +291,10 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
                 log("profile: py-spy on the sidecar during continuation turns")
                 raw = logs / "sidecar.pyspy.txt"
                 reps = max(20, args.reps)
-                report["profile"] = await profile_pass(emu, side, raw, reps=reps, seed=args.seed, log=log)
+                report["profile"] = await profile_pass(
+                    emu, side, raw, reps=reps, seed=args.seed, log=log, native=args.profile_native,
+                    sizes=sizes if args.profile_native else None,
+                )  # fmt: skip
                 monitor.phase()
         if "capacity" in phases and side is not None:
             await wait_quiet(args.wait_quiet, log)

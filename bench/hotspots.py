@@ -24,14 +24,20 @@ def available() -> bool:
     return shutil.which("py-spy") is not None
 
 
-def start(pid: int, out: Path, rate: int = 1000) -> subprocess.Popen[bytes] | None:
-    """Start recording ``pid`` in py-spy's raw (collapsed stacks) format; None without py-spy."""
+def start(pid: int, out: Path, rate: int = 1000, *, native: bool = False) -> subprocess.Popen[bytes] | None:
+    """Start recording ``pid`` in py-spy's raw (collapsed stacks) format; None without py-spy.
+
+    ``native``: C frames too (the compiled build's functions, uvloop, orjson, libc), so the
+    interpreted code that compiled code calls shows (a dataclass's generated ``__init__`` is
+    ``__create_fn__`` from ``<string>``). py-spy stops the process for each such sample, so the
+    rate is lower and the sidecar slower meanwhile: read shares, not times.
+    """
     exe = shutil.which("py-spy")
     if exe is None:
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--output", str(out),
-            "--nonblocking"]  # fmt: skip
+    argv = [exe, "record", "--pid", str(pid), "--rate", str(min(rate, 250) if native else rate), "--format", "raw",
+            "--output", str(out), "--native" if native else "--nonblocking"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     track(proc)
     return proc

@@ -154,19 +154,30 @@ async def rollouts_phase(
     return comparisons
 
 
-async def profile_pass(emu: EmulatorProc, side: SidecarProc, out: Path, *, reps: int, seed: int, log: Log) -> JSON:
-    """Re-run continuation turns at 200 KB and 1 MB under py-spy (kept apart from the timed runs).
+async def profile_pass(
+    emu: EmulatorProc,
+    side: SidecarProc,
+    out: Path,
+    *,
+    reps: int,
+    seed: int,
+    log: Log,
+    native: bool = False,
+    sizes: list[str] | None = None,
+) -> JSON:
+    """Re-run continuation turns (200 KB and 1 MB unless ``sizes``) under py-spy (kept apart from
+    the timed runs); ``native``: with C frames (:func:`bench.hotspots.start`).
 
     Conversations of 31 turns, so the first (full) turn of each weighs 1/31 of the samples.
     """
     if not hotspots.available():
         log("  py-spy not installed: no profile (pip install py-spy)")
         return {"samples": 0, "self": [], "inclusive_proxy": [], "note": "py-spy not installed"}
-    proc = hotspots.start(side.pid, out)
+    proc = hotspots.start(side.pid, out, native=native)
     await asyncio.sleep(1.0)
     try:
         await run_overhead(
-            emu, side, ["200k", "1m"], reps=reps, seed=seed + 7, warmup=2, log=lambda _: None, per_chain=30
+            emu, side, sizes or ["200k", "1m"], reps=reps, seed=seed + 7, warmup=2, log=lambda _: None, per_chain=30
         )
     finally:
         err = hotspots.stop(proc)

@@ -60,7 +60,12 @@ Left interpreted on purpose (mypyc 1.x cannot keep their behaviour): ``proxy.ing
 ``proxy.upstream.ws`` (kept in ``WeakSet`` registries; native instances take no weak reference),
 ``proxy.ops.log`` (compiled, the interpreter crashed at shutdown when its handlers were torn down),
 and every module holding an async generator or a subclass of a builtin exception (mypyc refuses
-the first and drops class attributes of the second: those live in ``proxy.errors``)."""
+the first and drops class attributes of the second: those live in ``proxy.errors``).
+
+mypyc keeps what the ``dataclasses`` module generates (``__init__``, ``__eq__``, ``__repr__``) as
+interpreted code (mypyc issue 671): a compiled module's dataclass built on a turn's path declares
+``dataclass(init=False)`` and writes its own ``__init__`` (``object.__setattr__`` for a frozen one,
+which mypyc turns into a plain store). ``tests/test_build.py`` finds one that does not."""
 
 GROUP = "proxy._compiled"
 """mypyc's shared library (``proxy/_compiled__mypyc*.so``) holds the code of every compiled module;
