@@ -148,23 +148,9 @@ class Exchange:
     prefix: asyncio.Future[Any] | None = None
     """The history prefix's hash, computed in a thread for a large body (the next fast parse)."""
 
-    def __init__(
-        self,
-        svc: Services,
-        req: ParsedRequest,
-        down: Downstream,
-        identity: Identity,
-        rec: Record,
-        attempt: int = 0,
-        prefix: asyncio.Future[Any] | None = None,
-    ) -> None:
-        self.svc = svc
-        self.req = req
-        self.down = down
-        self.identity = identity
-        self.rec = rec
-        self.attempt = attempt
-        self.prefix = prefix
+    def __init__(self, svc: Services, req: ParsedRequest, down: Downstream, identity: Identity, rec: Record) -> None:
+        self.svc, self.req, self.down, self.identity, self.rec = svc, req, down, identity, rec
+        self.attempt, self.prefix = 0, None  # a first try; no prefix hash yet
 
 
 async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
