@@ -134,8 +134,11 @@ class Downstream:
         One buffer and one socket write per call: the headers go out with the first events.
         A batch that ends with the terminal event is kept for :meth:`end`, which sends it with
         the end of the body (the chunked encoding's last chunk) in the same write: so a turn
-        whose events arrive together costs one write, and the app sees its response end only
-        after the shell recorded the conversation's head (its next turn cannot race that).
+        whose events arrive together costs one write. The shell sends it once the lane was told
+        what it keeps, and the lane's release records the conversation's head in the same loop
+        callback: the app's next turn is read only after that, so it cannot race the head (only
+        a write that waited for a slow app to read leaves a window, and a turn in it is planned
+        on what is recorded: at worst sent in full).
         """
         if self.gone or not outs:
             return
