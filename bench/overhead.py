@@ -26,6 +26,7 @@ per-MB cost across sizes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ class SizeResult:
     emulator_cpu_ms_per_ws_turn: float = 0.0
     emulator_cpu_ms_per_sidecar_turn: float = 0.0
     emulator_cpu_ms_per_http_turn: float = 0.0
+    chain_starts: list[float] = field(default_factory=list)
+    """``time.monotonic()`` as each conversation began (whether relays took turns)."""
     floors: dict[str, SizeResult] = field(default_factory=dict)
     """The same size through :mod:`bench.floor` (the least a Python relay does: ``floor`` bare,
     ``floor_aiohttp`` with aiohttp serving the app side), if measured."""
@@ -118,6 +121,9 @@ class SizeResult:
             "emulator_cpu_ms_per_ws_turn": round(floor.emulator_cpu_ms_per_ws_turn, 3),
             "cpu_ratio_floor_over_emulator_ws": _ratio(floor.cpu_ms_per_request, floor.emulator_cpu_ms_per_ws_turn),
             "cpu_ratio_sidecar_over_floor": _ratio(self.cpu_ms_per_request, floor.cpu_ms_per_request),
+            # The floor's conversations ran between the sidecar's, not after them (same machine).
+            "interleaved": bool(floor.chain_starts and self.chain_starts)
+            and floor.chain_starts[0] < self.chain_starts[-1],
         }
 
 
@@ -174,91 +180,132 @@ class _Cpu:
         return self.spent.get((proc, what), 0.0) * 1000.0 / max(1, self.count.get(what, 0))
 
 
-async def _measure_size(
-    label: str,
-    size: int,
-    reps: int,
-    per_chain: int,
-    emu: EmulatorProc,
-    side: SidecarProc | FloorProc,
-    seed: int,
-    light: bool = False,
-) -> SizeResult:
-    result = SizeResult(label, size)
-    headers = sdk_headers()
-    side_url, emu_url = side.base_url + "/responses", emu.base_url + "/responses"
-    connector = aiohttp.TCPConnector(limit=4, ssl=emu.ssl_context or True)
-    rng = random.Random(size)
-    cpu = _Cpu(emu, side)
-    timeout = aiohttp.ClientTimeout(total=300, sock_read=READ_TIMEOUT)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        chain_no = 0
-        while len(result.added_total) < reps:
-            chain = _Chain(size, f"{label}-{seed}-{chain_no}-{time.monotonic_ns()}", per_chain + 1, seed, light)
-            chain_no += 1
-            tls: dict[str, Any] = {"ssl": emu.ssl_context} if emu.ssl_context is not None else {}
-            ws = await websockets.connect(
-                emu.ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"},
-                compression=None, max_size=None, ping_interval=None, **tls,
-            )  # fmt: skip
-            try:
-                for turn in range(per_chain + 1):
-                    body, frame = chain.body(), chain.frame()
-                    order = ["s", "h", "w"]
-                    rng.shuffle(order)
-                    got: dict[str, Any] = {}
-                    for what in order:
-                        before = cpu.read()
-                        if what == "s":
-                            got["s"] = await post_sse(session, side_url, body, headers)
-                        elif what == "h":
-                            got["h"] = await post_sse(session, emu_url, body, headers)
-                        else:
-                            got["w"] = await ws_turn(ws, frame)
-                        if turn > 0:
-                            cpu.add(what, before, cpu.read())
-                    s, h, w = got["s"], got["h"], got["w"]
-                    ms = 1000.0
-                    if turn == 0:
-                        result.first_turn_added.append((s.total - w.total) * ms)
+class _Measure:
+    """The turns of one relay (the sidecar or a floor) at one size, a chain at a time, so that
+    relays can take turns (:func:`_interleaved`): each keeps its own client session, CPU meter and
+    random order of the three requests of a turn."""
+
+    def __init__(
+        self, label: str, size: int, reps: int, per_chain: int, emu: EmulatorProc, side: SidecarProc | FloorProc,
+        seed: int, light: bool,
+    ) -> None:  # fmt: skip
+        self.result = SizeResult(label, size)
+        self.reps, self.per_chain, self.seed, self.light = reps, per_chain, seed, light
+        self.emu, self.side = emu, side
+        self.rng = random.Random(size)
+        self.cpu = _Cpu(emu, side)
+        self.chains = 0
+        self.session: aiohttp.ClientSession | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.result.added_total) >= self.reps
+
+    @property
+    def progress(self) -> float:
+        return len(self.result.added_total) / max(1, self.reps)
+
+    async def __aenter__(self) -> _Measure:
+        connector = aiohttp.TCPConnector(limit=4, ssl=self.emu.ssl_context or True)
+        timeout = aiohttp.ClientTimeout(total=300, sock_read=READ_TIMEOUT)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+        r, cpu = self.result, self.cpu
+        r.cpu_ms_per_request = cpu.per_request_ms("s", "s")
+        r.emulator_cpu_ms_per_ws_turn = cpu.per_request_ms("e", "w")
+        r.emulator_cpu_ms_per_sidecar_turn = cpu.per_request_ms("e", "s")
+        r.emulator_cpu_ms_per_http_turn = cpu.per_request_ms("e", "h")
+
+    async def chain(self) -> None:
+        """One fresh conversation: a first turn (reported apart), then continuation turns."""
+        assert self.session is not None
+        session, result, cpu, emu, per_chain = self.session, self.result, self.cpu, self.emu, self.per_chain
+        headers = sdk_headers()
+        side_url, emu_url = self.side.base_url + "/responses", emu.base_url + "/responses"
+        tag = f"{result.label}-{self.seed}-{self.chains}-{time.monotonic_ns()}"
+        chain = _Chain(result.target_bytes, tag, per_chain + 1, self.seed, self.light)
+        self.chains += 1
+        result.chain_starts.append(time.monotonic())
+        tls: dict[str, Any] = {"ssl": emu.ssl_context} if emu.ssl_context is not None else {}
+        ws = await websockets.connect(
+            emu.ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"},
+            compression=None, max_size=None, ping_interval=None, **tls,
+        )  # fmt: skip
+        try:
+            for turn in range(per_chain + 1):
+                body, frame = chain.body(), chain.frame()
+                order = ["s", "h", "w"]
+                self.rng.shuffle(order)
+                got: dict[str, Any] = {}
+                for what in order:
+                    before = cpu.read()
+                    if what == "s":
+                        got["s"] = await post_sse(session, side_url, body, headers)
+                    elif what == "h":
+                        got["h"] = await post_sse(session, emu_url, body, headers)
                     else:
-                        result.body_bytes.append(len(body))
-                        result.events.append(float(s.events))
-                        result.added_total.append((s.total - w.total) * ms)
-                        result.added_ttfb.append((s.ttfb - w.ttfb) * ms)
-                        result.added_first_output.append((s.first_output - w.first_output) * ms)
-                        result.vs_http_total.append((s.total - h.total) * ms)
-                        result.vs_http_ttfb.append((s.ttfb - h.ttfb) * ms)
-                        result.sidecar_total.append(s.total * ms)
-                        result.direct_ws_total.append(w.total * ms)
-                        result.direct_http_total.append(h.total * ms)
-                        header = s.headers.get("x-upshift-overhead-ms")
-                        if header is not None:
-                            result.header_ms.append(float(header))
-                        mode = s.headers.get("x-upshift-mode", "?")
-                        result.modes[mode] = result.modes.get(mode, 0) + 1
-                    # advance both chains with the same (sized) tool output
-                    side_calls, ws_response = _calls(s.response), w.event.get("response") or {}
-                    ws_calls = _calls(ws_response)
-                    if not side_calls or not ws_calls or len(result.added_total) >= reps:
-                        break
-                    chain.input += echo_items(s.response.get("output") or [])
-                    out = chain.history.tool_output(side_calls[0]["call_id"])
-                    chain.input.append(out)
-                    chain.previous = ws_response.get("id")
-                    chain.ws_new = [{**out, "call_id": ws_calls[0]["call_id"]}]
-                    if turn == 0:
-                        # The first turn (a full send, not measured) leaves work for after its
-                        # answer (the miss's explanation): let it finish before turn 1's CPU
-                        # window opens, so that each turn's CPU is its own.
-                        await asyncio.sleep(0.05)
-            finally:
-                await ws.close()
-    result.cpu_ms_per_request = cpu.per_request_ms("s", "s")
-    result.emulator_cpu_ms_per_ws_turn = cpu.per_request_ms("e", "w")
-    result.emulator_cpu_ms_per_sidecar_turn = cpu.per_request_ms("e", "s")
-    result.emulator_cpu_ms_per_http_turn = cpu.per_request_ms("e", "h")
-    return result
+                        got["w"] = await ws_turn(ws, frame)
+                    if turn > 0:
+                        cpu.add(what, before, cpu.read())
+                s, h, w = got["s"], got["h"], got["w"]
+                ms = 1000.0
+                if turn == 0:
+                    result.first_turn_added.append((s.total - w.total) * ms)
+                else:
+                    result.body_bytes.append(len(body))
+                    result.events.append(float(s.events))
+                    result.added_total.append((s.total - w.total) * ms)
+                    result.added_ttfb.append((s.ttfb - w.ttfb) * ms)
+                    result.added_first_output.append((s.first_output - w.first_output) * ms)
+                    result.vs_http_total.append((s.total - h.total) * ms)
+                    result.vs_http_ttfb.append((s.ttfb - h.ttfb) * ms)
+                    result.sidecar_total.append(s.total * ms)
+                    result.direct_ws_total.append(w.total * ms)
+                    result.direct_http_total.append(h.total * ms)
+                    header = s.headers.get("x-upshift-overhead-ms")
+                    if header is not None:
+                        result.header_ms.append(float(header))
+                    mode = s.headers.get("x-upshift-mode", "?")
+                    result.modes[mode] = result.modes.get(mode, 0) + 1
+                # advance both chains with the same (sized) tool output
+                side_calls, ws_response = _calls(s.response), w.event.get("response") or {}
+                ws_calls = _calls(ws_response)
+                if not side_calls or not ws_calls or self.done:
+                    break
+                chain.input += echo_items(s.response.get("output") or [])
+                out = chain.history.tool_output(side_calls[0]["call_id"])
+                chain.input.append(out)
+                chain.previous = ws_response.get("id")
+                chain.ws_new = [{**out, "call_id": ws_calls[0]["call_id"]}]
+                if turn == 0:
+                    # The first turn (a full send, not measured) leaves work for after its
+                    # answer (the miss's explanation): let it finish before turn 1's CPU
+                    # window opens, so that each turn's CPU is its own.
+                    await asyncio.sleep(0.05)
+        finally:
+            await ws.close()
+
+
+async def _interleaved(measures: list[_Measure]) -> None:
+    """Run every relay's turns, taking turns a conversation at a time (the first is the
+    sidecar): each floor runs a chain whenever its share of its turns lags the sidecar's, so
+    all of them see the same machine within a second of each other, all along the run (the
+    machine's speed drifts by a fifth within minutes; one relay's minute against another's
+    next minute would measure the drift)."""
+    lead, rest = measures[0], measures[1:]
+    async with contextlib.AsyncExitStack() as stack:
+        for m in measures:
+            await stack.enter_async_context(m)
+        while not all(m.done for m in measures):
+            if not lead.done:
+                await lead.chain()
+            for m in rest:
+                if not m.done and (lead.done or m.progress <= lead.progress):
+                    await m.chain()
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -305,19 +352,24 @@ async def run_overhead(
     ``light``: one tool and a one-line instruction instead of the agent's 3.3 KB of instructions
     and five tools (the history sizes count the input only, the settings come on top).
     ``floors``: also run half as many turns of each size through each :mod:`bench.floor` relay,
-    right after the sidecar's, for the sidecar's CPU and added latency as ratios to theirs.
+    interleaved with the sidecar's a conversation at a time (:func:`_interleaved`), for the
+    sidecar's CPU and added latency as ratios to theirs.
     """
     await emu.set_latency({})
-    await _measure_size("warmup", 20_000, warmup, 3, emu, side, seed, light)
+    relays: list[SidecarProc | FloorProc] = [side, *(floors or {}).values()]
+    await _interleaved([_Measure("warmup", 20_000, warmup, 3, emu, r, seed, light) for r in relays])
     results = []
     for label in sizes:
         size = parse_size(label)
         turns = per_chain or (2 if size < 20_000 else 10)
         n = reps if size < 2_000_000 else max(10, reps // 2)
         started = time.perf_counter()
-        res = await _measure_size(label, size, n, turns, emu, side, seed, light)
-        for name, proc in (floors or {}).items():
-            res.floors[name] = await _measure_size(label, size, max(20, n // 2), turns, emu, proc, seed + 1, light)
+        lead = _Measure(label, size, n, turns, emu, side, seed, light)
+        others = {name: _Measure(label, size, max(20, n // 2), turns, emu, proc, seed + 1, light)
+                  for name, proc in (floors or {}).items()}  # fmt: skip
+        await _interleaved([lead, *others.values()])
+        res = lead.result
+        res.floors = {name: m.result for name, m in others.items()}
         rep = res.report()
         log(
             f"  overhead {label}: added p50 {rep['added_ms']['p50']:.2f} ms p99 {rep['added_ms']['p99']:.2f} ms "

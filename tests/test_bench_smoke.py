@@ -39,6 +39,8 @@ def test_quick_bench_runs_and_reports(tmp_path: Path) -> None:
     # The bare relay (bench.floor) ran the same sizes beside the sidecar, continuing its chains.
     for name in ("floor", "floor_aiohttp"):
         assert all(o[name]["turns"] > 0 and o[name]["cpu_ms_per_request"] > 0 for o in report["overhead"])
+        # ... taking turns with it a conversation at a time: the ratios see one machine, not two minutes.
+        assert all(o[name]["interleaved"] for o in report["overhead"]), [o[name] for o in report["overhead"]]
     assert {t["target"] for t in report["targets"]}, "targets are reported"
     # The docs are only rewritten by a full run.
     assert not (tmp_path / "benchmarks.md").exists()
