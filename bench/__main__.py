@@ -142,7 +142,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for <date>.json")
     p.add_argument(
-        "--docs", default=None, help="markdown file to update (default docs/benchmarks.md; none with --quick)"
+        "--docs",
+        default=None,
+        help="markdown file to update (default: docs/benchmarks.md after a full run; none with --quick, "
+        "--phases or --out)",
     )
     p.add_argument("--no-plot", action="store_true")
     return p
@@ -361,7 +364,11 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
     report["targets"] = targets(report)
     rpt.write_json(report, json_path)
     log(f"wrote {json_path}")
-    docs = args.docs if args.docs is not None else (None if args.quick else str(ROOT / "docs" / "benchmarks.md"))
+    # Only a full run rewrites the results section (a run of some phases, or one written
+    # elsewhere with --out, leaves the figures of the last full run alone unless --docs names a file).
+    default_out = Path(args.out).resolve() == (ROOT / "bench" / "results").resolve()
+    full = not args.quick and set(args.phases.split(",")) >= set(PHASES) and default_out
+    docs = args.docs if args.docs is not None else (str(ROOT / "docs" / "benchmarks.md") if full else None)
     if docs:
         rpt.update_docs(Path(docs), rpt.markdown(report))
         log(f"updated {docs}")

@@ -127,6 +127,15 @@ def targets(report: JSON) -> list[JSON]:
         if o and p50:
             out.append(_target(f"added latency p99 − 2·p50 at {label}", round(o["added_ms"]["p99"] - 2 * p50, 3), 0.5,
                                unit=" ms"))  # fmt: skip
+    # Issue 24: ratios to the aiohttp floor relay measured in the same run, interleaved with it.
+    for label, limit in (("1k", 1.4), ("200k", 1.15), ("1m", 1.0)):
+        floor = (by_label.get(label) or {}).get("floor_aiohttp") or {}
+        if floor:
+            out.append(_target(f"sidecar CPU / aiohttp floor CPU per turn at {label}",
+                               floor.get("cpu_ratio_sidecar_over_floor"), limit))  # fmt: skip
+            mine, theirs = by_label[label]["added_ms"].get("p50"), floor["added_ms"].get("p50")
+            over = round(mine - theirs, 3) if mine is not None and theirs is not None else None
+            out.append(_target(f"added latency p50 at {label}: sidecar − aiohttp floor", over, 0.2, unit=" ms"))
     one_k = by_label.get("1k") or {}
     cpu = one_k.get("sidecar_cpu_ms_per_request")
     out.append(_target("sidecar CPU per turn at 1k", cpu, 0.5, unit=" ms"))
