@@ -29,7 +29,7 @@ from proxy.core.reasons import RequestOutcome
 from proxy.core.retry import Replay, classify, is_connection_limit
 from proxy.errors import UpstreamError
 
-__all__ = ["Answer", "AnswerKind", "Attempt", "Kept", "decide", "kept", "status_outcome"]
+__all__ = ["Answer", "AnswerKind", "Attempt", "Kept", "decide", "finished", "kept", "status_outcome"]
 
 
 class AnswerKind(enum.StrEnum):
@@ -140,7 +140,7 @@ def decide(channel: Channel, failure: UpstreamError | None, attempt: Attempt, wr
         written: Whether the shell already wrote headers (and events) to the app.
     """
     if failure is None and channel.released:
-        return _finished(channel, attempt.stream)
+        return finished(channel, attempt.stream)
     verdict = classify(
         failure if failure is not None else (channel.terminal or {}),
         channel.released,
@@ -153,8 +153,9 @@ def decide(channel: Channel, failure: UpstreamError | None, attempt: Attempt, wr
     return _surfaced(channel, failure, attempt.stream, written)
 
 
-def _finished(channel: Channel, stream: bool) -> Answer:
-    """The response reached its terminal event after output was released."""
+def finished(channel: Channel, stream: bool) -> Answer:
+    """The response reached its terminal event after output was released: what :func:`decide`
+    answers then, whatever the attempt (known before the shell lets its lane go)."""
     failed = RequestOutcome.UPSTREAM_ERROR if channel.ending in (Ending.FAILED, Ending.ERROR) else None
     if stream:
         return Answer(AnswerKind.SSE_END, failed)

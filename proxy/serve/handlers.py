@@ -227,11 +227,7 @@ async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamErr
                 await pump(turn, frames, channel, x.down, x.svc.settings.timeouts.stream_idle_seconds)
                 UPSTREAM_DURATION.observe(time.perf_counter() - sent_at)
                 await _keep(x, turn, kept(channel))
-                if channel.released and x.down.stream and x.down.written:
-                    # The answer is this stream's end (decide's "finished"): the app gets it now,
-                    # and the lease's exit records the head in the same loop callback, before
-                    # the app's next turn can be read (issue 24: not on the app's wait).
-                    await x.down.end()
+                await x.down.settle(channel)  # the app's answer before the lane records its head
     except UpstreamError as exc:
         failure = exc
     x.rec.pumped(sent, x.down.upstream_wait)

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from proxy import contracts
 from proxy.config import LimitsSettings
-from proxy.core.answer import Answer, AnswerKind
+from proxy.core.answer import Answer, AnswerKind, finished
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTimeout, BodyTooLarge, ClientGone, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
@@ -115,6 +115,8 @@ class Downstream:
         """SSE bytes written to the app."""
         self._last = b""
         """The batch that ends with the terminal event, sent by :meth:`end` with the body's end."""
+        self._settled: web.StreamResponse | None = None
+        """The answer :meth:`settle` sent already (``stream: false``)."""
 
     @property
     def written(self) -> bool:
@@ -134,11 +136,8 @@ class Downstream:
         One buffer and one socket write per call: the headers go out with the first events.
         A batch that ends with the terminal event is kept for :meth:`end`, which sends it with
         the end of the body (the chunked encoding's last chunk) in the same write: so a turn
-        whose events arrive together costs one write. The shell sends it once the lane was told
-        what it keeps, and the lane's release records the conversation's head in the same loop
-        callback: the app's next turn is read only after that, so it cannot race the head (only
-        a write that waited for a slow app to read leaves a window, and a turn in it is planned
-        on what is recorded: at worst sent in full).
+        whose events arrive together costs one write (:meth:`settle` sends it before the lane
+        records the conversation's head).
         """
         if self.gone or not outs:
             return
@@ -182,8 +181,32 @@ class Downstream:
         headers = {**(extra or {}), **self.headers, **self._overhead_header()}
         return web.Response(body=body, status=status, content_type="application/json", headers=headers)
 
+    async def settle(self, channel: Channel) -> None:
+        """Send the answer now if the response ended with its output released: that answer is
+        :func:`proxy.core.answer.finished`'s, whatever :func:`~proxy.core.answer.decide` is asked
+        next (issue 24). The shell calls it before the lane's lease ends, and the lease's exit
+        records the conversation's head in the same loop callback as the last write: the app's
+        next turn is read only after that, so it cannot race the head (only a write that waited
+        for a slow app to read leaves a window, and a turn in it is planned on what is recorded:
+        at worst sent in full), and the app does not wait for the record. Otherwise (a failure,
+        a replay still possible) nothing is sent.
+        """
+        if not channel.done or not channel.released or self.gone:
+            return
+        if self.stream:
+            if self.response is not None:
+                await self.end()
+            return
+        response = await self.answer(finished(channel, False))
+        await response.prepare(self.request)
+        await response.write_eof()
+        self._settled = response
+
     async def answer(self, answer: Answer) -> web.StreamResponse:
-        """Give the app ``answer`` (chosen by :func:`proxy.core.answer.decide`)."""
+        """Give the app ``answer`` (chosen by :func:`proxy.core.answer.decide`); one :meth:`settle`
+        sent already is that answer."""
+        if self._settled is not None:
+            return self._settled
         if answer.kind is AnswerKind.SSE_END or answer.kind is AnswerKind.ERROR_EVENT:
             await self.write(list(answer.events))
             return await self.end()
