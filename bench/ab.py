@@ -4,6 +4,7 @@
     python -m bench.ab --base main~3 --sizes 1k,200k,1m --rounds 8 --reps 150 --json out.json
     python -m bench.ab --base fc58807 --tls           # the emulator behind TLS (wss://), both sides
     python -m bench.ab --base fc58807 --emulator-args "--delta-chars 2"   # many small deltas per turn
+    python -m bench.ab --base fc58807 --no-stream     # stream: false turns (JSON answers)
     python -m proxy.build && python -m bench.ab --base fc58807 --compiled-base   # both compiled
 
 One emulator (zero latency) serves two sidecar processes: **A** runs the code of ``--base``
@@ -52,12 +53,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compiled-base", action="store_true",
                    help="compile A's worktree (python -m proxy.build --root): compiled against compiled, "
                         "when this tree is compiled in place too")  # fmt: skip
+    p.add_argument("--no-stream", action="store_true", help="stream: false turns (JSON answers) instead of SSE")
     p.add_argument("--json", type=Path, help="also write the figures here")
     return p.parse_args(argv)
 
 
 async def _compare(
-    base_dir: Path, sizes: list[str], rounds: int, reps: int, tls: bool = False, emulator_args: str = ""
+    base_dir: Path,
+    sizes: list[str],
+    rounds: int,
+    reps: int,
+    tls: bool = False,
+    emulator_args: str = "",
+    stream: bool = True,
 ) -> JSON:
     logs = Path(tempfile.mkdtemp(prefix="upshift-ab-"))
     ca = LoopbackCA.create(logs / "tls") if tls else None
@@ -73,7 +81,9 @@ async def _compare(
     for r in range(rounds):
         for size in sizes:  # A and B back to back per size: seconds apart, not a whole round
             for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                (res,) = await run_overhead(emu, sides[name], [size], reps=reps, seed=100 + r, warmup=2, log=_quiet)
+                (res,) = await run_overhead(
+                    emu, sides[name], [size], reps=reps, seed=100 + r, warmup=2, log=_quiet, stream=stream
+                )
                 samples[name][size].append((res.cpu_ms_per_request, percentile(res.added_total, 50)))
         print(f"[ab] round {r + 1}/{rounds} done", flush=True)
     for proc in (*sides.values(), emu):
@@ -116,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.compiled_base:
                 subprocess.run([sys.executable, "-m", "proxy.build", "--root", str(base_dir)], cwd=base_dir, check=True)
-            out = asyncio.run(_compare(base_dir, sizes, args.rounds, args.reps, args.tls, args.emulator_args))
+            out = asyncio.run(
+                _compare(base_dir, sizes, args.rounds, args.reps, args.tls, args.emulator_args, not args.no_stream)
+            )
         finally:
             stop_all()
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], check=False)
     out["base"], out["tls"], out["emulator_args"] = args.base, args.tls, args.emulator_args
+    out["stream"] = not args.no_stream
     out["compiled_base"] = args.compiled_base
     for size, row in out["sizes"].items():
         print(

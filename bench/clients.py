@@ -288,6 +288,20 @@ async def post_sse(
         return SseResult(ttfb, total, terminal, response, dict(resp.headers), gap, count, times, first_output)
 
 
+async def post_json(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> SseResult:
+    """POST a ``stream: false`` ``body`` and read its JSON answer (the times of an answer that
+    arrives at once: first byte, first output and end are one)."""
+    start = time.perf_counter()
+    async with session.post(url, data=body, headers=headers) as resp:
+        data = await resp.read()
+        total = time.perf_counter() - start
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from {url}: {data[:300]!r}")
+        response = orjson.loads(data)
+        return SseResult(total, total, f"response.{response.get('status')}", response, dict(resp.headers), 0.0, 0,
+                         None, total)  # fmt: skip
+
+
 @dataclass(slots=True)
 class WsTurn:
     """What :func:`ws_turn` saw (seconds since the frame was sent)."""

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 import websockets
 
-from .clients import API_KEY, READ_TIMEOUT, echo_items, post_sse, sdk_headers, ws_turn
+from .clients import API_KEY, READ_TIMEOUT, echo_items, post_json, post_sse, sdk_headers, ws_turn
 from .floor import FloorProc
 from .procs import EmulatorProc, Managed, SidecarProc
 from .stats import percentile, summary
@@ -134,8 +134,8 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 class _Chain:
     """One conversation of a given size, run both through the sidecar and natively over WS."""
 
-    def __init__(self, size: int, tag: str, steps: int, seed: int, light: bool) -> None:
-        self.fields = body_fields(stream=True, light=light)
+    def __init__(self, size: int, tag: str, steps: int, seed: int, light: bool, stream: bool = True) -> None:
+        self.fields = body_fields(stream=stream, light=light)
         self.ws_fields = {k: v for k, v in self.fields.items() if k != "stream"}
         self.history = AgentHistory(size, seed, tag, steps)
         self.input: list[JSON] = list(self.history.items)
@@ -187,9 +187,10 @@ class _Measure:
 
     def __init__(
         self, label: str, size: int, reps: int, per_chain: int, emu: EmulatorProc, side: SidecarProc | FloorProc,
-        seed: int, light: bool,
+        seed: int, light: bool, stream: bool = True,
     ) -> None:  # fmt: skip
         self.result = SizeResult(label, size)
+        self.stream = stream
         self.reps, self.per_chain, self.seed, self.light = reps, per_chain, seed, light
         self.emu, self.side = emu, side
         self.rng = random.Random(size)
@@ -227,7 +228,8 @@ class _Measure:
         headers = sdk_headers()
         side_url, emu_url = self.side.base_url + "/responses", emu.base_url + "/responses"
         tag = f"{result.label}-{self.seed}-{self.chains}-{time.monotonic_ns()}"
-        chain = _Chain(result.target_bytes, tag, per_chain + 1, self.seed, self.light)
+        chain = _Chain(result.target_bytes, tag, per_chain + 1, self.seed, self.light, self.stream)
+        post = post_sse if self.stream else post_json
         self.chains += 1
         result.chain_starts.append(time.monotonic())
         tls: dict[str, Any] = {"ssl": emu.ssl_context} if emu.ssl_context is not None else {}
@@ -244,9 +246,9 @@ class _Measure:
                 for what in order:
                     before = cpu.read()
                     if what == "s":
-                        got["s"] = await post_sse(session, side_url, body, headers)
+                        got["s"] = await post(session, side_url, body, headers)
                     elif what == "h":
-                        got["h"] = await post_sse(session, emu_url, body, headers)
+                        got["h"] = await post(session, emu_url, body, headers)
                     else:
                         got["w"] = await ws_turn(ws, frame)
                     if turn > 0:
@@ -346,15 +348,19 @@ async def run_overhead(
     per_chain: int | None = None,
     light: bool = False,
     floors: dict[str, FloorProc] | None = None,
+    stream: bool = True,
 ) -> list[SizeResult]:
     """Measure every size in ``sizes`` (``1k``, ``200k``, ``1m``, ``3m``); emulator at zero latency.
 
     ``light``: one tool and a one-line instruction instead of the agent's 3.3 KB of instructions
     and five tools (the history sizes count the input only, the settings come on top).
+    ``stream``: ``False`` asks for JSON answers (``stream: false``) instead of SSE.
     ``floors``: also run half as many turns of each size through each :mod:`bench.floor` relay,
     interleaved with the sidecar's a conversation at a time (:func:`_interleaved`), for the
     sidecar's CPU and added latency as ratios to theirs.
     """
+    if floors and not stream:
+        raise ValueError("the floor relays answer SSE only: measure stream: false without them")
     await emu.set_latency({})
     relays: list[SidecarProc | FloorProc] = [side, *(floors or {}).values()]
     await _interleaved([_Measure("warmup", 20_000, warmup, 3, emu, r, seed, light) for r in relays])
@@ -364,7 +370,7 @@ async def run_overhead(
         turns = per_chain or (2 if size < 20_000 else 10)
         n = reps if size < 2_000_000 else max(10, reps // 2)
         started = time.perf_counter()
-        lead = _Measure(label, size, n, turns, emu, side, seed, light)
+        lead = _Measure(label, size, n, turns, emu, side, seed, light, stream)
         others = {name: _Measure(label, size, max(20, n // 2), turns, emu, proc, seed + 1, light)
                   for name, proc in (floors or {}).items()}  # fmt: skip
         await _interleaved([lead, *others.values()])

@@ -48,16 +48,19 @@ def test_quick_bench_runs_and_reports(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_ab_compares_a_commit_with_the_working_tree(tmp_path: Path) -> None:
-    """`python -m bench.ab`: the base commit runs from its own worktree (removed afterwards)."""
+    """`python -m bench.ab`: the base commit runs from its own worktree (removed afterwards); its
+    turns here ask for JSON answers (``--no-stream``; the quick run above measures SSE turns)."""
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout: bench.ab needs the base commit")
     before = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     out = tmp_path / "ab.json"
     argv = [sys.executable, "-m", "bench.ab", "--base", "HEAD", "--sizes", "1k", "--rounds", "2", "--reps", "10",
-            "--json", str(out)]  # fmt: skip
+            "--no-stream", "--json", str(out)]  # fmt: skip
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    row = json.loads(out.read_text())["sizes"]["1k"]
+    report = json.loads(out.read_text())
+    assert report["stream"] is False
+    row = report["sizes"]["1k"]
     for side in ("A", "B"):
         assert len(row[side]["cpu_rounds"]) == 2 and all(c > 0 for c in row[side]["cpu_rounds"])
     assert row["B_over_A_cpu"] > 0 and "1k: CPU/turn A" in proc.stdout
