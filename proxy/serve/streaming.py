@@ -106,7 +106,7 @@ class Downstream:
         self.lease = lease
         self.on_id = on_id
         self.response: web.StreamResponse | None = None
-        """The SSE response once prepared."""
+        """The answer once prepared: SSE at its first events, JSON once :meth:`settle` sent it."""
         self.gone = False
         """The app went away mid-stream; the rest of the response is drained, not written."""
         self.upstream_wait = 0.0
@@ -115,8 +115,6 @@ class Downstream:
         """SSE bytes written to the app."""
         self._last = b""
         """The batch that ends with the terminal event, sent by :meth:`end` with the body's end."""
-        self._settled: web.StreamResponse | None = None
-        """The answer :meth:`settle` sent already (``stream: false``)."""
 
     @property
     def written(self) -> bool:
@@ -200,13 +198,13 @@ class Downstream:
         response = await self.answer(finished(channel, False))
         await response.prepare(self.request)
         await response.write_eof()
-        self._settled = response
+        self.response = response
 
     async def answer(self, answer: Answer) -> web.StreamResponse:
         """Give the app ``answer`` (chosen by :func:`proxy.core.answer.decide`); one :meth:`settle`
         sent already is that answer."""
-        if self._settled is not None:
-            return self._settled
+        if not self.stream and self.response is not None:
+            return self.response
         if answer.kind is AnswerKind.SSE_END or answer.kind is AnswerKind.ERROR_EVENT:
             await self.write(list(answer.events))
             return await self.end()
