@@ -195,7 +195,6 @@ class _Measure:
         self.emu, self.side = emu, side
         self.rng = random.Random(size)
         self.cpu = _Cpu(emu, side)
-        self.chains = 0
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -227,10 +226,9 @@ class _Measure:
         session, result, cpu, emu, per_chain = self.session, self.result, self.cpu, self.emu, self.per_chain
         headers = sdk_headers()
         side_url, emu_url = self.side.base_url + "/responses", emu.base_url + "/responses"
-        tag = f"{result.label}-{self.seed}-{self.chains}-{time.monotonic_ns()}"
+        tag = f"{result.label}-{self.seed}-{len(result.chain_starts)}-{time.monotonic_ns()}"
         chain = _Chain(result.target_bytes, tag, per_chain + 1, self.seed, self.light, self.stream)
         post = post_sse if self.stream else post_json
-        self.chains += 1
         result.chain_starts.append(time.monotonic())
         tls: dict[str, Any] = {"ssl": emu.ssl_context} if emu.ssl_context is not None else {}
         ws = await websockets.connect(
