@@ -17,6 +17,7 @@ from functools import partial
 
 from proxy.core.conversation import Head, HeadTable
 from proxy.core.explain import (
+    DIGEST,
     Candidate,
     Explanation,
     SettingsFields,
@@ -57,9 +58,15 @@ class MissExplainer:
     """
 
     EXPLAIN_CANDIDATES = 8
-    """Most recent heads of the identity compared position by position to explain a miss."""
-    EXPLAIN_SCAN = 512
-    """Most recent heads looked at (of any identity) to find those candidates: bounded cost."""
+    """Most candidate heads compared position by position to explain a miss."""
+    EXPLAIN_SCAN = 16
+    """Most recent heads looked at (of any identity) when the miss happens (with their kept
+    bodies: the head the request's own answer replaces is among them)."""
+    EXPLAIN_ENDS = 10_000
+    """Heads remembered by how their input ends (:meth:`_ends`): one entry each, least recently
+    recorded forgotten first; an entry whose head left the table is skipped."""
+    EXPLAIN_REACH = 512
+    """Request positions looked up in that index per miss (the last ones): bounded cost."""
     EXPLAIN_PARSE_BYTES = 4 * 1024 * 1024
     """Largest kept body parsed to explain a miss (one per miss; beyond it the digests say
     which item differs, not which field)."""
@@ -70,13 +77,28 @@ class MissExplainer:
         self.heads = heads
         self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
         """Per settings digest, one digest per setting (LRU, shared by heads)."""
+        self._ends: OrderedDict[tuple[str, int, bytes], tuple[int, Head]] = OrderedDict()
+        """``(identity, input length, last input item's digest)`` → the latest head recorded
+        with it and its serial: where a busy key's heads are found by a miss without scanning
+        them (an edited early item leaves the head's last input item where it was)."""
+        self._serial = 0
+        """Heads recorded so far (a miss looks only at those recorded before it)."""
         heads.listener = self
 
     def __repr__(self) -> str:
         return f"<MissExplainer [{len(self._settings_fields)} settings]>"
 
     def recorded(self, head: Head, req: ParsedRequest) -> None:
-        """``head`` was recorded from the full history ``req``: keep its settings' digests."""
+        """``head`` was recorded from the full history ``req``: keep its settings' digests and
+        index it by how its input ends."""
+        self._serial += 1
+        n, items = head.n_input, head.items
+        if n > 0 and items is not None and len(items) == n * DIGEST:
+            key = (head.identity, n, items[-DIGEST:])
+            self._ends[key] = (self._serial, head)
+            self._ends.move_to_end(key)
+            while len(self._ends) > self.EXPLAIN_ENDS:
+                self._ends.popitem(last=False)
         digest = head.settings
         if digest in self._settings_fields:
             self._settings_fields.move_to_end(digest)
@@ -99,11 +121,13 @@ class MissExplainer:
     def explain_later(
         self, identity: str, req: ParsedRequest, reason: Reason | None
     ) -> Callable[[], Explanation | None] | None:
-        """:meth:`explain` in two steps: the recent heads of ``identity`` are taken now (no
-        comparison: cheap), and compared when the returned callable runs, after the answer,
-        off the request's path. Heads recorded in between (this request's own among them) are
-        not candidates, and a head this request replaces still is (with its raw prefix, which
-        a replaced head gives up).
+        """:meth:`explain` in two steps: the few most recent heads of ``identity`` are taken
+        now (no comparison: cheap), and compared when the returned callable runs, after the
+        answer, off the request's path, with the heads of ``identity`` whose input ends where
+        the request has the same item (found by digest, not by a scan: a busy key's hundreds of
+        heads cost a lookup per request position). Heads recorded in between (this request's
+        own among them) are not candidates, and a recent head this request replaces still is
+        (with its raw prefix, which a replaced head gives up).
         """
         if req.previous_response_id is not None or not isinstance(reason, MissReason) or reason not in _EXPLAINED:
             return None
@@ -111,13 +135,35 @@ class MissExplainer:
         for anchor, head in self.heads.recent(self.EXPLAIN_SCAN):
             if head.identity == identity and not head.chained and head.items is not None:
                 heads.append((head, self.heads.prefixes.body(anchor)))
-        return partial(self._explain, identity, req, reason, heads)
+        return partial(self._explain, identity, req, reason, heads, self._serial)
+
+    def _ending_like(self, identity: str, mine: bytes, before: int, taken: list[tuple[Head, bytes | None]]) -> None:
+        """Add to ``taken`` the heads of ``identity`` in the table, recorded by serial
+        ``before``, whose last input item is the request's item at the same position (``mine``:
+        its digests), the longest first."""
+        seen = {id(head) for head, _ in taken}
+        m = len(mine) // DIGEST
+        for n in range(m, max(0, m - self.EXPLAIN_REACH), -1):
+            entry = self._ends.get((identity, n, mine[(n - 1) * DIGEST : n * DIGEST]))
+            if entry is None or entry[0] > before or id(entry[1]) in seen:
+                continue
+            head = entry[1]
+            if self.heads.get(head.anchor) is head:
+                seen.add(id(head))
+                taken.append((head, self.heads.prefixes.body(head.anchor)))
 
     def _explain(
-        self, identity: str, req: ParsedRequest, reason: MissReason, heads: list[tuple[Head, bytes | None]]
+        self,
+        identity: str,
+        req: ParsedRequest,
+        reason: MissReason,
+        heads: list[tuple[Head, bytes | None]],
+        before: int,
     ) -> Explanation | None:
         keys, items = req.item_keys(), req.all_items()
         mine = item_digests(keys)
+        heads = list(heads)
+        self._ending_like(identity, mine, before, heads)
         found: list[tuple[tuple[int, int, int], Candidate, int]] = []
         for head, body in heads:
             if len(found) >= self.EXPLAIN_CANDIDATES:

@@ -281,6 +281,34 @@ def test_an_edit_is_explained_behind_hundreds_of_new_conversations_of_the_same_k
     assert exp is not None and (exp.reason, exp.miss_item) == (MissReason.DIVERGED, 0)
 
 
+def test_an_edit_is_explained_behind_thousands_of_heads_found_by_how_its_input_ends() -> None:
+    """A gateway's key: 2,000 conversations recorded after the edited one, far beyond any scan
+    of recent heads. The edited conversation's head is found by its last input item, which the
+    edit left in place; a head that left the table, or one recorded after the miss, is not a
+    candidate."""
+    misses = MissExplainer(HeadTable(max_heads=5000, ttl_seconds=600))
+    heads = misses.heads
+    history = three_turns(heads, [SYSTEM, USER])
+    for i in range(2000):
+        other = req([SYSTEM, {"role": "user", "content": f"task {i}"}])
+        heads.record("id", f"other-{i}", other, response(f"resp_o{i}", call(100 + i)), 5)
+    edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
+    reason, exp = miss(misses, edited)
+    assert reason == MissReason.NO_HEAD and exp is not None
+    assert (exp.reason, exp.miss_item, exp.candidate_items) == (MissReason.DIVERGED, 0, len(history) - 1)
+    heads.discard("s1")  # its lane went to another conversation: no longer a candidate
+    _, exp = miss(misses, edited)
+    assert exp is not None and (exp.reason, exp.miss_item) == (MissReason.NO_HEAD, None)
+    # Recorded after the miss: the explanation, computed later, does not see it.
+    fresh = [{"role": "system", "content": "Another agent."}, USER]
+    r = req([dict(fresh[0], content="Another agent, edited."), *fresh[1:], call(1), result(1)])
+    later = misses.explain_later("id", r, heads.lookup("id", r, 10, IDLE).reason)
+    heads.record("id", "s2", req(fresh), response("resp_f1", call(1)), 12)
+    assert later is not None and (later().reason, later().miss_item) == (MissReason.NO_HEAD, None)
+    now = misses.explain("id", r, MissReason.NO_HEAD)
+    assert now is not None and (now.reason, now.miss_item) == (MissReason.DIVERGED, 0)
+
+
 COMMENTARY = {
     "id": "msg_c1",
     "type": "message",
