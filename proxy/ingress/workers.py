@@ -55,6 +55,7 @@ from proxy.errors import ConfigError
 from proxy.ingress.cluster import WorkerPlacement
 from proxy.ingress.listener import Guard, HardenedTCPSite
 from proxy.ingress.private import Trust, check_peer, runtime_dir
+from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
@@ -377,12 +378,7 @@ def _worker_main() -> int:
     (size,) = struct.unpack(">Q", _read_exactly(0, 8))
     spec: Any = pickle.loads(_read_exactly(0, size))  # from our own supervisor, over a pipe
     setup_logging(spec[0].logging)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(_serve_worker(*spec))
-    result: int = uvloop.run(_serve_worker(*spec))
-    return result
+    return run_loop(_serve_worker(*spec))
 
 
 if __name__ == "__main__":
