@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
                    help="added-latency phase: also run it with the emulator behind TLS on loopback (private CA, "
                         "trustme), sidecar and floors alike; both are reported")  # fmt: skip
     p.add_argument("--no-floor", action="store_true",
-                   help="added-latency phase: skip the bare relay (bench.floor) beside the sidecar")  # fmt: skip
+                   help="added-latency and capacity phases: skip the floor relays (bench.floor)")  # fmt: skip
     p.add_argument("--profiler", choices=["pyinstrument", "py-spy"], default="pyinstrument",
                    help="pyinstrument: a second sidecar run under it; py-spy: samples the timed one")  # fmt: skip
     p.add_argument("--profile-native", action="store_true",
@@ -183,6 +183,28 @@ async def _start_sidecar(logs: Path, emu: EmulatorProc, pin: bool) -> SidecarPro
     side.start([0] if pin else None)
     await side.ready()
     return side
+
+
+async def _capacity(
+    args: argparse.Namespace, logs: Path, emu: EmulatorProc, side: SidecarProc, roles: dict[str, Managed]
+) -> JSON:
+    """The capacity phase; its saturation part beside the aiohttp floor relay (unless ``--no-floor``)."""
+    floor = None if args.no_floor else FloorProc(logs, emu.base_url, with_aiohttp=True)
+    try:
+        if floor is not None:
+            floor.start()
+            await floor.ready()
+            roles["floor_aiohttp"] = floor
+        return await run_capacity(
+            emu, side, latency=LATENCY[args.capacity_latency], saturation=_ints(args.capacity_saturation),
+            seconds=args.capacity_seconds, conversations=_ints(args.capacity_conversations),
+            turns=args.capacity_turns, tool_ms=args.capacity_tool_ms, twin_every=args.capacity_twin_every,
+            seed=args.seed, log=log, floor=floor,
+        )  # fmt: skip
+    finally:
+        if floor is not None:
+            floor.stop()
+            roles.pop("floor_aiohttp", None)
 
 
 async def _overhead(
@@ -303,12 +325,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> JSON:
             await wait_quiet(args.wait_quiet, log)
             monitor.phase()
             log("phase capacity: one core of sidecar (pinned), 1 KB saturation, then many conversations")
-            report["capacity"] = await run_capacity(
-                emu, side, latency=LATENCY[args.capacity_latency], saturation=_ints(args.capacity_saturation),
-                seconds=args.capacity_seconds, conversations=_ints(args.capacity_conversations),
-                turns=args.capacity_turns, tool_ms=args.capacity_tool_ms, twin_every=args.capacity_twin_every,
-                seed=args.seed, log=log,
-            )  # fmt: skip
+            report["capacity"] = await _capacity(args, logs, emu, side, extra_roles)
             load["capacity"] = monitor.phase()
         if "network" in phases and have_sidecar:
             await wait_quiet(args.wait_quiet, log)

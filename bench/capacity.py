@@ -8,7 +8,10 @@ afterwards), so the sidecar's figures are per core. Two parts:
   conversation every few turns) for ``seconds``. Reported: turns/s, the sidecar's CPU use over
   the window (%, of one core) and turns per sidecar CPU-second, which is the figure the core can
   reach when the load generator is not the limit. When the sidecar's CPU is well under 100 %,
-  the other core (emulator + load generator) was the bottleneck.
+  the other core (emulator + load generator) was the bottleneck. With a floor relay
+  (:mod:`bench.floor` on aiohttp, pinned to the same core), the same clients then load it for the
+  same time: its turns per CPU-second beside the sidecar's, and their ratio (issue 24: a target
+  as a ratio to the floor of the same run, not a figure of one machine).
 * **Many conversations** (``fast`` preset, tool time 200–2,000 ms per call): N conversations
   through the sidecar, each running ``turns`` agent turns; every ``twin_every``-th of them has a
   native WebSocket-mode twin (same content, same tool times) talking to the emulator directly.
@@ -33,6 +36,7 @@ import psutil
 import websockets
 
 from .clients import API_KEY, READ_TIMEOUT, echo_items, post_sse, sdk_headers, ws_turn
+from .floor import FloorProc
 from .procs import EmulatorProc, SidecarProc
 from .stats import summary
 from .workload import AgentHistory, body_fields
@@ -44,8 +48,9 @@ Log = Callable[[str], None]
 
 
 @contextlib.contextmanager
-def pinned(emu: EmulatorProc, side: SidecarProc) -> Any:
-    """Sidecar on CPU 0; emulator and this process on CPU 1 (when there are two CPUs)."""
+def pinned(emu: EmulatorProc, side: SidecarProc, floor: FloorProc | None = None) -> Any:
+    """Sidecar (and the floor relay) on CPU 0; emulator and this process on CPU 1 (when there are
+    two CPUs)."""
     ncpu = psutil.cpu_count() or 1
     if ncpu < 2:
         yield False
@@ -53,14 +58,15 @@ def pinned(emu: EmulatorProc, side: SidecarProc) -> Any:
     everything = list(range(ncpu))
     me = psutil.Process()
     try:
-        if side.ps is not None:
-            side.ps.cpu_affinity([0])
+        for relay in (side, floor):
+            if relay is not None and relay.ps is not None:
+                relay.ps.cpu_affinity([0])
         if emu.ps is not None:
             emu.ps.cpu_affinity([1])
         me.cpu_affinity([1])
         yield True
     finally:
-        for proc in (side.ps, emu.ps, me):
+        for proc in (side.ps, floor.ps if floor is not None else None, emu.ps, me):
             with contextlib.suppress(psutil.Error, AttributeError):
                 if proc is not None:
                     proc.cpu_affinity(everything)
@@ -71,9 +77,9 @@ def _calls(response: JSON) -> list[JSON]:
 
 
 async def _saturate(
-    side: SidecarProc, concurrency: int, seconds: float, seed: int, chain_turns: int = 6
+    side: SidecarProc | FloorProc, concurrency: int, seconds: float, seed: int, chain_turns: int = 6
 ) -> dict[str, JSON]:
-    """Lean clients hammer the sidecar with 1 KB continuation turns for ``seconds``."""
+    """Lean clients hammer the relay ``side`` with 1 KB continuation turns for ``seconds``."""
     url = side.base_url + "/responses"
     headers = sdk_headers()
     fields = body_fields(stream=True, light=True)
@@ -125,6 +131,21 @@ async def _saturate(
         "turns_per_sidecar_cpu_s": round(done / cpu, 1) if cpu else None,
         "sidecar_cpu_ms_per_turn": round(cpu * 1000 / done, 3) if done else None,
     }
+
+
+def _beside_floor(found: dict[str, JSON], floor: dict[str, JSON]) -> None:
+    """Put the floor relay's saturation figures beside the sidecar's in ``found``."""
+    per_cpu = floor["turns_per_sidecar_cpu_s"]
+    found["floor_aiohttp"] = {
+        "turns": floor["turns"],
+        "errors": floor["errors"],
+        "turns_per_s": floor["turns_per_s"],
+        "cpu_pct_of_one_core": floor["sidecar_cpu_pct_of_one_core"],
+        "turns_per_cpu_s": per_cpu,
+        "cpu_ms_per_turn": floor["sidecar_cpu_ms_per_turn"],
+    }
+    mine = found["turns_per_sidecar_cpu_s"]
+    found["capacity_ratio_sidecar_over_floor"] = round(mine / per_cpu, 3) if mine and per_cpu else None
 
 
 @dataclass(slots=True)
@@ -300,10 +321,12 @@ async def run_capacity(
     twin_every: int,
     seed: int,
     log: Log,
+    floor: FloorProc | None = None,
 ) -> JSON:
-    """Both parts; ``latency`` is the model for the many-conversations part (``fast``)."""
+    """Both parts; ``latency`` is the model for the many-conversations part (``fast``); the
+    saturation part also loads ``floor`` (the aiohttp floor relay) after the sidecar."""
     out: JSON = {"saturation": [], "many": []}
-    with pinned(emu, side) as was_pinned:
+    with pinned(emu, side, floor) as was_pinned:
         out["pinned"] = was_pinned
         await emu.set_latency({})
         for conc in saturation:
@@ -315,6 +338,13 @@ async def run_capacity(
                 f"({found['turns_per_sidecar_cpu_s']} turns per CPU-second), {found['errors']} errors"
             )
             await emu.reset()
+            if floor is not None:
+                _beside_floor(found, await _saturate(floor, conc, seconds, seed))
+                log(
+                    f"  capacity 1k x{conc}, aiohttp floor: {found['floor_aiohttp']['turns_per_cpu_s']} turns per "
+                    f"CPU-second; sidecar / floor {found['capacity_ratio_sidecar_over_floor']}"
+                )
+                await emu.reset()
         await emu.set_latency(latency)
         for n in conversations:
             found = await _many(emu, side, n, turns=turns, tool_ms=tool_ms, twin_every=twin_every, seed=seed)

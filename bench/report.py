@@ -168,11 +168,15 @@ def markdown(report: JSON) -> str:
     if cap:
         lines += ["", f"### Capacity (sidecar pinned to one core: {cap.get('pinned')})", ""]
         lines += ["| 1 KB saturation: clients | Turns/s | Sidecar CPU % of its core | Turns per sidecar CPU-second | "
-                  "Sidecar CPU ms/turn | Errors |", "|---|---|---|---|---|---|"]  # fmt: skip
+                  "Sidecar CPU ms/turn | Errors | aiohttp floor: turns per CPU-second (CPU ms/turn) | "
+                  "Sidecar ÷ floor |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in cap.get("saturation", []):
+            floor = r.get("floor_aiohttp") or {}
+            beside = f"{_f(floor['turns_per_cpu_s'], 0)} ({_f(floor['cpu_ms_per_turn'], 3)})" if floor else "–"
             lines.append(
                 f"| {r['concurrency']} | {_f(r['turns_per_s'], 0)} | {_f(r['sidecar_cpu_pct_of_one_core'], 0)} | "
-                f"{_f(r['turns_per_sidecar_cpu_s'], 0)} | {_f(r['sidecar_cpu_ms_per_turn'], 3)} | {r['errors']} |"
+                f"{_f(r['turns_per_sidecar_cpu_s'], 0)} | {_f(r['sidecar_cpu_ms_per_turn'], 3)} | {r['errors']} | "
+                f"{beside} | {_f(r.get('capacity_ratio_sidecar_over_floor'), 2)} |"
             )
         lines += ["", "| Conversations (twins) | Added p50 / p99 ms | "
                   "Sidecar's own time per continuation p50 / p99 ms | First event added p50 / p99 ms | "

@@ -152,6 +152,11 @@ def targets(report: JSON) -> list[JSON]:
     cap = report.get("capacity") or {}
     best = max((r.get("turns_per_sidecar_cpu_s") or 0 for r in cap.get("saturation", [])), default=None)
     out.append(_target("turns per second on one core at 1k (per sidecar CPU-second)", best, 1500, True))
+    floors = [r["floor_aiohttp"]["turns_per_cpu_s"] for r in cap.get("saturation", []) if r.get("floor_aiohttp")]
+    if floors:
+        # The same target put to the aiohttp floor relay on the same core in the same run.
+        out.append(_target("aiohttp floor relay's turns per CPU-second at 1k (same clients, same core)",
+                           max(floors), 1500, True))  # fmt: skip
     for r in cap.get("many", []):
         out.append(_target(f"p99 added latency, {r['conversations']} conversations (fast, tool time)",
                            r["added_ms"].get("p99"), 20.0, unit=" ms"))  # fmt: skip
