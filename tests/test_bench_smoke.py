@@ -41,6 +41,10 @@ def test_quick_bench_runs_and_reports(tmp_path: Path) -> None:
         assert all(o[name]["turns"] > 0 and o[name]["cpu_ms_per_request"] > 0 for o in report["overhead"])
         # ... taking turns with it a conversation at a time: the ratios see one machine, not two minutes.
         assert all(o[name]["interleaved"] for o in report["overhead"]), [o[name] for o in report["overhead"]]
+    # The capacity phase saturates the aiohttp floor relay too, on the same core, same clients.
+    for row in report["capacity"]["saturation"]:
+        assert row["floor_aiohttp"]["turns"] > 0 and row["floor_aiohttp"]["errors"] == 0, row
+        assert row["capacity_ratio_sidecar_over_floor"] > 0, row
     assert {t["target"] for t in report["targets"]}, "targets are reported"
     # The docs are only rewritten by a full run.
     assert not (tmp_path / "benchmarks.md").exists()
