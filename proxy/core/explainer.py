@@ -11,7 +11,7 @@ of the request's content is returned. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from functools import partial
 
@@ -77,10 +77,11 @@ class MissExplainer:
         self.heads = heads
         self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
         """Per settings digest, one digest per setting (LRU, shared by heads)."""
-        self._ends: OrderedDict[tuple[str, int, bytes], tuple[int, Head]] = OrderedDict()
-        """``(identity, input length, last input item's digest)`` → the latest head recorded
-        with it and its serial: where a busy key's heads are found by a miss without scanning
-        them (an edited early item leaves the head's last input item where it was)."""
+        self._ends: OrderedDict[tuple[str, int, bytes], tuple[int, Hashable, str]] = OrderedDict()
+        """``(identity, input length, last input item's digest)`` → the serial, anchor and
+        response id of the latest head recorded with it: where a busy key's heads are found by
+        a miss without scanning them (an edited early item leaves the head's last input item
+        where it was). Never the head itself: a head the table let go is not kept alive here."""
         self._serial = 0
         """Heads recorded so far (a miss looks only at those recorded before it)."""
         heads.listener = self
@@ -95,7 +96,7 @@ class MissExplainer:
         n, items = head.n_input, head.items
         if n > 0 and items is not None and len(items) == n * DIGEST:
             key = (head.identity, n, items[-DIGEST:])
-            self._ends[key] = (self._serial, head)
+            self._ends[key] = (self._serial, head.anchor, head.response_id)
             self._ends.move_to_end(key)
             while len(self._ends) > self.EXPLAIN_ENDS:
                 self._ends.popitem(last=False)
@@ -145,12 +146,13 @@ class MissExplainer:
         m = len(mine) // DIGEST
         for n in range(m, max(0, m - self.EXPLAIN_REACH), -1):
             entry = self._ends.get((identity, n, mine[(n - 1) * DIGEST : n * DIGEST]))
-            if entry is None or entry[0] > before or id(entry[1]) in seen:
+            if entry is None or entry[0] > before:
                 continue
-            head = entry[1]
-            if self.heads.get(head.anchor) is head:
+            _, anchor, response_id = entry
+            head = self.heads.get(anchor)
+            if head is not None and head.response_id == response_id and id(head) not in seen:
                 seen.add(id(head))
-                taken.append((head, self.heads.prefixes.body(head.anchor)))
+                taken.append((head, self.heads.prefixes.body(anchor)))
 
     def _explain(
         self,

@@ -293,6 +293,38 @@ def test_an_edit_is_explained_behind_thousands_of_heads_found_by_how_its_input_e
     assert now is not None and (now.reason, now.miss_item) == (MissReason.DIVERGED, 0)
 
 
+def test_a_head_the_table_let_go_is_not_kept_alive_for_explanations() -> None:
+    """The explainer's index of heads by how their input ends names heads, it does not hold
+    them: heads the table discarded give their memory back (else up to 10,000 of them would
+    stay, outside the memory budget's count of heads)."""
+    import gc
+    import tracemalloc
+
+    misses = MissExplainer(HeadTable(max_heads=5000, ttl_seconds=600))
+    heads = misses.heads
+    long = [SYSTEM, *({"role": "user", "content": f"step {i}"} for i in range(400))]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(300):
+            r = req([*long, {"role": "user", "content": f"task {i}"}])
+            heads.record("id", f"lane-{i}", r, response(f"resp_{i}", call(i)), 5)
+        del r
+        kept = tracemalloc.get_traced_memory()[0] - before
+        for i in range(300):
+            heads.discard(f"lane-{i}")
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(heads) == 0
+    # Each head held 402 item digests (8 bytes each), its output's fingerprints and fields, and
+    # its body (hot, for the next turn's prefix): all of it goes but the index's small entries.
+    digests = 300 * 402 * 8
+    assert kept > digests, kept
+    assert left < digests / 2, (left, kept)
+
+
 COMMENTARY = {
     "id": "msg_c1",
     "type": "message",
