@@ -62,9 +62,6 @@ class MissExplainer:
     EXPLAIN_SCAN = 16
     """Most recent heads looked at (of any identity) when the miss happens (with their kept
     bodies: the head the request's own answer replaces is among them)."""
-    EXPLAIN_ENDS = 10_000
-    """Heads remembered by how their input ends (:meth:`_ends`): one entry each, least recently
-    recorded forgotten first; an entry whose head left the table is skipped."""
     EXPLAIN_REACH = 512
     """Request positions looked up in that index per miss (the last ones): bounded cost."""
     EXPLAIN_PARSE_BYTES = 4 * 1024 * 1024
@@ -81,7 +78,9 @@ class MissExplainer:
         """``(identity, input length, last input item's digest)`` → the serial, anchor and
         response id of the latest head recorded with it: where a busy key's heads are found by
         a miss without scanning them (an edited early item leaves the head's last input item
-        where it was). Never the head itself: a head the table let go is not kept alive here."""
+        where it was). Never the head itself: a head the table let go is not kept alive here.
+        As many entries as the table keeps heads (``max_heads``), least recently recorded
+        forgotten first; an entry whose head left the table is skipped."""
         self._serial = 0
         """Heads recorded so far (a miss looks only at those recorded before it)."""
         heads.listener = self
@@ -98,7 +97,7 @@ class MissExplainer:
             key = (head.identity, n, items[-DIGEST:])
             self._ends[key] = (self._serial, head.anchor, head.response_id)
             self._ends.move_to_end(key)
-            while len(self._ends) > self.EXPLAIN_ENDS:
+            while len(self._ends) > self.heads.max_heads:
                 self._ends.popitem(last=False)
         digest = head.settings
         if digest in self._settings_fields:

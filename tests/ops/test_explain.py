@@ -288,7 +288,9 @@ def test_an_edit_is_explained_behind_thousands_of_heads_found_by_how_its_input_e
     r = req([dict(fresh[0], content="Another agent, edited."), *fresh[1:], call(1), result(1)])
     later = misses.explain_later("id", r, heads.lookup("id", r, 10, IDLE).reason)
     heads.record("id", "s2", req(fresh), response("resp_f1", call(1)), 12)
-    assert later is not None and (later().reason, later().miss_item) == (MissReason.NO_HEAD, None)
+    assert later is not None
+    exp = later()
+    assert exp is not None and (exp.reason, exp.miss_item) == (MissReason.NO_HEAD, None)
     now = misses.explain("id", r, MissReason.NO_HEAD)
     assert now is not None and (now.reason, now.miss_item) == (MissReason.DIVERGED, 0)
 
