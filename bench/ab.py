@@ -6,6 +6,7 @@
     python -m bench.ab --base fc58807 --emulator-args "--delta-chars 2"   # many small deltas per turn
     python -m bench.ab --base fc58807 --no-stream     # stream: false turns (JSON answers)
     python -m proxy.build && python -m bench.ab --base fc58807 --compiled-base   # both compiled
+    python -m bench.ab --base fc58807 --saturate 32 --seconds 8   # the capacity phase's load instead
 
 One emulator (zero latency) serves two sidecar processes: **A** runs the code of ``--base``
 (a detached ``git worktree`` in a temporary directory, removed afterwards), **B** this checkout's
@@ -16,6 +17,12 @@ the median over rounds of each side's CPU per turn and added p50, B/A of those m
 median of each round's own CPU B/A (A and B of a size run back to back, seconds apart). A
 single run of ``python -m bench`` cannot tell a 10 % change from the machine's own drift (it
 moved by a quarter between runs of one afternoon); this can.
+
+``--saturate N`` compares what the capacity phase measures instead: per round, N lean clients
+hammer A and then B (or B then A) with 1 KB continuation turns for ``--seconds`` each, the
+sidecar pinned to one core (:func:`bench.capacity.saturate`); reported are the turns per
+sidecar CPU-second. A lever that costs per request in flight (the collector walking the
+requests' young objects) shows there and not in the added-latency phase's one turn at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .capacity import pinned, saturate
 from .overhead import run_overhead
 from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
 from .stats import percentile
@@ -54,6 +62,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="compile A's worktree (python -m proxy.build --root): compiled against compiled, "
                         "when this tree is compiled in place too")  # fmt: skip
     p.add_argument("--no-stream", action="store_true", help="stream: false turns (JSON answers) instead of SSE")
+    p.add_argument("--saturate", type=int, default=0, metavar="N",
+                   help="compare turns per sidecar CPU-second under N concurrent clients (the capacity "
+                        "phase's load, 1 KB turns) instead of the added-latency phase")  # fmt: skip
+    p.add_argument("--seconds", type=float, default=8.0, help="with --saturate: seconds per side per round")
     p.add_argument("--json", type=Path, help="also write the figures here")
     return p.parse_args(argv)
 
@@ -88,10 +100,14 @@ async def _compare(
         print(f"[ab] round {r + 1}/{rounds} done", flush=True)
     for proc in (*sides.values(), emu):
         proc.stop()
+    return _summary(samples, sizes, logs)
+
+
+def _summary(samples: dict[str, dict[str, list[tuple[float, float]]]], sizes: list[str], logs: Path) -> JSON:
     out: JSON = {"sizes": {}, "logs": str(logs)}
     for size in sizes:
         row: JSON = {}
-        for name in sides:
+        for name in samples:
             cpu = [c for c, _ in samples[name][size]]
             added = [a for _, a in samples[name][size]]
             row[name] = {
@@ -110,6 +126,39 @@ async def _compare(
     return out
 
 
+async def _compare_saturated(base_dir: Path, clients: int, seconds: float, rounds: int) -> JSON:
+    """Each round: ``clients`` lean clients against A and against B in turn (the order
+    alternating), each sidecar pinned to the same core while it is measured."""
+    logs = Path(tempfile.mkdtemp(prefix="upshift-ab-"))
+    emu = EmulatorProc(logs, ZERO)
+    emu.start()
+    await emu.ready()
+    sides = {"A": SidecarProc(logs / "a", emu.base_url), "B": SidecarProc(logs / "b", emu.base_url)}
+    sides["A"].cwd = base_dir
+    for side in sides.values():
+        side.start()
+        await side.ready()
+    rates: dict[str, list[float]] = {"A": [], "B": []}
+    for r in range(rounds):
+        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            with pinned(emu, sides[name]):
+                res = await saturate(sides[name], clients, seconds, 100 + r)
+            if res["errors"]:
+                raise RuntimeError(f"{name}: {res['errors']} turns failed under load")
+            rates[name].append(float(res["turns_per_sidecar_cpu_s"]))
+        print(f"[ab] round {r + 1}/{rounds} done", flush=True)
+    for proc in (*sides.values(), emu):
+        proc.stop()
+    a, b = statistics.median(rates["A"]), statistics.median(rates["B"])
+    row: JSON = {
+        "A": {"turns_per_cpu_s": round(a, 1), "rounds": [round(x, 1) for x in rates["A"]]},
+        "B": {"turns_per_cpu_s": round(b, 1), "rounds": [round(x, 1) for x in rates["B"]]},
+        "B_over_A": round(b / a, 3),
+        "B_over_A_paired": round(statistics.median(y / x for x, y in zip(rates["A"], rates["B"], strict=True)), 3),
+    }
+    return {"saturated": row, "clients": clients, "seconds": seconds, "logs": str(logs)}
+
+
 def _quiet(_: str) -> None:
     pass
 
@@ -126,16 +175,26 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.compiled_base:
                 subprocess.run([sys.executable, "-m", "proxy.build", "--root", str(base_dir)], cwd=base_dir, check=True)
-            out = asyncio.run(
-                _compare(base_dir, sizes, args.rounds, args.reps, args.tls, args.emulator_args, not args.no_stream)
-            )
+            if args.saturate:
+                out = asyncio.run(_compare_saturated(base_dir, args.saturate, args.seconds, args.rounds))
+            else:
+                out = asyncio.run(
+                    _compare(base_dir, sizes, args.rounds, args.reps, args.tls, args.emulator_args, not args.no_stream)
+                )
         finally:
             stop_all()
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], check=False)
     out["base"], out["tls"], out["emulator_args"] = args.base, args.tls, args.emulator_args
     out["stream"] = not args.no_stream
     out["compiled_base"] = args.compiled_base
-    for size, row in out["sizes"].items():
+    if args.saturate:
+        row = out["saturated"]
+        print(
+            f"saturated ({args.saturate} clients, 1 KB turns): turns per sidecar CPU-second A "
+            f"{row['A']['turns_per_cpu_s']:.0f}, B {row['B']['turns_per_cpu_s']:.0f} (B/A {row['B_over_A']:.3f}); "
+            f"medians of {args.rounds} rounds; B/A per round, median {row['B_over_A_paired']:.3f}"
+        )
+    for size, row in out.get("sizes", {}).items():
         print(
             f"{size}: CPU/turn A {row['A']['cpu_ms_per_turn']:.2f} ms, B {row['B']['cpu_ms_per_turn']:.2f} ms "
             f"(B/A {row['B_over_A_cpu']:.3f}); added p50 A {row['A']['added_p50_ms']:.2f} ms, "

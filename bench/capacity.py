@@ -41,7 +41,7 @@ from .procs import EmulatorProc, SidecarProc
 from .stats import summary
 from .workload import AgentHistory, body_fields
 
-__all__ = ["run_capacity"]
+__all__ = ["pinned", "run_capacity", "saturate"]
 
 JSON = Any
 Log = Callable[[str], None]
@@ -76,7 +76,7 @@ def _calls(response: JSON) -> list[JSON]:
     return [o for o in (response or {}).get("output") or [] if o.get("type") == "function_call"]
 
 
-async def _saturate(
+async def saturate(
     side: SidecarProc | FloorProc, concurrency: int, seconds: float, seed: int, chain_turns: int = 6
 ) -> dict[str, JSON]:
     """Lean clients hammer the relay ``side`` with 1 KB continuation turns for ``seconds``."""
@@ -330,7 +330,7 @@ async def run_capacity(
         out["pinned"] = was_pinned
         await emu.set_latency({})
         for conc in saturation:
-            found = await _saturate(side, conc, seconds, seed)
+            found = await saturate(side, conc, seconds, seed)
             out["saturation"].append(found)
             log(
                 f"  capacity 1k x{conc}: {found['turns_per_s']:.0f} turns/s, sidecar at "
@@ -339,7 +339,7 @@ async def run_capacity(
             )
             await emu.reset()
             if floor is not None:
-                _beside_floor(found, await _saturate(floor, conc, seconds, seed))
+                _beside_floor(found, await saturate(floor, conc, seconds, seed))
                 log(
                     f"  capacity 1k x{conc}, aiohttp floor: {found['floor_aiohttp']['turns_per_cpu_s']} turns per "
                     f"CPU-second; sidecar / floor {found['capacity_ratio_sidecar_over_floor']}"

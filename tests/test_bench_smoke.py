@@ -72,6 +72,22 @@ def test_ab_compares_a_commit_with_the_working_tree(tmp_path: Path) -> None:
     assert after == before  # the base worktree is gone
 
 
+def test_ab_saturated_compares_turns_per_cpu_second(tmp_path: Path) -> None:
+    """`python -m bench.ab --saturate N`: the capacity phase's load on A and on B in turn, each
+    side's turns per sidecar CPU-second per round."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: bench.ab needs the base commit")
+    out = tmp_path / "ab.json"
+    argv = [sys.executable, "-m", "bench.ab", "--base", "HEAD", "--saturate", "4", "--seconds", "1", "--rounds", "2",
+            "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    row = json.loads(out.read_text())["saturated"]
+    for side in ("A", "B"):
+        assert len(row[side]["rounds"]) == 2 and all(rate > 0 for rate in row[side]["rounds"])
+    assert row["B_over_A"] > 0 and "saturated (4 clients, 1 KB turns): turns per sidecar CPU-second A" in proc.stdout
+
+
 # -- bench.budget: perf's samples into rows ----------------------------------------------------------
 
 _SCRIPT_FLAT = """\
