@@ -80,7 +80,11 @@ class MissExplainer:
         a miss without scanning them (an edited early item leaves the head's last input item
         where it was). Never the head itself: a head the table let go is not kept alive here.
         As many entries as the table keeps heads (``max_heads``), least recently recorded
-        forgotten first; an entry whose head left the table is skipped."""
+        forgotten first; an entry whose head left the table is skipped, and the one an anchor's
+        previous head left is dropped when the anchor records its next (a conversation's turns
+        leave one entry, not one each)."""
+        self._end_of: dict[Hashable, tuple[str, int, bytes]] = {}
+        """Anchor → its latest head's key in :attr:`_ends`."""
         self._serial = 0
         """Heads recorded so far (a miss looks only at those recorded before it)."""
         heads.listener = self
@@ -95,10 +99,22 @@ class MissExplainer:
         n, items = head.n_input, head.items
         if n > 0 and items is not None and len(items) == n * DIGEST:
             key = (head.identity, n, items[-DIGEST:])
-            self._ends[key] = (self._serial, head.anchor, head.response_id)
+            anchor = head.anchor
+            previous = self._end_of.get(anchor)
+            if previous is not None and previous != key:
+                entry = self._ends.get(previous)
+                if entry is not None and entry[1] == anchor:  # (else another anchor's since)
+                    del self._ends[previous]
+            prior = self._ends.get(key)
+            if prior is not None and prior[1] != anchor and self._end_of.get(prior[1]) == key:
+                del self._end_of[prior[1]]  # another anchor's head ended alike: this one's now
+            self._end_of[anchor] = key
+            self._ends[key] = (self._serial, anchor, head.response_id)
             self._ends.move_to_end(key)
             while len(self._ends) > self.heads.max_heads:
-                self._ends.popitem(last=False)
+                old, (_, gone, _) = self._ends.popitem(last=False)
+                if self._end_of.get(gone) == old:
+                    del self._end_of[gone]
         digest = head.settings
         if digest in self._settings_fields:
             self._settings_fields.move_to_end(digest)

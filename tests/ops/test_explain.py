@@ -327,6 +327,37 @@ def test_a_head_the_table_let_go_is_not_kept_alive_for_explanations() -> None:
     assert left < digests / 2, (left, kept)
 
 
+def test_a_conversations_turns_leave_one_index_entry() -> None:
+    """Each turn of a conversation records a head on its anchor, replacing the last one: the
+    explainer's index keeps one entry for it, not one a turn (a soak of 10,000 turns grew by the
+    entries of heads long gone, up to the table's 10,000)."""
+    import gc
+    import tracemalloc
+
+    misses = MissExplainer(HeadTable(max_heads=5000, ttl_seconds=600))
+    heads = misses.heads
+    steps = [{"role": "user", "content": f"step {i}"} for i in range(2_020)]
+
+    def turn(i: int) -> None:  # a sliding window: every turn's input is 21 items long
+        heads.record("id", "lane-0", req([SYSTEM, *steps[i : i + 20]]), response(f"resp_{i}", call(i)), 5)
+
+    for i in range(200):
+        turn(i)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200, 2_000):
+            turn(i)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(heads) == 1
+    # 1,800 index entries (a key, a response id, an ordered-dict link) would be well over 300 KB.
+    assert grown < 1_800 * 100, grown
+
+
 COMMENTARY = {
     "id": "msg_c1",
     "type": "message",
