@@ -22,8 +22,8 @@ __all__ = ["YOUNG_THRESHOLD", "loop_name", "run"]
 T = TypeVar("T")
 
 YOUNG_THRESHOLD = 7_000
-"""Net allocations between two collections of the youngest generation (see the module's doc and
-:func:`run`)."""
+"""Net allocations between two collections of the youngest generation (see the module's doc;
+the older generations keep CPython's thresholds)."""
 
 
 def loop_name() -> str:
@@ -36,11 +36,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     generation at :data:`YOUNG_THRESHOLD` (restored on return)."""
     before = gc.get_threshold()
     if 0 < before[0] < YOUNG_THRESHOLD:  # (0: collection turned off; a higher one: chosen)
-        # Every collection then takes the middle generation too (it holds one collection's
-        # survivors), so the oldest is looked at as often as with CPython's thresholds (every
-        # ~11 × 7,000 allocations, against 11 × 10 × 700): cyclic garbage promoted to it waits
-        # no longer than it did.
-        gc.set_threshold(YOUNG_THRESHOLD, 0, before[2])
+        gc.set_threshold(YOUNG_THRESHOLD, *before[1:])
     try:
         try:
             import uvloop
