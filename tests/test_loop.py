@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
-from proxy.loop import YOUNG_THRESHOLD, loop_name, run
+from proxy.loop import loop_name, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,21 +24,6 @@ def test_run_uses_that_loop() -> None:
 
     module = run(which())
     assert module.startswith("uvloop") == (loop_name() == "uvloop")
-
-
-def test_run_collects_the_young_generation_less_often_and_restores_it() -> None:
-    async def threshold() -> tuple[int, int, int]:
-        return gc.get_threshold()
-
-    before = gc.get_threshold()
-    try:
-        gc.set_threshold(700, 10, 10)  # CPython's default
-        assert run(threshold()) == (YOUNG_THRESHOLD, 10, 10)
-        assert gc.get_threshold() == (700, 10, 10)
-        gc.set_threshold(50_000, 5, 5)  # a process that chose its own keeps it
-        assert run(threshold()) == (50_000, 5, 5)
-    finally:
-        gc.set_threshold(*before)
 
 
 def test_version_names_the_loop() -> None:
