@@ -54,10 +54,14 @@ __all__ = ["Head", "HeadTable", "Keeper", "Listener", "Lookup", "Match", "MissRe
 
 
 class Listener(Protocol):
-    """Told of the heads the table records (the miss explainer)."""
+    """Told of the heads the table records and lets go (the miss explainer)."""
 
     def recorded(self, head: Head, req: ParsedRequest) -> None:
         """``head`` was recorded from the full history ``req`` (never for a chained request)."""
+        ...
+
+    def discarded(self, head: Head) -> None:
+        """``head`` (not chained) left the table; ``head.anchor`` is still the one it had."""
         ...
 
 
@@ -671,6 +675,8 @@ class HeadTable:
             del self._by_response[head.response_id]
         if head.chained:
             return
+        if self.listener is not None:
+            self.listener.discarded(head)
         self.prefixes.take(anchor)
         key = self._key(head)
         anchors = self._index.get(key)

@@ -74,17 +74,13 @@ class MissExplainer:
         self.heads = heads
         self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
         """Per settings digest, one digest per setting (LRU, shared by heads)."""
-        self._ends: OrderedDict[tuple[str, int, bytes], tuple[int, Hashable, str]] = OrderedDict()
+        self._ends: dict[tuple[str, int, bytes], tuple[int, Hashable, str]] = {}
         """``(identity, input length, last input item's digest)`` → the serial, anchor and
         response id of the latest head recorded with it: where a busy key's heads are found by
         a miss without scanning them (an edited early item leaves the head's last input item
-        where it was). Never the head itself: a head the table let go is not kept alive here.
-        As many entries as the table keeps heads (``max_heads``), least recently recorded
-        forgotten first; an entry whose head left the table is skipped, and the one an anchor's
-        previous head left is dropped when the anchor records its next (a conversation's turns
-        leave one entry, not one each)."""
-        self._end_of: dict[Hashable, tuple[str, int, bytes]] = {}
-        """Anchor → its latest head's key in :attr:`_ends`."""
+        where it was). Never the head itself: a head the table let go is not kept alive here,
+        and its entry goes with it (:meth:`discarded`), so there are never more entries than
+        heads in the table (a conversation's turns leave one, not one each)."""
         self._serial = 0
         """Heads recorded so far (a miss looks only at those recorded before it)."""
         heads.listener = self
@@ -96,25 +92,9 @@ class MissExplainer:
         """``head`` was recorded from the full history ``req``: keep its settings' digests and
         index it by how its input ends."""
         self._serial += 1
-        n, items = head.n_input, head.items
-        if n > 0 and items is not None and len(items) == n * DIGEST:
-            key = (head.identity, n, items[-DIGEST:])
-            anchor = head.anchor
-            previous = self._end_of.get(anchor)
-            if previous is not None and previous != key:
-                entry = self._ends.get(previous)
-                if entry is not None and entry[1] == anchor:  # (else another anchor's since)
-                    del self._ends[previous]
-            prior = self._ends.get(key)
-            if prior is not None and prior[1] != anchor and self._end_of.get(prior[1]) == key:
-                del self._end_of[prior[1]]  # another anchor's head ended alike: this one's now
-            self._end_of[anchor] = key
-            self._ends[key] = (self._serial, anchor, head.response_id)
-            self._ends.move_to_end(key)
-            while len(self._ends) > self.heads.max_heads:
-                old, (_, gone, _) = self._ends.popitem(last=False)
-                if self._end_of.get(gone) == old:
-                    del self._end_of[gone]
+        key = _end_key(head)
+        if key is not None:
+            self._ends[key] = (self._serial, head.anchor, head.response_id)
         digest = head.settings
         if digest in self._settings_fields:
             self._settings_fields.move_to_end(digest)
@@ -122,6 +102,16 @@ class MissExplainer:
         self._settings_fields[digest] = settings_fields(req.fields)
         while len(self._settings_fields) > self.MAX_SETTINGS_FIELDS:
             self._settings_fields.popitem(last=False)
+
+    def discarded(self, head: Head) -> None:
+        """``head`` left the table (replaced, expired, evicted, its socket closed or its
+        anchor rekeyed): its entry in the index goes, unless a later head ending alike, under
+        another anchor, took the entry over."""
+        key = _end_key(head)
+        if key is not None:
+            entry = self._ends.get(key)
+            if entry is not None and entry[1] == head.anchor:
+                del self._ends[key]
 
     def explain(self, identity: str, req: ParsedRequest, reason: Reason | None) -> Explanation | None:
         """Say where a missed request departs from its best candidate head, or ``None``.
@@ -236,3 +226,12 @@ class MissExplainer:
 
 def _with_identity(explanation: Explanation, identity: str) -> Explanation:
     return replace(explanation, identity=identity)
+
+
+def _end_key(head: Head) -> tuple[str, int, bytes] | None:
+    """Where :attr:`MissExplainer._ends` files ``head``: its identity, input length and last
+    input item's digest (``None`` without item digests)."""
+    n, items = head.n_input, head.items
+    if n > 0 and items is not None and len(items) == n * DIGEST:
+        return head.identity, n, items[-DIGEST:]
+    return None
