@@ -70,15 +70,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _compare(
-    base_dir: Path,
-    sizes: list[str],
-    rounds: int,
-    reps: int,
-    tls: bool = False,
-    emulator_args: str = "",
-    stream: bool = True,
-) -> JSON:
+async def _start(
+    base_dir: Path, tls: bool = False, emulator_args: str = ""
+) -> tuple[Path, EmulatorProc, dict[str, SidecarProc]]:
+    """A zero-latency emulator and two sidecars on it, ready: A from ``base_dir``, B from this
+    checkout; their logs under a new temporary directory."""
     logs = Path(tempfile.mkdtemp(prefix="upshift-ab-"))
     ca = LoopbackCA.create(logs / "tls") if tls else None
     emu = EmulatorProc(logs, ZERO, shlex.split(emulator_args), tls=ca)
@@ -89,6 +85,19 @@ async def _compare(
     for side in sides.values():
         side.start()
         await side.ready()
+    return logs, emu, sides
+
+
+async def _compare(
+    base_dir: Path,
+    sizes: list[str],
+    rounds: int,
+    reps: int,
+    tls: bool = False,
+    emulator_args: str = "",
+    stream: bool = True,
+) -> JSON:
+    logs, emu, sides = await _start(base_dir, tls, emulator_args)
     samples: dict[str, dict[str, list[tuple[float, float]]]] = {n: {z: [] for z in sizes} for n in sides}
     for r in range(rounds):
         for size in sizes:  # A and B back to back per size: seconds apart, not a whole round
@@ -129,15 +138,7 @@ def _summary(samples: dict[str, dict[str, list[tuple[float, float]]]], sizes: li
 async def _compare_saturated(base_dir: Path, clients: int, seconds: float, rounds: int) -> JSON:
     """Each round: ``clients`` lean clients against A and against B in turn (the order
     alternating), each sidecar pinned to the same core while it is measured."""
-    logs = Path(tempfile.mkdtemp(prefix="upshift-ab-"))
-    emu = EmulatorProc(logs, ZERO)
-    emu.start()
-    await emu.ready()
-    sides = {"A": SidecarProc(logs / "a", emu.base_url), "B": SidecarProc(logs / "b", emu.base_url)}
-    sides["A"].cwd = base_dir
-    for side in sides.values():
-        side.start()
-        await side.ready()
+    logs, emu, sides = await _start(base_dir)
     rates: dict[str, list[float]] = {"A": [], "B": []}
     for r in range(rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
