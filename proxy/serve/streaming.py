@@ -196,9 +196,14 @@ class Downstream:
                 await self.end()
             return
         response = await self.answer(finished(channel, False))
-        await response.prepare(self.request)
-        await response.write_eof()
         self.response = response
+        try:
+            await response.prepare(self.request)
+            await response.write_eof()
+        except ConnectionResetError:
+            # The app hung up before its answer: the response is complete upstream and its
+            # head recorded; there is nobody to give it to (aiohttp's own finish sees the same).
+            self.gone = True
 
     async def answer(self, answer: Answer) -> web.StreamResponse:
         """Give the app ``answer`` (chosen by :func:`proxy.core.answer.decide`); one :meth:`settle`
