@@ -4,6 +4,7 @@ one SDK client per conversation reaches the owner directly from its second turn 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -28,6 +29,8 @@ from .support import HEADERS, KEY, STEPS, first_body, free_ports, owner_of, wait
 from .test_workers import Samples, metrics, start_workers
 
 CONVERSATIONS = 200
+SPREAD = 2.0
+"""Seconds over which the conversations start, and resume after the first turns."""
 WORKERS = ("worker-0", "worker-1", "worker-2")
 
 
@@ -64,21 +67,29 @@ async def test_one_sdk_client_per_conversation_lands_on_its_owner_after_turn_one
 
     async with aiohttp.ClientSession() as session:
 
-        async def barrier(turn: int) -> None:
+        async def barrier(conversation: int, turn: int) -> None:
             # Every conversation's first turn completes, the metrics are read, then the rest run.
+            # The 200 loops start (and resume) spread over 2 s, as an app's would, not in one
+            # instant: 200 SDK clients in this one event loop, let go at once, delay their own
+            # request bodies behind each other's work by seconds on a loaded machine, past the
+            # sidecar's 5 s body grace (a 408 the SDK would retry; these clients do not retry).
             nonlocal first_done, snapshot
-            if turn != 1:
-                return
-            first_done += 1
-            if first_done == CONVERSATIONS:
-                snapshot = await metrics(proc, session)
-                all_first.set()
-            await all_first.wait()
+            if turn == 1:
+                first_done += 1
+                if first_done == CONVERSATIONS:
+                    snapshot = await metrics(proc, session)
+                    all_first.set()
+                await all_first.wait()
+            if turn <= 1:
+                await asyncio.sleep(conversation * SPREAD / CONVERSATIONS)
 
         captures = [Capture() for _ in tasks]
         clients = [c.async_client(proc.base_url, api_key=KEY) for c in captures]
         runs = await asyncio.gather(
-            *(run_loop_async(client, t, before_turn=barrier) for client, t in zip(clients, tasks, strict=True))
+            *(
+                run_loop_async(client, t, before_turn=functools.partial(barrier, i))
+                for i, (client, t) in enumerate(zip(clients, tasks, strict=True))
+            )
         )
         seen = await metrics(proc, session)
     for client in clients:
