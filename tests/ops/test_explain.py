@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import sys
+import tracemalloc
 from typing import Any
 
 from proxy.core.conversation import HeadTable, MissReason
@@ -299,9 +301,6 @@ def test_a_head_the_table_let_go_is_not_kept_alive_for_explanations() -> None:
     """The explainer's index of heads by how their input ends names heads, it does not hold
     them: heads the table discarded give their memory back (else up to 10,000 of them would
     stay, outside the memory budget's count of heads)."""
-    import gc
-    import tracemalloc
-
     misses = MissExplainer(HeadTable(max_heads=5000, ttl_seconds=600))
     heads = misses.heads
     long = [SYSTEM, *({"role": "user", "content": f"step {i}"} for i in range(400))]
@@ -331,9 +330,6 @@ def test_a_conversations_turns_leave_one_index_entry() -> None:
     """Each turn of a conversation records a head on its anchor, replacing the last one: the
     explainer's index keeps one entry for it, not one a turn (a soak of 10,000 turns grew by the
     entries of heads long gone, up to the table's 10,000)."""
-    import gc
-    import tracemalloc
-
     misses = MissExplainer(HeadTable(max_heads=5000, ttl_seconds=600))
     heads = misses.heads
     steps = [{"role": "user", "content": f"step {i}"} for i in range(2_020)]
@@ -354,7 +350,8 @@ def test_a_conversations_turns_leave_one_index_entry() -> None:
     finally:
         tracemalloc.stop()
     assert len(heads) == 1
-    # 1,800 index entries (a key, a response id, an ordered-dict link) would be well over 300 KB.
+    # 1,800 index entries (a key tuple, its serial, anchor and response id, a dict slot) would be
+    # well over 300 KB.
     assert grown < 1_800 * 100, grown
 
 
