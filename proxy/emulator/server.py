@@ -180,10 +180,8 @@ class Emulator:
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         self.tls = ssl_context is not None
         await site.start()
-        server = site._server
-        assert server is not None and isinstance(server, asyncio.base_events.Server)
         self.host = host
-        self.port = int(server.sockets[0].getsockname()[1])
+        self.port = int(next(a for a in self._runner.addresses if isinstance(a, tuple))[1])
 
     async def stop(self) -> None:
         """Close every socket (1001) and stop listening."""
