@@ -399,11 +399,28 @@ class BodyClock:
         self.grace = limits.body_grace_seconds
 
 
+_LAST_LOOK_SECONDS = 0.05
+"""How long a body's verdict waits for the loop to read what already arrived (BodyWatch)."""
+
+
 class BodyWatch:
     """Enforces a :class:`BodyClock` on one body with one timer (re-armed only when it fires,
-    at most once per grace period): nothing is done per chunk but counting."""
+    at most once per grace period, and once more for a last look before a verdict): nothing is
+    done per chunk but counting."""
 
-    __slots__ = ("arrived", "began", "clock", "content", "fired", "handle", "last", "loop", "paused", "paused_since")
+    __slots__ = (
+        "arrived",
+        "began",
+        "clock",
+        "content",
+        "fired",
+        "handle",
+        "last",
+        "loop",
+        "looked",
+        "paused",
+        "paused_since",
+    )
 
     def __init__(self, clock: BodyClock, content: Any) -> None:
         self.clock = clock
@@ -415,6 +432,7 @@ class BodyWatch:
         self.paused_since: float | None = None
         self.fired: BodyTimeout | None = None
         self.handle: asyncio.TimerHandle | None = None
+        self.looked = False
         self._arm(self.began)
 
     def _due(self, now: float) -> float:
@@ -434,7 +452,16 @@ class BodyWatch:
             return
         due = self._due(now)
         if now + 0.001 < due:
+            self.looked = False
             self.handle = self.loop.call_at(due, self._check)
+            return
+        if not self.looked:
+            # One last look before a verdict: after a stall of the sidecar's own loop, bytes the
+            # app sent in time may still sit unread in the socket (uvloop can run a due timer
+            # before it polls) or read but not yet taken by the handler. A few turns of the loop
+            # let them be counted; the app is judged by when it sent, not by when we read.
+            self.looked = True
+            self.handle = self.loop.call_at(now + _LAST_LOOK_SECONDS, self._check)
             return
         c = self.clock
         if now >= c.deadline - 0.001:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
 import time
 
 import aiohttp
 import orjson
 import pytest
 
+from proxy.config import Settings
 from proxy.emulator import Emulator, context_digest
 from tests.exposition import metric
 from tests.security.ingress import (
@@ -29,6 +32,7 @@ from tests.security.ingress import (
     raw_head,
     started,
 )
+from tests.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,3 +229,48 @@ async def test_a_stalled_upload_on_another_route_gets_408_at_the_deadline(emulat
             side.base_url + "/files", data=upload, headers={"Authorization": f"Bearer {MALLORY}"}
         ) as resp:
             assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_body_that_arrived_while_the_sidecars_own_loop_stalled_is_not_late(loop_kind: str) -> None:
+    """The app is judged by when its bytes arrived, not by when the sidecar got round to reading
+    them: with the sidecar's own loop stalled past the body grace (a long GC pause, a blocked
+    CPU), the rest of the body arrives 1 s into the stall. When the loop wakes, the grace timer is
+    overdue and the bytes are unread: in the socket still (uvloop runs due timers before it
+    polls), or read but not yet taken by the handler (asyncio). A 408 then would blame the app
+    for the sidecar's stall. Under both event loops the sidecar runs on."""
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    else:
+        runner = asyncio.Runner()
+    with runner:
+        status, data = runner.run(_stalled_sidecar())
+    assert status == 200, data[:300]
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["status"] == "completed"
+
+
+async def _stalled_sidecar() -> tuple[int, bytes]:
+    grace = Settings().limits.body_grace_seconds  # the default a user has (5 s)
+    async with Emulator() as emu, Sidecar(emu.base_url) as sc:
+        # Larger than one read of the socket: the handler takes it in several chunks.
+        payload = orjson.dumps({"model": "gpt-5", "input": "x" * MIB, "store": False})
+        head = (
+            f"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1:{sc.port}\r\nAuthorization: Bearer {ALICE}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+        )
+        app = socket.create_connection(("127.0.0.1", sc.port))
+        try:
+            app.sendall(head.encode() + payload[:1])
+            await asyncio.sleep(0.5)  # the sidecar reads the head: the body's clock runs
+            rest = threading.Timer(1.0, app.sendall, args=(payload[1:],))  # the app is on time
+            rest.start()
+            time.sleep(grace + 1.5)  # the sidecar's loop (this one) stalls past the grace
+            app.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=app)
+            data = await _until_closed(reader, 15)
+            writer.close()
+            await asyncio.to_thread(rest.join)
+        finally:
+            app.close()
+    return int(data.split(b" ", 2)[1]), data
