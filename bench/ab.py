@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -70,22 +72,29 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _start(
+@contextlib.asynccontextmanager
+async def _started(
     base_dir: Path, tls: bool = False, emulator_args: str = ""
-) -> tuple[Path, EmulatorProc, dict[str, SidecarProc]]:
+) -> AsyncIterator[tuple[Path, EmulatorProc, dict[str, SidecarProc]]]:
     """A zero-latency emulator and two sidecars on it, ready: A from ``base_dir``, B from this
-    checkout; their logs under a new temporary directory."""
+    checkout; their logs under a new temporary directory. All three are stopped on the way out,
+    also when a round fails."""
     logs = Path(tempfile.mkdtemp(prefix="upshift-ab-"))
     ca = LoopbackCA.create(logs / "tls") if tls else None
     emu = EmulatorProc(logs, ZERO, shlex.split(emulator_args), tls=ca)
-    emu.start()
-    await emu.ready()
-    sides = {"A": SidecarProc(logs / "a", emu.base_url, tls=ca), "B": SidecarProc(logs / "b", emu.base_url, tls=ca)}
-    sides["A"].cwd = base_dir
-    for side in sides.values():
-        side.start()
-        await side.ready()
-    return logs, emu, sides
+    sides: dict[str, SidecarProc] = {}
+    try:
+        emu.start()
+        await emu.ready()
+        sides.update(A=SidecarProc(logs / "a", emu.base_url, tls=ca), B=SidecarProc(logs / "b", emu.base_url, tls=ca))
+        sides["A"].cwd = base_dir
+        for side in sides.values():
+            side.start()
+            await side.ready()
+        yield logs, emu, sides
+    finally:
+        for proc in (*sides.values(), emu):
+            proc.stop()
 
 
 async def _compare(
@@ -97,18 +106,16 @@ async def _compare(
     emulator_args: str = "",
     stream: bool = True,
 ) -> JSON:
-    logs, emu, sides = await _start(base_dir, tls, emulator_args)
-    samples: dict[str, dict[str, list[tuple[float, float]]]] = {n: {z: [] for z in sizes} for n in sides}
-    for r in range(rounds):
-        for size in sizes:  # A and B back to back per size: seconds apart, not a whole round
-            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                (res,) = await run_overhead(
-                    emu, sides[name], [size], reps=reps, seed=100 + r, warmup=2, log=_quiet, stream=stream
-                )
-                samples[name][size].append((res.cpu_ms_per_request, percentile(res.added_total, 50)))
-        print(f"[ab] round {r + 1}/{rounds} done", flush=True)
-    for proc in (*sides.values(), emu):
-        proc.stop()
+    async with _started(base_dir, tls, emulator_args) as (logs, emu, sides):
+        samples: dict[str, dict[str, list[tuple[float, float]]]] = {n: {z: [] for z in sizes} for n in sides}
+        for r in range(rounds):
+            for size in sizes:  # A and B back to back per size: seconds apart, not a whole round
+                for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                    (res,) = await run_overhead(
+                        emu, sides[name], [size], reps=reps, seed=100 + r, warmup=2, log=_quiet, stream=stream
+                    )
+                    samples[name][size].append((res.cpu_ms_per_request, percentile(res.added_total, 50)))
+            print(f"[ab] round {r + 1}/{rounds} done", flush=True)
     return _summary(samples, sizes, logs)
 
 
@@ -138,18 +145,16 @@ def _summary(samples: dict[str, dict[str, list[tuple[float, float]]]], sizes: li
 async def _compare_saturated(base_dir: Path, clients: int, seconds: float, rounds: int) -> JSON:
     """Each round: ``clients`` lean clients against A and against B in turn (the order
     alternating), each sidecar pinned to the same core while it is measured."""
-    logs, emu, sides = await _start(base_dir)
     rates: dict[str, list[float]] = {"A": [], "B": []}
-    for r in range(rounds):
-        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            with pinned(emu, sides[name]):
-                res = await saturate(sides[name], clients, seconds, 100 + r)
-            if res["errors"]:
-                raise RuntimeError(f"{name}: {res['errors']} turns failed under load")
-            rates[name].append(float(res["turns_per_sidecar_cpu_s"]))
-        print(f"[ab] round {r + 1}/{rounds} done", flush=True)
-    for proc in (*sides.values(), emu):
-        proc.stop()
+    async with _started(base_dir) as (logs, emu, sides):
+        for r in range(rounds):
+            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                with pinned(emu, sides[name]):
+                    res = await saturate(sides[name], clients, seconds, 100 + r)
+                if res["errors"]:
+                    raise RuntimeError(f"{name}: {res['errors']} turns failed under load")
+                rates[name].append(float(res["turns_per_sidecar_cpu_s"]))
+            print(f"[ab] round {r + 1}/{rounds} done", flush=True)
     a, b = statistics.median(rates["A"]), statistics.median(rates["B"])
     row: JSON = {
         "A": {"turns_per_cpu_s": round(a, 1), "rounds": [round(x, 1) for x in rates["A"]]},
