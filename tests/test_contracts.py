@@ -20,6 +20,7 @@ import proxy.contracts
 from proxy import contracts
 from proxy.config import ListenerSettings
 from proxy.ingress.listener import Guard, HardenedTCPSite, protocol_factory
+from tests.loops import LOOP_KINDS, loop_runner
 
 # --- aiohttp -------------------------------------------------------------------------------
 
@@ -191,16 +192,11 @@ class _Sink(asyncio.Protocol):
         self.got.set()
 
 
-@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
 def test_websockets_connection_can_be_taken_over_after_the_handshake(loop_kind: str) -> None:
     """Under both event loops the sidecar runs on (uvloop's transports are no asyncio.Transport)."""
-    if loop_kind == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    else:
-        runner = asyncio.Runner()
-    with runner:
-        runner.run(_take_over())
+    with loop_runner(loop_kind) as loop:
+        loop.run(_take_over())
 
 
 async def _take_over() -> None:

@@ -20,6 +20,7 @@ import pytest
 from proxy.config import Settings
 from proxy.emulator import Emulator, context_digest
 from tests.exposition import metric
+from tests.loops import LOOP_KINDS, loop_runner
 from tests.security.ingress import (
     ALICE,
     MALLORY,
@@ -231,7 +232,7 @@ async def test_a_stalled_upload_on_another_route_gets_408_at_the_deadline(emulat
             assert resp.status == 200, await resp.text()
 
 
-@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
 def test_a_body_that_arrived_while_the_sidecars_own_loop_stalled_is_not_late(loop_kind: str) -> None:
     """The app is judged by when its bytes arrived, not by when the sidecar got round to reading
     them: with the sidecar's own loop stalled past the body grace (a long GC pause, a blocked
@@ -239,13 +240,8 @@ def test_a_body_that_arrived_while_the_sidecars_own_loop_stalled_is_not_late(loo
     overdue and the bytes are unread: in the socket still (uvloop runs due timers before it
     polls), or read but not yet taken by the handler (asyncio). A 408 then would blame the app
     for the sidecar's stall. Under both event loops the sidecar runs on."""
-    if loop_kind == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    else:
-        runner = asyncio.Runner()
-    with runner:
-        status, data = runner.run(_stalled_sidecar())
+    with loop_runner(loop_kind) as loop:
+        status, data = loop.run(_stalled_sidecar())
     assert status == 200, data[:300]
     assert orjson.loads(data.partition(b"\r\n\r\n")[2])["status"] == "completed"
 
