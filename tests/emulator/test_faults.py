@@ -109,13 +109,15 @@ async def test_refuse_upgrade_426(emulator: Emulator, client: AsyncOpenAI) -> No
 
 
 async def test_delay_and_match(emulator: Emulator, client: AsyncOpenAI) -> None:
-    emulator.faults.arm("delay", seconds=0.3, match={"previous_response_id_present": True})
+    # A delay well above what a busy CI runner adds to an undelayed call (the SDK's first
+    # connection included), so the two calls are told apart by the match alone.
+    emulator.faults.arm("delay", seconds=1.0, match={"previous_response_id_present": True})
     started = time.monotonic()
     first = await client.responses.create(model="gpt-5", input="x")
-    assert time.monotonic() - started < 0.25
+    assert time.monotonic() - started < 0.9
     started = time.monotonic()
     await client.responses.create(model="gpt-5", input="y", previous_response_id=first.id)
-    assert time.monotonic() - started >= 0.3
+    assert time.monotonic() - started >= 1.0
 
 
 @pytest.mark.parametrize("shape", NOT_FOUND_SHAPES)
