@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import orjson
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, Explanation
 from proxy.core.explainer import MissExplainer
+from proxy.core.reasons import Tolerance
 from proxy.core.request import parse_request
 from proxy.errors import InvalidRequest
 from proxy.wire import sse
@@ -82,13 +83,14 @@ def _idle(anchor: Hashable) -> bool:
     return True
 
 
-def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *, allow_dropped_reasoning: bool) -> Any:
-    """Run the matcher: ``("continuation", items sent, items avoided)`` or ``("miss", Explanation)``.
+def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *, tolerate: Iterable[Tolerance]) -> Any:
+    """Run the matcher with ``matching.tolerate``: ``("continuation", items sent, items avoided,
+    the echo's tolerated departures)`` or ``("miss", Explanation)``.
 
     Raises:
         _Unusable: a body the sidecar itself would refuse.
     """
-    heads = HeadTable(max_heads=4, ttl_seconds=float("inf"), allow_dropped_reasoning=allow_dropped_reasoning)
+    heads = HeadTable(max_heads=4, ttl_seconds=float("inf"), tolerate=tolerate)
     misses = MissExplainer(heads)
     try:
         prev = parse_request(previous)
@@ -102,7 +104,8 @@ def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *
         raise _Unusable(f"next request: {exc.message}") from None
     found = heads.lookup(_IDENTITY, req, 1.0, _idle)
     if found.match is not None:
-        return "continuation", len(found.match.new_items), found.match.items_avoided
+        tolerated = {Tolerance.REASONING: found.dropped_reasoning, Tolerance.PHASE: found.dropped_phase}
+        return "continuation", len(found.match.new_items), found.match.items_avoided, tolerated
     assert isinstance(found.reason, MissReason)  # no match: a miss
     explanation = misses.explain(_IDENTITY, req, found.reason) or Explanation(found.reason)
     return "miss", explanation
@@ -119,18 +122,38 @@ def _describe(exp: Explanation, status: Any) -> list[str]:
     if exp.detail is None:
         lines.append("  no candidate: the next request shares nothing with the previous turn")
         return lines
-    where = {
-        Detail.FIELD: "input item {i} ({t}) differs at field {f}",
-        Detail.FIELD_UNKNOWN: "input item {i} ({t}) differs",
-        Detail.MISSING: "the request has no item {i} where the previous turn has one ({t})",
-        Detail.SETTING: "the setting {f} differs from the previous turn's",
-        Detail.REASONING_DROPPED: "the echo leaves out the reasoning item expected at input item {i}",
-        Detail.NO_NEW_ITEMS: "the request ends after the echo of the previous output (item {i} would be new)",
-        Detail.RETRY: "the request repeats the previous input; the echo of its output ({t}) should start at item {i}",
-    }[exp.detail]
-    lines.append("  " + where.format(i=exp.miss_item, t=exp.miss_type or "unknown type", f=exp.miss_field))
+    where = WHERE[exp.detail].format(i=exp.miss_item, t=exp.miss_type or "unknown type", f=exp.miss_field)
+    lines.append("  " + where)
+    if exp.reason in _TOLERABLE:
+        tolerance = _TOLERABLE[exp.reason]
+        lines.append(
+            f"  matching.tolerate: [{tolerance}] would continue it (the model then sees what the app left out)"
+        )
     lines.append(f"  candidate: the previous turn, {exp.candidate_items} items (its input and output)")
     return lines
+
+
+WHERE: dict[Detail, str] = {
+    Detail.FIELD: "input item {i} ({t}) differs at field {f}",
+    Detail.FIELD_UNKNOWN: "input item {i} ({t}) differs",
+    Detail.MISSING: "the request has no item {i} where the previous turn has one ({t})",
+    Detail.SETTING: "the setting {f} differs from the previous turn's",
+    Detail.REASONING_DROPPED: "the echo leaves out the reasoning item expected at input item {i}",
+    Detail.PHASE_DROPPED: "input item {i} ({t}) is sent back without the phase the previous output gave it",
+    Detail.NO_NEW_ITEMS: "the request ends after the echo of the previous output (item {i} would be new)",
+    Detail.RETRY: "the request repeats the previous input; the echo of its output ({t}) should start at item {i}",
+}
+"""Where a miss departs, for people: one line per :class:`Detail` (every one; a test checks)."""
+
+_TOLERABLE = {MissReason.DROPPED_REASONING: Tolerance.REASONING, MissReason.DROPPED_PHASE: Tolerance.PHASE}
+
+
+def _tolerances(values: list[str], allow_dropped_reasoning: bool) -> frozenset[Tolerance]:
+    names = {name.strip() for value in values for name in value.split(",") if name.strip()}
+    known = {t.value for t in Tolerance}
+    if unknown := sorted(names - known):
+        raise _Unusable(f"--tolerate: unknown {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return frozenset(Tolerance(n) for n in names) | ({Tolerance.REASONING} if allow_dropped_reasoning else set())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,24 +168,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("next", help="the next POST /v1/responses body (JSON file)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the access-log fields)")
     p.add_argument(
+        "--tolerate",
+        action="append",
+        default=[],
+        metavar="KINDS",
+        help="as the sidecar's matching.tolerate: comma-separated, of " + ", ".join(t.value for t in Tolerance),
+    )
+    p.add_argument(
         "--allow-dropped-reasoning",
         action="store_true",
-        help="as matching.allow_dropped_reasoning: accept echoes without reasoning items",
+        help="deprecated, as matching.allow_dropped_reasoning: --tolerate reasoning",
     )
     args = p.parse_args(argv)
     try:
+        tolerate = _tolerances(args.tolerate, args.allow_dropped_reasoning)
         previous, following = _read(args.previous), _read(args.next)
         response = read_response(_read(args.response))
-        result = explain_files(previous, response, following, allow_dropped_reasoning=args.allow_dropped_reasoning)
+        result = explain_files(previous, response, following, tolerate=tolerate)
     except _Unusable as exc:
         print(f"upshift explain: {exc}", file=sys.stderr)
         return 2
     if result[0] == "continuation":
-        _, sent, avoided = result
+        _, sent, avoided, tolerated = result
         if args.json:
-            print(orjson.dumps({"mode": "continuation", "items_sent": sent, "items_avoided": avoided}).decode())
+            fields = {"mode": "continuation", "items_sent": sent, "items_avoided": avoided}
+            print(orjson.dumps({**fields, "tolerated": {str(k): n for k, n in tolerated.items()}}).decode())
         else:
             print(f"continuation: previous_response_id + {sent} new item(s); {avoided} item(s) not re-sent")
+            for kind, count in tolerated.items():
+                if count:
+                    print(f"  tolerated ({kind}): {count} item(s) of the previous output sent back without it")
         return 0
     exp: Explanation = result[1]
     if args.json:

@@ -16,7 +16,9 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.core.explain import Detail
 from proxy.emulator import Emulator
+from proxy.ops.explain_cmd import WHERE
 from tests.clients.support import READ_FILE, task_text
 from tests.sidecar import ROOT, Sidecar
 
@@ -104,3 +106,70 @@ def test_explain_refuses_unusable_files(tmp_path: Path) -> None:
     assert out.returncode == 2 and "upshift explain:" in out.stderr
     out = run_explain(str(tmp_path / "a.json"), str(tmp_path / "missing"), str(tmp_path / "a.json"))
     assert out.returncode == 2
+
+
+async def test_explain_a_phaseless_echo_as_the_access_log_does_and_with_the_tolerance(
+    stack: tuple[Emulator, Sidecar], access_log: tuple[AccessLines, io.StringIO], tmp_path: Path
+) -> None:
+    """pydantic-ai and llama-index send an assistant message back without its ``phase``: the
+    sidecar's default is a full send, ``dropped_phase``. The command says the same, in both
+    forms (its human form used to fail with a KeyError here), and with ``--tolerate phase``
+    says what a sidecar with ``matching.tolerate: [phase]`` does: a continuation."""
+    _, sc = stack
+    lines, _ = access_log
+    first: dict[str, Any] = {
+        "model": "gpt-5",
+        "store": False,
+        "tools": [READ_FILE],
+        "input": [{"role": "user", "content": task_text(2, "phase", preamble=True)}],
+    }
+    async with aiohttp.ClientSession() as session:
+        response = orjson.loads(await post(session, sc, first))
+        commentary = next(o for o in response["output"] if o["type"] == "message")
+        assert commentary["phase"] == "commentary"
+        call = next(o for o in response["output"] if o["type"] == "function_call")
+        echo = [{k: v for k, v in o.items() if k != "phase"} for o in response["output"]]
+        result = {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}
+        phaseless = {**first, "input": [*first["input"], *echo, result]}
+        await post(session, sc, phaseless)
+    logged = lines()[-1]
+    assert logged["reason"] == "dropped_phase"
+    files = {"previous.json": first, "response.json": response, "phaseless.json": phaseless}
+    for name, value in files.items():
+        (tmp_path / name).write_bytes(orjson.dumps(value))
+    args = [str(tmp_path / name) for name in files]
+
+    out = run_explain(*args, "--json")
+    assert out.returncode == 1, out.stderr
+    said = orjson.loads(out.stdout)
+    keys = ("reason", "miss_item", "miss_type", "miss_field", "miss_detail", "candidate_items")
+    assert {k: said[k] for k in keys} == {k: logged[k] for k in keys}
+    assert (said["miss_item"], said["miss_field"], said["miss_detail"]) == (1, "phase", "phase_dropped")
+
+    human = run_explain(*args)
+    assert human.returncode == 1, human.stderr
+    assert "miss: dropped_phase" in human.stdout
+    assert "input item 1 (message) is sent back without the phase" in human.stdout
+    assert "matching.tolerate: [phase] would continue it" in human.stdout
+
+    tolerant = run_explain(*args, "--tolerate", "phase", "--json")
+    assert tolerant.returncode == 0, tolerant.stdout + tolerant.stderr
+    assert orjson.loads(tolerant.stdout) == {
+        "mode": "continuation",
+        "items_sent": 1,
+        "items_avoided": 1 + len(response["output"]),
+        "tolerated": {"reasoning": 0, "phase": 1},
+    }
+    # the other tolerance does not cover it
+    assert run_explain(*args, "--tolerate", "reasoning").returncode == 1
+
+
+def test_every_miss_detail_has_words() -> None:
+    assert set(WHERE) == set(Detail)
+
+
+def test_explain_refuses_an_unknown_tolerance(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text('{"model": "gpt-5", "input": "hi"}')
+    (tmp_path / "r.json").write_text('{"object": "response", "status": "completed", "output": []}')
+    out = run_explain(*(str(tmp_path / n) for n in ("a.json", "r.json", "a.json")), "--tolerate", "phase,typos")
+    assert out.returncode == 2 and "unknown typos" in out.stderr, out.stderr
