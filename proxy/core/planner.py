@@ -84,6 +84,10 @@ __all__ = [
 LANES_RETRY_SECONDS = 600.0
 """How long named lanes stay off after the upstream refused one."""
 
+EARLY_CLOSES_TO_REFUSE = 3
+"""Once lanes are proven on the upstream, how many fresh sockets in a row (no lane proven in
+between) must close before their first event on a named lane for that to count as a refusal."""
+
 _HOLD_426 = 300.0
 _HOLD_AUTH = 30.0
 _HOLD_MAX = 300.0
@@ -281,6 +285,10 @@ class Planner:
         self.heads = heads
         self.owners = owners if owners is not None else OwnerRegistry.for_heads(heads.max_heads)
         self._lanes_off_until = 0.0
+        self._lanes_proven = False
+        """A socket routed a ``stream_id`` since named lanes were last turned off."""
+        self._early_closes = 0
+        """Fresh sockets closed before their first event on a named lane since the last proof."""
         self.kept = KeptContexts(limits.reseed_bytes)
         """Contexts of ``store: false`` heads, for re-seeding (empty unless ``reseed``)."""
         self._reseeding: set[LaneKey] = set()
@@ -861,7 +869,21 @@ class Planner:
         if not self.named_lanes:
             return False  # already off: the window is not extended
         self._lanes_off_until = now + LANES_RETRY_SECONDS
+        self._lanes_proven, self._early_closes = False, 0  # the next try starts from nothing
         return True
+
+    def lanes_closed_early(self, now: float) -> bool:
+        """A socket that never routed a ``stream_id`` closed right after a named lane's first
+        create, before any event: how an upstream without lanes may refuse one, and also how
+        any socket is lost (a reset, a restarted server). Before lanes are proven on this
+        upstream it is a refusal (:meth:`lanes_refused`); after, only the
+        :data:`EARLY_CLOSES_TO_REFUSE`-th in a row with no lane proven in between is. Returns
+        whether named lanes were turned off."""
+        if self._lanes_proven:
+            self._early_closes += 1
+            if self._early_closes < EARLY_CLOSES_TO_REFUSE:
+                return False
+        return self.lanes_refused(now)
 
     def adopt(self, identity: str, req: ParsedRequest, response: dict[str, Any], now: float) -> None:
         """A stored request answered over plain HTTP completed with ``response``: it becomes a
@@ -874,6 +896,7 @@ class Planner:
         socket's :class:`~proxy.core.demux.Demux`): a refusal, or lanes ignored, turns named
         lanes off for every socket (:meth:`lanes_refused`). Returns whether that was a fallback."""
         if signal is LaneSignal.PROVEN:
+            self._lanes_proven, self._early_closes = True, 0
             return False
         return self.lanes_refused(now)
 

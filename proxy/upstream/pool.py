@@ -379,8 +379,9 @@ class Pool:
             key, sock = turn.key, turn.socket
             if key[1] is not None and not sock.demux.proven and not turn.inbox.seen:
                 # Closed right after a named lane's first create on a socket that never routed
-                # a stream_id: an upstream that refuses lanes by closing (then retried later).
-                self.lanes_refused()
+                # a stream_id: an upstream that refuses lanes by closing, or a lost socket.
+                if self.planner.lanes_closed_early(self._clock()):
+                    LANES_FALLBACKS.inc()
         self._end(turn)
         if isinstance(exc, UpstreamTimeout):
             # A stalled response makes the whole socket suspect: no new turns on it; it closes

@@ -15,7 +15,7 @@ import pytest
 
 import proxy.core.lanes as lanes
 from proxy.core.conversation import HeadTable
-from proxy.core.demux import LaneSupport
+from proxy.core.demux import LaneSignal, LaneSupport
 from proxy.core.lanes import (
     LANE_TRANSITIONS,
     SOCKET_TRANSITIONS,
@@ -27,7 +27,15 @@ from proxy.core.lanes import (
     lane_step,
     socket_step,
 )
-from proxy.core.planner import LANES_RETRY_SECONDS, LaneLimits, Plan, PlanKind, Planner, hold_off_seconds
+from proxy.core.planner import (
+    EARLY_CLOSES_TO_REFUSE,
+    LANES_RETRY_SECONDS,
+    LaneLimits,
+    Plan,
+    PlanKind,
+    Planner,
+    hold_off_seconds,
+)
 from proxy.core.reasons import MissReason, PassthroughReason
 from proxy.core.request import ParsedRequest, parse_request
 
@@ -415,6 +423,24 @@ def test_lane_refusal_turns_named_lanes_off_for_a_while() -> None:
     assert c.stream_id is None and c.lane != a.lane  # a default lane of another socket
     p.tick(LANES_RETRY_SECONDS + 1)
     assert p.named_lanes
+
+
+def test_an_early_close_is_a_refusal_until_lanes_are_proven_then_only_a_run_of_them_is() -> None:
+    # Never proven on this upstream: the first early close is how it refuses lanes.
+    p = planner()
+    assert p.lanes_closed_early(0.0) and not p.named_lanes
+    # Proven (a socket routed a stream_id): a lost socket, unless they keep coming.
+    p = planner()
+    assert not p.lanes_signal(LaneSignal.PROVEN, 0.0)
+    for _ in range(EARLY_CLOSES_TO_REFUSE - 1):
+        assert not p.lanes_closed_early(1.0) and p.named_lanes
+    assert not p.lanes_signal(LaneSignal.PROVEN, 2.0)  # a lane proven in between: the run restarts
+    for _ in range(EARLY_CLOSES_TO_REFUSE - 1):
+        assert not p.lanes_closed_early(3.0) and p.named_lanes
+    assert p.lanes_closed_early(3.0) and not p.named_lanes  # a run: the upstream refuses after all
+    # After the retry window, the next try starts from nothing: unproven again.
+    p.tick(3.0 + LANES_RETRY_SECONDS + 1)
+    assert p.named_lanes and p.lanes_closed_early(3.0 + LANES_RETRY_SECONDS + 2) and not p.named_lanes
 
 
 def test_stream_limit_caps_that_sockets_lanes() -> None:

@@ -462,3 +462,46 @@ async def test_an_http_continuation_keeps_the_chain_and_falls_back_to_the_full_h
         assert metric("upshift_http_continuations_total", sent="full") == full + 1
         emu.faults.release("continue")
         other.accept(await held)
+
+
+async def test_a_fresh_socket_lost_before_its_first_event_leaves_proven_lanes_on(
+    make_emulator: EmulatorFactory, sidecar_for: SidecarFor
+) -> None:
+    """A socket can be lost before its first event on any upstream (a reset, a restarted
+    server). On a socket that never routed a ``stream_id``, that close is also how a lane-less
+    upstream refuses one, so it used to turn named lanes off for 10 minutes, for every socket:
+    one unlucky drop (the soak met it in CI) sent 61 % of 10,000 turns in full. Once lanes are
+    proven on this upstream, such a close is a lost socket; only a run of them (no lane proven
+    in between) is taken for a refusal."""
+    emu = await make_emulator()
+    sc = await sidecar_for(emu.base_url)
+    fallbacks = metric("upshift_lane_fallbacks_total")
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        a, b, c = (Conversation(http, sc.base_url, emu, name=n) for n in "abc")
+        first = await a.turn()  # the identity's first socket, its default lane
+        emu.faults.arm("hold", match={"connection_id": first["connection_id"]})
+        held = asyncio.ensure_future(a.turn())  # keeps that socket's default lane busy
+        assert await wait_for(lambda: len(emu.faults.held) == 1)
+        b_first = await b.turn()  # a second socket, whose first response probes a named lane
+        assert b_first["connection_id"] != first["connection_id"]
+        assert sc.pool.planner.named_lanes
+        # That socket ends (its age limit), and the socket the turn moves to is lost before
+        # its first event, also on a named lane.
+        emu.faults.arm("age_limit", match={"connection_id": b_first["connection_id"]})
+        emu.faults.arm("drop", after_events=0, match={"stream_id": b_first["stream_id"]})
+        reply = await b.send("b turn 1")
+        emu.faults.release("continue")
+        await held
+        assert emu.stats.faults_fired.get("drop", 0) == 1, emu.stats.faults_fired
+        assert sc.pool.planner.named_lanes, "one lost socket turned named lanes off"
+        assert metric("upshift_lane_fallbacks_total") == fallbacks
+        if reply.status == 200:
+            b.accept(reply)
+        else:  # the turn was replayed once already (the age limit): the app retries it
+            b.items.pop()
+            await b.turn()
+        # Later turns still go on named lanes, and continue.
+        records = await _turns([a, b, c])
+    assert [r["continuation"] for r in records[:2]] == [True, True], records
+    assert any(r.get("stream_id") for r in records), records  # named lanes still carry turns
+    assert_pool_quiet(sc)
