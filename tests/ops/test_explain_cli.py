@@ -38,6 +38,15 @@ def run_explain(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def tool_task(*messages: dict[str, Any]) -> dict[str, Any]:
+    """A first request of a task whose model calls ``read_file`` (the emulator's tool script)."""
+    return {"model": "gpt-5", "store": False, "tools": [READ_FILE], "input": list(messages)}
+
+
+LOGGED = ("reason", "miss_item", "miss_type", "miss_field", "miss_detail", "candidate_items")
+"""The access line's explanation fields, which ``--json`` prints too."""
+
+
 async def post(session: aiohttp.ClientSession, sc: Sidecar, body: dict[str, Any]) -> bytes:
     async with session.post(sc.base_url + "/responses", json=body, headers=HEADERS) as resp:
         assert resp.status == 200
@@ -49,12 +58,7 @@ async def test_explain_matches_the_access_log(
 ) -> None:
     _, sc = stack
     lines, _ = access_log
-    first: dict[str, Any] = {
-        "model": "gpt-5",
-        "store": False,
-        "tools": [READ_FILE],
-        "input": [{"role": "system", "content": "Now: 10:00"}, {"role": "user", "content": task_text(2, "cli")}],
-    }
+    first = tool_task({"role": "system", "content": "Now: 10:00"}, {"role": "user", "content": task_text(2, "cli")})
     async with aiohttp.ClientSession() as session:
         sse = await post(session, sc, {**first, "stream": True})
         # the same turn as a JSON body, from the stream's response.completed
@@ -83,8 +87,7 @@ async def test_explain_matches_the_access_log(
         out = run_explain(p("previous.json"), p(saved), p("edited.json"), "--json")
         assert out.returncode == 1, out.stderr
         said = orjson.loads(out.stdout)
-        keys = ("reason", "miss_item", "miss_type", "miss_field", "miss_detail", "candidate_items")
-        assert {k: said[k] for k in keys} == {k: logged[k] for k in keys}
+        assert {k: said[k] for k in LOGGED} == {k: logged[k] for k in LOGGED}
         assert (said["miss_item"], said["miss_type"], said["miss_field"]) == (0, "message", "content[0].text")
 
     human = run_explain(p("previous.json"), p("response.sse"), p("edited.json"))
@@ -117,12 +120,7 @@ async def test_explain_a_phaseless_echo_as_the_access_log_does_and_with_the_tole
     says what a sidecar with ``matching.tolerate: [phase]`` does: a continuation."""
     _, sc = stack
     lines, _ = access_log
-    first: dict[str, Any] = {
-        "model": "gpt-5",
-        "store": False,
-        "tools": [READ_FILE],
-        "input": [{"role": "user", "content": task_text(2, "phase", preamble=True)}],
-    }
+    first = tool_task({"role": "user", "content": task_text(2, "phase", preamble=True)})
     async with aiohttp.ClientSession() as session:
         response = orjson.loads(await post(session, sc, first))
         commentary = next(o for o in response["output"] if o["type"] == "message")
@@ -142,8 +140,7 @@ async def test_explain_a_phaseless_echo_as_the_access_log_does_and_with_the_tole
     out = run_explain(*args, "--json")
     assert out.returncode == 1, out.stderr
     said = orjson.loads(out.stdout)
-    keys = ("reason", "miss_item", "miss_type", "miss_field", "miss_detail", "candidate_items")
-    assert {k: said[k] for k in keys} == {k: logged[k] for k in keys}
+    assert {k: said[k] for k in LOGGED} == {k: logged[k] for k in LOGGED}
     assert (said["miss_item"], said["miss_field"], said["miss_detail"]) == (1, "phase", "phase_dropped")
 
     human = run_explain(*args)
