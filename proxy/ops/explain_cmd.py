@@ -21,12 +21,13 @@ from typing import Any
 
 import orjson
 
+from proxy.config import load_settings
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, Explanation
 from proxy.core.explainer import MissExplainer
 from proxy.core.reasons import Tolerance
 from proxy.core.request import parse_request
-from proxy.errors import InvalidRequest
+from proxy.errors import ConfigError, InvalidRequest
 from proxy.wire import sse
 
 __all__ = ["main", "read_response"]
@@ -124,8 +125,7 @@ def _describe(exp: Explanation, status: Any) -> list[str]:
         return lines
     where = WHERE[exp.detail].format(i=exp.miss_item, t=exp.miss_type or "unknown type", f=exp.miss_field)
     lines.append("  " + where)
-    if exp.reason in _TOLERABLE:
-        tolerance = _TOLERABLE[exp.reason]
+    if (tolerance := _TOLERABLE.get(exp.reason)) is not None:
         lines.append(
             f"  matching.tolerate: [{tolerance}] would continue it (the model then sees what the app left out)"
         )
@@ -149,11 +149,13 @@ _TOLERABLE = {MissReason.DROPPED_REASONING: Tolerance.REASONING, MissReason.DROP
 
 
 def _tolerances(values: list[str], allow_dropped_reasoning: bool) -> frozenset[Tolerance]:
-    names = {name.strip() for value in values for name in value.split(",") if name.strip()}
-    known = {t.value for t in Tolerance}
-    if unknown := sorted(names - known):
-        raise _Unusable(f"--tolerate: unknown {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    return frozenset(Tolerance(n) for n in names) | ({Tolerance.REASONING} if allow_dropped_reasoning else set())
+    """The flags read as the sidecar reads ``matching.tolerate`` and its deprecated spelling
+    (the same parsing, check and suggestions; nothing else of the configuration)."""
+    flags = {"matching.tolerate": ",".join(values) or None, "matching.allow_dropped_reasoning": allow_dropped_reasoning}
+    try:
+        return load_settings(flags, {}, None).matching.tolerances()
+    except ConfigError as exc:
+        raise _Unusable(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,4 +169,5 @@ def test_explain_refuses_an_unknown_tolerance(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text('{"model": "gpt-5", "input": "hi"}')
     (tmp_path / "r.json").write_text('{"object": "response", "status": "completed", "output": []}')
     out = run_explain(*(str(tmp_path / n) for n in ("a.json", "r.json", "a.json")), "--tolerate", "phase,typos")
-    assert out.returncode == 2 and "unknown typos" in out.stderr, out.stderr
+    assert out.returncode == 2 and "matching.tolerate: expected a list of" in out.stderr, out.stderr
+    assert "got 'typos'" in out.stderr, out.stderr
