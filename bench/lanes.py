@@ -86,7 +86,7 @@ async def one_run(conversations: int, turns: int, seed: int, upstream: str = "la
         items: list[Any] = [{"role": "user", "content": f"conversation {i}: fix the bug"}]
         await asyncio.sleep(rng.uniform(0, 0.5))
         for turn in range(turns):
-            body = {"model": "gpt-5", "input": items, "store": store}
+            body = {"model": "gpt-6.1-sol", "input": items, "store": store}
             async with http.post(side.base_url + "/responses", json=body,
                                  headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
                 data = await resp.json()

@@ -39,7 +39,7 @@ from .workload import history_of_size
 __all__ = ["run_stall"]
 
 JSON = Any
-_FIELDS: dict[str, JSON] = {"model": "gpt-5-codex", "instructions": "You are a coding agent.", "store": False}
+_FIELDS: dict[str, JSON] = {"model": "gpt-6.1-sol", "instructions": "You are a coding agent.", "store": False}
 _BIG_FIELDS: dict[str, JSON] = {
     **_FIELDS,
     "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}],

@@ -80,7 +80,7 @@ async def agent(session: aiohttp.ClientSession, url: str, index: int, load: Load
         task = f"Task agent-{index}-{conversation}: inspect the repository, steps={STEPS}, then summarise."
         history: list[JSON] = [{"role": "user", "content": task}]
         for turn in range(STEPS + 2):
-            body = orjson.dumps({"model": "gpt-5", "input": history, "tools": TOOLS})
+            body = orjson.dumps({"model": "gpt-6.1-sol", "input": history, "tools": TOOLS})
             try:
                 async with session.post(url, data=body, headers=HEADERS) as resp:
                     data = await resp.read()

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 JSON = Any
-MODEL = "gpt-5-codex"
+MODEL = "gpt-6.1-sol"
 
 TOOLS: list[JSON] = [
     {

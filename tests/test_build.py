@@ -80,7 +80,7 @@ async def test_no_interpreted_dataclass_init_runs_on_a_turn(stack: tuple[Emulato
             if cls.__module__ in COMPILED:
                 ran[f"{cls.__module__}.{cls.__qualname__}"] += 1
 
-    first = {"model": "gpt-5", "input": [{"role": "user", "content": "hi"}], "stream": True}
+    first = {"model": "gpt-6.1-sol", "input": [{"role": "user", "content": "hi"}], "stream": True}
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-test"}) as http:
         modes = []
         for turn in range(3):

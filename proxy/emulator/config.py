@@ -31,10 +31,14 @@ MIB: Final = 1024 * 1024
 STREAM_ID_MODES: Final = ("lanes", "reject", "close")
 
 DEFAULT_MODELS: Final = (
-    "gpt-5",
-    "gpt-5-mini",
-    "gpt-5-codex",
-    "gpt-5.1-codex-mini",
+    "gpt-6.1-sol",
+    "gpt-6.1-terra",
+    "gpt-6-sol",
+    "gpt-5.6-sol",
+    "gpt-5.6-terra",
+    "gpt-5.5",
+    "gpt-5.4",
+    "gpt-5.2",
     "gpt-4.1",
     "gpt-4o-mini",
     "text-embedding-3-small",

@@ -36,7 +36,7 @@ from proxy.wire import sse
 
 __all__ = ["LoopResult", "main", "run_agent_loop"]
 
-MODEL = "gpt-5-codex"
+MODEL = "gpt-6.1-sol"
 DEMO_KEY = "sk-upshift-demo-not-a-real-key"
 """The emulator accepts any key; this one only shows that the app's own key goes upstream."""
 READY_TIMEOUT_S = 15.0

@@ -30,7 +30,7 @@ from proxy.emulator.oracle import normalize_input
 JSON = Any
 
 KEY = "sk-test-clients"
-MODEL = "gpt-5"
+MODEL = "gpt-6.1-sol"
 
 READ_FILE: dict[str, JSON] = {
     "type": "function",

@@ -1,15 +1,15 @@
 """pydantic-ai (``OpenAIResponsesModel``, an ``Agent`` with one tool) through the sidecar.
 
 pydantic-ai re-sends the whole history every request (``store: false``). It sends ``phase`` back
-on assistant messages only for model ids its profile knows to support it (``gpt-5.3-codex``,
-``gpt-5.4`` and later); for others (here ``gpt-5``) it leaves ``phase`` off, although the model
+on assistant messages only for model ids its profile knows to support it (``gpt-5.4``,
+``gpt-5.5``, ``gpt-5.6``, ``gpt-6`` and later); for others (here ``gpt-5.2``) it leaves ``phase`` off, although the model
 labelled its messages. The scripted model labels them when the prompt asks for a ``preamble``
 (a ``phase: "commentary"`` message before each call, the answer ``phase: "final_answer"``).
 
-* ``gpt-5`` by default: a phase-less echo is another message for the model, so every turn after
+* ``gpt-5.2`` by default: a phase-less echo is another message for the model, so every turn after
   the first goes upstream in full, explained on ``/misses`` at the message's ``phase``; the
   oracle shows the app's exact context for every response, and every answer equals a direct run.
-* ``gpt-5`` with ``matching.tolerate: [phase]``: every turn continues and is counted; the model
+* ``gpt-5.2`` with ``matching.tolerate: [phase]``: every turn continues and is counted; the model
   then sees the ``phase`` the app left out, and only that (the oracle's digest is the app's input
   with those phases put back).
 * ``gpt-5.4`` (pydantic-ai keeps ``phase``): every turn continues, with the app's exact context.
@@ -151,11 +151,11 @@ async def test_phase_dropped_by_the_client_is_a_full_send(emulator: Emulator, si
     RECENT.clear()
     before = await metrics(sidecar.admin_url)
     capture, messages, output, direct_output = await through_and_direct(
-        emulator, sidecar, "gpt-5", streamed, f"full {streamed}"
+        emulator, sidecar, "gpt-5.2", streamed, f"full {streamed}"
     )
     after = await metrics(sidecar.admin_url)
     bodies, ids = capture.bodies, response_ids(messages)
-    # pydantic-ai's profile for gpt-5 leaves phase off every assistant message it sends back
+    # pydantic-ai's profile for gpt-5.2 leaves phase off every assistant message it sends back
     assert phaseless_echoes(bodies) == list(range(STEPS + 1))
     # the model saw exactly what the app sent, every time; so the answers are a direct run's
     assert_fidelity(emulator, bodies, ids)
@@ -178,7 +178,7 @@ async def test_phase_dropped_by_the_client_is_a_full_send(emulator: Emulator, si
 async def test_phase_tolerance_continues_and_counts(emulator: Emulator, make_sidecar: Any, streamed: bool) -> None:
     tolerant = await make_sidecar(matching={"tolerate": ["phase"]})
     before = await metrics(tolerant.admin_url)
-    capture, messages, _, _ = await through_and_direct(emulator, tolerant, "gpt-5", streamed, f"tolerant {streamed}")
+    capture, messages, _, _ = await through_and_direct(emulator, tolerant, "gpt-5.2", streamed, f"tolerant {streamed}")
     after = await metrics(tolerant.admin_url)
     bodies, ids = capture.bodies, response_ids(messages)
     counts = output_counts(messages)

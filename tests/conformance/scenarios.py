@@ -37,13 +37,13 @@ COMPACT = {"context_management": [{"type": "compaction", "compact_threshold": 10
 CACHE = {"prompt_cache_options": {"ttl": "12h", "comparison_response_id": "resp_abc"}}
 REASONING = {"reasoning": {"effort": "low", "summary": "auto"}, "include": ["reasoning.encrypted_content"]}
 BODIES: dict[str, dict[str, JSON]] = {
-    "text": {"model": "gpt-5", "input": "hello", "instructions": "be brief", "metadata": {"k": "v"}},
-    "function_call": {"model": "gpt-5", "input": "steps=2 parallel=2", "tools": TOOLS},
-    "reasoning": {"model": "gpt-5", "input": "steps=1 think", "tools": TOOLS, **REASONING},
-    "incomplete": {"model": "gpt-5", "input": "x" * 400, "max_output_tokens": 16},
-    "compaction": {"model": "gpt-5", "input": "y" * 4200, **COMPACT},
-    "prompt_cache": {"model": "gpt-5", "input": "cache", **CACHE},
-    "prewarm": {"model": "gpt-5", "input": "warm", "prompt_cache_options": {"prewarm": True}},
+    "text": {"model": "gpt-6.1-sol", "input": "hello", "instructions": "be brief", "metadata": {"k": "v"}},
+    "function_call": {"model": "gpt-6.1-sol", "input": "steps=2 parallel=2", "tools": TOOLS},
+    "reasoning": {"model": "gpt-6.1-sol", "input": "steps=1 think", "tools": TOOLS, **REASONING},
+    "incomplete": {"model": "gpt-6.1-sol", "input": "x" * 400, "max_output_tokens": 16},
+    "compaction": {"model": "gpt-6.1-sol", "input": "y" * 4200, **COMPACT},
+    "prompt_cache": {"model": "gpt-6.1-sol", "input": "cache", **CACHE},
+    "prewarm": {"model": "gpt-6.1-sol", "input": "warm", "prompt_cache_options": {"prewarm": True}},
 }  # fmt: skip
 
 
@@ -65,8 +65,8 @@ async def http_json(emu: Emulator) -> list[Payload]:
         first = out[1][1]
         async with session.get(f"{emu.base_url}/responses/{first['id']}") as resp:
             out.append(("response", await resp.json()))
-        out.append(await _post(session, emu, {"model": "gpt-5", "input": "more", "previous_response_id": first["id"]}))
-        queued = await _post(session, emu, {"model": "gpt-5", "input": "later", "background": True})
+        out.append(await _post(session, emu, {"model": "gpt-6.1-sol", "input": "more", "previous_response_id": first["id"]}))
+        queued = await _post(session, emu, {"model": "gpt-6.1-sol", "input": "later", "background": True})
         out.append(queued)
         async with session.post(f"{emu.base_url}/responses/{queued[1]['id']}/cancel") as resp:
             out.append(("response", await resp.json()))
@@ -94,11 +94,11 @@ async def http_errors(emu: Emulator) -> list[Payload]:
     out: list[Payload] = []
     async with aiohttp.ClientSession(headers=HEADERS) as session:
         for body in (
-            {"model": "gpt-5", "input": "x", "bogus": 1},
+            {"model": "gpt-6.1-sol", "input": "x", "bogus": 1},
             {"input": "x"},
-            {"model": "gpt-5", "input": "x", "previous_response_id": "resp_missing"},
-            {"model": "gpt-5", "input": "x", "max_output_tokens": 2},
-            {"model": "gpt-5", "input": "x", "prompt_cache_options": {"ttl": "1d"}},
+            {"model": "gpt-6.1-sol", "input": "x", "previous_response_id": "resp_missing"},
+            {"model": "gpt-6.1-sol", "input": "x", "max_output_tokens": 2},
+            {"model": "gpt-6.1-sol", "input": "x", "prompt_cache_options": {"ttl": "1d"}},
         ):
             out.append(await _post(session, emu, body))
         emu.faults.arm("error", status=429, transport="http", headers={"retry-after": "1"})
@@ -178,7 +178,7 @@ async def ws_errors(emu: Emulator) -> list[Payload]:
         await turn(conn, out, create(text, store=False, previous_response_id="resp_gone"))
         await turn(conn, out, create(text, store=False, previous_response_id="resp_gone", stream_id="l1"))
         await turn(conn, out, create(text, background=True))
-        await turn(conn, out, create({"model": "gpt-5", "input": "x", "bogus": True}), valid=False)
+        await turn(conn, out, create({"model": "gpt-6.1-sol", "input": "x", "bogus": True}), valid=False)
         await turn(conn, out, {"type": "response.cancel"}, valid=False)
         await conn.send("{not json")
         out.append(("ws", await recv(conn)))

@@ -27,7 +27,7 @@ async def test_app_view_and_upstream_frames_conform(emulator: Emulator, make_sid
         history: list[Any] = [{"role": "user", "content": "steps=2 please read"}]
         for _ in range(3):  # a tool loop: every turn after the first can be continued upstream
             async with app.responses.with_streaming_response.create(
-                model="gpt-5", input=history, tools=TOOLS, stream=True, **REASONING
+                model="gpt-6.1-sol", input=history, tools=TOOLS, stream=True, **REASONING
             ) as raw:
                 events = schema.validate_sse_bytes(await raw.read())
             final = events[-1]["response"]
@@ -36,10 +36,10 @@ async def test_app_view_and_upstream_frames_conform(emulator: Emulator, make_sid
                 if item["type"] == "function_call":
                     history.append({"type": "function_call_output", "call_id": item["call_id"], "output": "ok"})
         history.append({"role": "user", "content": "thanks"})
-        raw_json = await app.responses.with_raw_response.create(model="gpt-5", input=history, tools=TOOLS, **REASONING)
+        raw_json = await app.responses.with_raw_response.create(model="gpt-6.1-sol", input=history, tools=TOOLS, **REASONING)
         schema.validate_response(raw_json.http_response.json())
         with pytest.raises(openai.BadRequestError) as info:
-            await app.responses.create(model="gpt-5", input="x", previous_response_id="resp_unknown")
+            await app.responses.create(model="gpt-6.1-sol", input="x", previous_response_id="resp_unknown")
         schema.validate_error_body(info.value.response.json())
     finally:
         await app.close()
@@ -60,7 +60,7 @@ async def test_streams_cut_after_output_end_with_a_conformant_error(
     async with aiohttp.ClientSession(headers=HEADERS) as session:
         for kind in ("drop", "close"):
             emulator.faults.arm(kind, transport="ws", after_events=5)
-            body = {"model": "gpt-5", "input": "cut me", "stream": True}
+            body = {"model": "gpt-6.1-sol", "input": "cut me", "stream": True}
             async with session.post(sidecar.base_url + "/responses", json=body) as resp:
                 events = schema.validate_sse_bytes(await resp.read())
             assert events[-1]["type"] == "error" and events[-1]["error"]["code"]

@@ -12,7 +12,7 @@ import pytest
 from proxy.core.conversation import Head, HeadTable, MissReason
 from proxy.core.request import ParsedRequest, parse_request
 
-BASE = {"model": "gpt-5", "tools": [{"type": "function", "name": "read"}], "store": False}
+BASE = {"model": "gpt-6.1-sol", "tools": [{"type": "function", "name": "read"}], "store": False}
 
 
 def req(items: list[Any], **fields: Any) -> ParsedRequest:
@@ -103,7 +103,7 @@ def test_not_a_continuation(name: str, items: list[Any], reason: str) -> None:
 def test_settings_change_is_a_miss_and_says_so() -> None:
     heads = table()
     heads.record("id", "s1", req([USER]), response("resp_1", call(1)), 0)
-    for change in ({"model": "gpt-5-mini"}, {"instructions": "be brief"}, {"tools": []}, {"store": True}):
+    for change in ({"model": "gpt-6.1-terra"}, {"instructions": "be brief"}, {"tools": []}, {"store": True}):
         found = heads.lookup("id", req([USER, call(1), result(1)], **change), 1, IDLE)
         assert found.match is None and found.reason == MissReason.SETTINGS_CHANGED, change
 

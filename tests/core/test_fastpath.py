@@ -41,7 +41,7 @@ def dumps(obj: dict[str, Any], style: str) -> bytes:
 
 
 def body(items: list[Any], style: str = "compact", stream: bool = True, **extra: Any) -> bytes:
-    fields: dict[str, Any] = {"model": "gpt-5", "stream": stream, "include": ["reasoning.encrypted_content"]}
+    fields: dict[str, Any] = {"model": "gpt-6.1-sol", "stream": stream, "include": ["reasoning.encrypted_content"]}
     fields["input"] = items
     fields.update({"tools": [{"type": "function", "name": "read", "parameters": {"input": []}}], "store": False})
     fields.update(extra)

@@ -22,23 +22,23 @@ pytestmark = pytest.mark.timeout(30)
 async def test_http_error_429_keeps_headers(emulator: Emulator, client: AsyncOpenAI) -> None:
     emulator.faults.arm("error", status=429, headers={"retry-after": "2", "x-ratelimit-remaining-requests": "0"})
     with pytest.raises(openai.RateLimitError) as info:
-        await client.responses.create(model="gpt-5", input="x")
+        await client.responses.create(model="gpt-6.1-sol", input="x")
     assert info.value.response.headers["retry-after"] == "2"
     assert info.value.response.headers["x-ratelimit-remaining-requests"] == "0"
     assert info.value.code == "rate_limit_exceeded"
-    assert (await client.responses.create(model="gpt-5", input="x")).status == "completed"
+    assert (await client.responses.create(model="gpt-6.1-sol", input="x")).status == "completed"
     assert emulator.stats.faults_fired == {"error": 1}
 
 
 async def test_ws_error_429_headers_inside_error(emulator: Emulator, client: AsyncOpenAI) -> None:
     emulator.faults.arm("error", status=429, transport="ws", headers={"retry-after": "2"}, code="rate_limit_exceeded")
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="x")
+        await conn.response.create(model="gpt-6.1-sol", input="x")
         event = await recv_json(conn)
         assert event["type"] == "error" and event["status"] == 429
         assert event["error"]["headers"] == {"retry-after": "2"}
         assert event["error"]["code"] == "rate_limit_exceeded"
-        await conn.response.create(model="gpt-5", input="x")
+        await conn.response.create(model="gpt-6.1-sol", input="x")
         assert final_response(await read_turn(conn))["status"] == "completed"
 
 
@@ -46,13 +46,13 @@ async def test_ws_error_429_headers_inside_error(emulator: Emulator, client: Asy
 async def test_http_error_statuses(emulator: Emulator, client: AsyncOpenAI, status: int, exc: type[Exception]) -> None:
     emulator.faults.arm("error", status=status, transport="http")
     with pytest.raises(exc):
-        await client.responses.create(model="gpt-5", input="x")
+        await client.responses.create(model="gpt-6.1-sol", input="x")
 
 
 async def test_ws_drop_after_k_events(emulator: Emulator, client: AsyncOpenAI) -> None:
     emulator.faults.arm("drop", after_events=3)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="x")
+        await conn.response.create(model="gpt-6.1-sol", input="x")
         received = []
         with pytest.raises(websockets.ConnectionClosedError) as info:
             while True:
@@ -64,7 +64,7 @@ async def test_ws_drop_after_k_events(emulator: Emulator, client: AsyncOpenAI) -
 async def test_ws_close_1011(emulator: Emulator, client: AsyncOpenAI) -> None:
     emulator.faults.arm("close", close_code=1011, after_events=1)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="x")
+        await conn.response.create(model="gpt-6.1-sol", input="x")
         assert (await recv_json(conn))["type"] == "response.created"
         with pytest.raises(websockets.ConnectionClosedError) as info:
             await conn.recv()
@@ -73,7 +73,7 @@ async def test_ws_close_1011(emulator: Emulator, client: AsyncOpenAI) -> None:
 
 async def test_http_stream_drop(emulator: Emulator, client: AsyncOpenAI) -> None:
     emulator.faults.arm("drop", after_events=2, transport="http")
-    stream = await client.responses.create(model="gpt-5", input="x", stream=True)
+    stream = await client.responses.create(model="gpt-6.1-sol", input="x", stream=True)
     seen = []
     with pytest.raises(Exception) as info:
         async for event in stream:
@@ -85,14 +85,14 @@ async def test_http_stream_drop(emulator: Emulator, client: AsyncOpenAI) -> None
 async def test_fail_mid_generation(emulator: Emulator, client: AsyncOpenAI) -> None:
     emulator.faults.arm("fail", after_events=3)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="x")
+        await conn.response.create(model="gpt-6.1-sol", input="x")
         events = await read_turn(conn)
     assert [e["type"] for e in events][-1] == "response.failed"
     assert events[-1]["sequence_number"] == 3
     assert events[-1]["response"]["error"]["code"] == "server_error"
     emulator.faults.arm("fail")
     with pytest.raises(openai.InternalServerError):
-        await client.responses.create(model="gpt-5", input="x")
+        await client.responses.create(model="gpt-6.1-sol", input="x")
     assert emulator.stats.responses["failed"] == 2
 
 
@@ -104,7 +104,7 @@ async def test_refuse_upgrade_426(emulator: Emulator, client: AsyncOpenAI) -> No
     assert info.value.response.status_code == 426
     assert emulator.stats.ws_connections["refused"] == 1
     async with client.responses.connect() as conn:  # one refusal only
-        await conn.response.create(model="gpt-5", input="x")
+        await conn.response.create(model="gpt-6.1-sol", input="x")
         assert final_response(await read_turn(conn))["status"] == "completed"
 
 
@@ -113,20 +113,20 @@ async def test_delay_and_match(emulator: Emulator, client: AsyncOpenAI) -> None:
     # connection included), so the two calls are told apart by the match alone.
     emulator.faults.arm("delay", seconds=1.0, match={"previous_response_id_present": True})
     started = time.monotonic()
-    first = await client.responses.create(model="gpt-5", input="x")
+    first = await client.responses.create(model="gpt-6.1-sol", input="x")
     assert time.monotonic() - started < 0.9
     started = time.monotonic()
-    await client.responses.create(model="gpt-5", input="y", previous_response_id=first.id)
+    await client.responses.create(model="gpt-6.1-sol", input="y", previous_response_id=first.id)
     assert time.monotonic() - started >= 1.0
 
 
 @pytest.mark.parametrize("shape", NOT_FOUND_SHAPES)
 async def test_not_found_shapes(emulator: Emulator, client: AsyncOpenAI, shape: str) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="a", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="a", store=False)
         first = final_response(await read_turn(conn))
         emulator.faults.arm("miss", shape=shape)
-        await conn.response.create(model="gpt-5", input="b", store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="b", store=False, previous_response_id=first["id"])
         events = await read_turn(conn)
     last = events[-1]
     if shape == "response_failed":
@@ -155,8 +155,8 @@ async def test_control_endpoints(emulator: Emulator, client: AsyncOpenAI) -> Non
             assert resp.status == 400
         for _ in range(2):
             with pytest.raises(openai.RateLimitError):
-                await client.responses.create(model="gpt-5", input="x")
-        ok = await client.responses.create(model="gpt-5", input="x")
+                await client.responses.create(model="gpt-6.1-sol", input="x")
+        ok = await client.responses.create(model="gpt-6.1-sol", input="x")
         async with session.get(emulator.url + "/_emulator/faults") as resp:
             assert (await resp.json())["faults"] == []
         async with session.get(emulator.url + f"/_emulator/responses/{ok.id}") as resp:
@@ -177,12 +177,12 @@ async def test_control_endpoints(emulator: Emulator, client: AsyncOpenAI) -> Non
 async def test_fault_armed_from_another_thread(emulator: Emulator, client: AsyncOpenAI) -> None:
     await asyncio.to_thread(emulator.faults.arm, "error", status=503)
     with pytest.raises(openai.InternalServerError) as info:
-        await client.responses.create(model="gpt-5", input="x")
+        await client.responses.create(model="gpt-6.1-sol", input="x")
     assert info.value.status_code == 503
 
 
 async def test_ws_bytes_received_counts_frames(emulator: Emulator) -> None:
-    frame = json.dumps({"type": "response.create", "model": "gpt-5", "input": "count me"})
+    frame = json.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "count me"})
     async with websockets.connect(emulator.ws_url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
         await ws.send(frame)
         while json.loads(await ws.recv())["type"] != "response.completed":

@@ -37,7 +37,7 @@ def _collapse(types: list[str]) -> list[str]:
 
 
 async def test_create_non_stream_full_object(emulator: Emulator, client: AsyncOpenAI) -> None:
-    raw = await client.responses.with_raw_response.create(model="gpt-5", input="hello", instructions="be brief")
+    raw = await client.responses.with_raw_response.create(model="gpt-6.1-sol", input="hello", instructions="be brief")
     assert re.fullmatch(r"req_[0-9a-f]{32}", raw.headers["x-request-id"])
     assert int(raw.headers["openai-processing-ms"]) >= 0
     response = raw.parse()
@@ -56,7 +56,7 @@ async def test_create_non_stream_full_object(emulator: Emulator, client: AsyncOp
 
 
 async def test_stream_event_sequence(emulator: Emulator, client: AsyncOpenAI) -> None:
-    stream = await client.responses.create(model="gpt-5", input="stream me", stream=True)
+    stream = await client.responses.create(model="gpt-6.1-sol", input="stream me", stream=True)
     events = [event async for event in stream]
     assert _collapse([e.type for e in events]) == TEXT_SEQUENCE
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -73,7 +73,7 @@ async def test_stream_event_sequence(emulator: Emulator, client: AsyncOpenAI) ->
 
 async def test_sse_wire_format(emulator: Emulator) -> None:
     async with aiohttp.ClientSession() as session:
-        body = {"model": "gpt-5", "input": "wire", "stream": True}
+        body = {"model": "gpt-6.1-sol", "input": "wire", "stream": True}
         async with session.post(emulator.base_url + "/responses", json=body, headers=AUTH) as resp:
             assert resp.status == 200
             assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
@@ -90,7 +90,7 @@ async def test_sse_wire_format(emulator: Emulator) -> None:
 
 async def test_stream_helper_with_reasoning_and_tools(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.stream(
-        model="gpt-5",
+        model="gpt-6.1-sol",
         input="please steps=1",
         tools=TOOLS,  # type: ignore[arg-type]
         reasoning={"effort": "low", "summary": "auto"},
@@ -110,7 +110,7 @@ async def test_stream_helper_with_reasoning_and_tools(emulator: Emulator, client
 
 
 async def test_reasoning_without_include_has_no_encrypted_content(client: AsyncOpenAI) -> None:
-    response = await client.responses.create(model="gpt-5", input="think", reasoning={"effort": "low"})
+    response = await client.responses.create(model="gpt-6.1-sol", input="think", reasoning={"effort": "low"})
     assert response.output[0].type == "reasoning"
     assert response.output[0].encrypted_content is None
 
@@ -119,7 +119,7 @@ async def test_tool_loop_full_history(emulator: Emulator, client: AsyncOpenAI) -
     history: list[Any] = [{"role": "user", "content": "do 3 tool calls please"}]
     calls = 0
     while True:
-        response = await client.responses.create(model="gpt-5", input=history, tools=TOOLS, store=False)  # type: ignore[arg-type]
+        response = await client.responses.create(model="gpt-6.1-sol", input=history, tools=TOOLS, store=False)  # type: ignore[arg-type]
         history += [item.model_dump(exclude_none=True) for item in response.output]
         if response.output[-1].type != "function_call":
             break
@@ -134,7 +134,7 @@ async def test_tool_loop_full_history(emulator: Emulator, client: AsyncOpenAI) -
 async def test_parallel_calls_and_named_tool(client: AsyncOpenAI) -> None:
     tools = TOOLS + [{"type": "function", "name": "grep", "parameters": {"type": "object", "properties": {}}}]
     response = await client.responses.create(
-        model="gpt-5",
+        model="gpt-6.1-sol",
         input="steps=3 parallel=2 tool=grep",
         tools=tools,  # type: ignore[arg-type]
     )
@@ -145,20 +145,20 @@ async def test_parallel_calls_and_named_tool(client: AsyncOpenAI) -> None:
 
 async def test_max_output_tokens_incomplete(client: AsyncOpenAI) -> None:
     stream = await client.responses.create(
-        model="gpt-5", input="reply_bytes=800 long", max_output_tokens=16, stream=True
+        model="gpt-6.1-sol", input="reply_bytes=800 long", max_output_tokens=16, stream=True
     )
     events = [event async for event in stream]
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="gpt-5", input="x", max_output_tokens=5)
+        await client.responses.create(model="gpt-6.1-sol", input="x", max_output_tokens=5)
     assert info.value.code == "integer_below_min_value"
 
 
 async def test_store_retrieve_delete_and_http_continuation(emulator: Emulator, client: AsyncOpenAI) -> None:
-    first = await client.responses.create(model="gpt-5", input="remember")
+    first = await client.responses.create(model="gpt-6.1-sol", input="remember")
     assert (await client.responses.retrieve(first.id)).output_text == first.output_text
-    second = await client.responses.create(model="gpt-5", input="and then", previous_response_id=first.id)
+    second = await client.responses.create(model="gpt-6.1-sol", input="and then", previous_response_id=first.id)
     record = emulator.record(second.id)
     assert record is not None and record["context_items"] == 3 and record["hydrated"]
     assert emulator.stats.hydrations["http"] == 1
@@ -166,21 +166,21 @@ async def test_store_retrieve_delete_and_http_continuation(emulator: Emulator, c
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(first.id)
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="gpt-5", input="x", previous_response_id=first.id)
+        await client.responses.create(model="gpt-6.1-sol", input="x", previous_response_id=first.id)
     assert info.value.code == "previous_response_not_found" and info.value.param == "previous_response_id"
     assert info.value.message == f"Error code: 400 - Previous response with id '{first.id}' not found."
 
 
 async def test_store_false_not_stored(client: AsyncOpenAI) -> None:
-    first = await client.responses.create(model="gpt-5", input="forget", store=False)
+    first = await client.responses.create(model="gpt-6.1-sol", input="forget", store=False)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(first.id)
     with pytest.raises(openai.BadRequestError):
-        await client.responses.create(model="gpt-5", input="x", previous_response_id=first.id)
+        await client.responses.create(model="gpt-6.1-sol", input="x", previous_response_id=first.id)
 
 
 async def test_keys_isolate_stored_responses(emulator: Emulator, client: AsyncOpenAI, sdk: ClientFactory) -> None:
-    first = await client.responses.create(model="gpt-5", input="mine")
+    first = await client.responses.create(model="gpt-6.1-sol", input="mine")
     other = sdk(emulator, "sk-other")
     with pytest.raises(openai.NotFoundError):
         await other.responses.retrieve(first.id)
@@ -190,7 +190,7 @@ async def test_keys_isolate_stored_responses(emulator: Emulator, client: AsyncOp
 async def test_bad_or_missing_key(emulator: Emulator, key: str | None) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as session:
-        async with session.post(emulator.base_url + "/responses", json={"model": "gpt-5"}, headers=headers) as resp:
+        async with session.post(emulator.base_url + "/responses", json={"model": "gpt-6.1-sol"}, headers=headers) as resp:
             assert resp.status == 401
             body = await resp.json()
     assert body["error"]["code"] == "invalid_api_key"
@@ -204,31 +204,31 @@ async def test_bad_or_missing_key(emulator: Emulator, key: str | None) -> None:
 
 async def test_validation_errors(client: AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="gpt-5", input="x", extra_body={"generate": False})
+        await client.responses.create(model="gpt-6.1-sol", input="x", extra_body={"generate": False})
     assert info.value.code == "unknown_parameter" and info.value.param == "generate"
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="gpt-5", input="x", extra_body={"stream_id": "a"})
+        await client.responses.create(model="gpt-6.1-sol", input="x", extra_body={"stream_id": "a"})
     assert info.value.param == "stream_id"
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="gpt-5", input=[{"type": "item_reference", "id": "msg_nope"}], store=False)
+        await client.responses.create(model="gpt-6.1-sol", input=[{"type": "item_reference", "id": "msg_nope"}], store=False)
     assert "Items are not persisted when `store` is set to false" in info.value.message
     dangling = [
         {"role": "user", "content": "x"},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
     ]
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="gpt-5", input=dangling)  # type: ignore[arg-type]
+        await client.responses.create(model="gpt-6.1-sol", input=dangling)  # type: ignore[arg-type]
     assert info.value.message.endswith("No tool output found for function call c1.")
 
 
 async def test_item_reference_resolves_stored_item(emulator: Emulator, client: AsyncOpenAI) -> None:
-    first = await client.responses.create(model="gpt-5", input="hi")
+    first = await client.responses.create(model="gpt-6.1-sol", input="hi")
     echoed = await client.responses.create(
-        model="gpt-5",
+        model="gpt-6.1-sol",
         input=[{"role": "user", "content": "hi"}, first.output[0].model_dump(), {"role": "user", "content": "ok"}],  # type: ignore[list-item]
     )
     referenced = await client.responses.create(
-        model="gpt-5",
+        model="gpt-6.1-sol",
         input=[
             {"role": "user", "content": "hi"},
             {"type": "item_reference", "id": first.output[0].id},
@@ -241,7 +241,7 @@ async def test_item_reference_resolves_stored_item(emulator: Emulator, client: A
 
 
 async def test_background_queued_then_completed(client: AsyncOpenAI) -> None:
-    queued = await client.responses.create(model="gpt-5", input="later", background=True)
+    queued = await client.responses.create(model="gpt-6.1-sol", input="later", background=True)
     assert queued.status == "queued" and queued.background is True
     for _ in range(100):
         current = await client.responses.retrieve(queued.id)
@@ -252,8 +252,8 @@ async def test_background_queued_then_completed(client: AsyncOpenAI) -> None:
 
 
 async def test_conversation_items_prepended(emulator: Emulator, client: AsyncOpenAI) -> None:
-    first = await client.responses.create(model="gpt-5", input="one", conversation="conv_test")
-    second = await client.responses.create(model="gpt-5", input="two", conversation={"id": "conv_test"})
+    first = await client.responses.create(model="gpt-6.1-sol", input="one", conversation="conv_test")
+    second = await client.responses.create(model="gpt-6.1-sol", input="two", conversation={"id": "conv_test"})
     assert second.conversation is not None and second.conversation.id == "conv_test"
     record = emulator.record(second.id)
     assert record is not None and record["context_items"] == 3 and first.id != second.id
@@ -261,13 +261,13 @@ async def test_conversation_items_prepended(emulator: Emulator, client: AsyncOpe
 
 async def test_passthrough_endpoints(emulator: Emulator, client: AsyncOpenAI) -> None:
     models = await client.models.list()
-    assert "gpt-5" in [m.id for m in models.data]
-    chat = await client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "yo"}])
+    assert "gpt-6.1-sol" in [m.id for m in models.data]
+    chat = await client.chat.completions.create(model="gpt-6.1-sol", messages=[{"role": "user", "content": "yo"}])
     assert "Chat echo: yo" in (chat.choices[0].message.content or "")
     chunks = [
         c
         async for c in await client.chat.completions.create(
-            model="gpt-5", messages=[{"role": "user", "content": "s"}], stream=True
+            model="gpt-6.1-sol", messages=[{"role": "user", "content": "s"}], stream=True
         )
     ]
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -293,9 +293,9 @@ async def test_plain_get_and_unknown_url(emulator: Emulator) -> None:
 
 
 def test_sync_client_create_and_stream(threaded: Emulator, sync_client: OpenAI) -> None:
-    response = sync_client.responses.create(model="gpt-5", input="sync")
+    response = sync_client.responses.create(model="gpt-6.1-sol", input="sync")
     assert response.status == "completed"
-    with sync_client.responses.stream(model="gpt-5", input="sync stream") as stream:
+    with sync_client.responses.stream(model="gpt-6.1-sol", input="sync stream") as stream:
         for _ in stream:
             pass
         final = stream.get_final_response()

@@ -27,7 +27,7 @@ async def ws(emulator: Emulator) -> AsyncIterator[ClientConnection]:
 
 
 def create(stream_id: str | None = None, **fields: Any) -> str:
-    body: dict[str, Any] = {"type": "response.create", "model": "gpt-5", "input": "hello", "store": False, **fields}
+    body: dict[str, Any] = {"type": "response.create", "model": "gpt-6.1-sol", "input": "hello", "store": False, **fields}
     if stream_id is not None:
         body["stream_id"] = stream_id
     return json.dumps(body)
@@ -215,7 +215,7 @@ async def test_hold_over_http_then_fail_or_continue(emulator: Emulator) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     async with aiohttp.ClientSession(headers=headers) as session:
         emulator.faults.arm("hold", transport="http", after_events=3, then="fail")
-        body = {"model": "gpt-5", "input": "hold me", "stream": True}
+        body = {"model": "gpt-6.1-sol", "input": "hold me", "stream": True}
         request = asyncio.create_task(session.post(emulator.base_url + "/responses", json=body))
         await wait_held(emulator, 1)
         assert emulator.faults.release() == 1

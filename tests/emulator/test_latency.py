@@ -20,16 +20,16 @@ async def test_rebuild_paid_for_uncached_context_only(make_emulator: EmulatorFac
     client = sdk(emu)
     async with client.responses.connect() as conn:
         started = time.monotonic()
-        await conn.response.create(model="gpt-5", input=BIG, store=False)
+        await conn.response.create(model="gpt-6.1-sol", input=BIG, store=False)
         first = final_response(await read_turn(conn))
         cold = time.monotonic() - started
         started = time.monotonic()
-        await conn.response.create(model="gpt-5", input="small", store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="small", store=False, previous_response_id=first["id"])
         second = final_response(await read_turn(conn))
         warm = time.monotonic() - started
     started = time.monotonic()
     history = [{"role": "user", "content": BIG}, *first["output"], {"role": "user", "content": "small"}]
-    http = await client.responses.create(model="gpt-5", input=history, store=False)
+    http = await client.responses.create(model="gpt-6.1-sol", input=history, store=False)
     full = time.monotonic() - started
     assert cold >= 0.28 and full >= 0.28
     assert warm < 0.15
@@ -42,7 +42,7 @@ async def test_tokens_per_second_and_overhead(make_emulator: EmulatorFactory, sd
     emu = await make_emulator(latency=LatencyModel(tokens_per_second=2000.0, overhead_ms=100.0), reply_bytes=800)
     client = sdk(emu)
     started = time.monotonic()
-    raw = await client.responses.with_raw_response.create(model="gpt-5", input="pace me", stream=True)
+    raw = await client.responses.with_raw_response.create(model="gpt-6.1-sol", input="pace me", stream=True)
     headers_at = time.monotonic() - started
     events = [event async for event in raw.parse()]
     total = time.monotonic() - started

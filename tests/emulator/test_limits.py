@@ -54,7 +54,7 @@ async def test_cap_frees_a_slot_when_a_socket_closes(make_emulator: EmulatorFact
     emu = await make_emulator(ws_max_connections_per_key=1)
     client = sdk(emu)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="one")
+        await conn.response.create(model="gpt-6.1-sol", input="one")
         assert final_response(await read_turn(conn))["status"] == "completed"
         with pytest.raises(websockets.InvalidStatus):
             await websockets.connect(emu.ws_url, additional_headers=_auth())
@@ -63,7 +63,7 @@ async def test_cap_frees_a_slot_when_a_socket_closes(make_emulator: EmulatorFact
             break
         await asyncio.sleep(0.02)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="two")
+        await conn.response.create(model="gpt-6.1-sol", input="two")
         assert final_response(await read_turn(conn))["status"] == "completed"
     assert emu.stats.ws_connections["refused_cap"] == 1
 
@@ -90,7 +90,7 @@ async def test_cap_cli_and_config() -> None:
 
 async def test_connect_delay_only_on_new_http_connections(make_emulator: EmulatorFactory) -> None:
     emu = await make_emulator(latency=LatencyModel(connect_ms=200.0))
-    body = {"model": "gpt-5", "input": "hi"}
+    body = {"model": "gpt-6.1-sol", "input": "hi"}
     async with aiohttp.ClientSession() as session:
         started = time.monotonic()
         for _ in range(3):  # one kept-alive connection
@@ -109,17 +109,17 @@ async def test_rtt_delays_every_message_both_ways(make_emulator: EmulatorFactory
     emu = await make_emulator(latency=LatencyModel(rtt_ms=100.0, connect_ms=50.0))
     client = sdk(emu)
     started = time.monotonic()
-    await client.responses.create(model="gpt-5", input="http")
+    await client.responses.create(model="gpt-6.1-sol", input="http")
     assert time.monotonic() - started >= 0.1  # one round trip at least
     network = dict(emu.stats.network)
     assert network["inbound_delays"] == 1 and network["outbound_delays"] == 1
     async with client.responses.connect() as conn:
         started = time.monotonic()
-        await conn.response.create(model="gpt-5", input="ws")
+        await conn.response.create(model="gpt-6.1-sol", input="ws")
         events = await read_turn(conn)
         assert time.monotonic() - started >= 0.1  # frame in, then the events out
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
-        await conn.response.create(model="gpt-5", input="again", previous_response_id=events[-1]["response"]["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="again", previous_response_id=events[-1]["response"]["id"])
         second = await read_turn(conn)
     after = emu.stats.network
     # upgrade request + 2 frames in; 101 + every event out

@@ -149,7 +149,7 @@ async def _ws_chain(client: AsyncOpenAI, settings: dict[str, Any]) -> tuple[list
 
 async def test_full_history_http_digest_equals_ws_chain(emulator: Emulator, client: AsyncOpenAI) -> None:
     settings: dict[str, Any] = {
-        "model": "gpt-5",
+        "model": "gpt-6.1-sol",
         "store": False,
         "tools": TOOLS,
         "instructions": "You are a test.",
@@ -201,7 +201,7 @@ async def test_a_response_is_recorded_before_its_terminal_event_goes_out(fault: 
 
     config = EmulatorConfig()
     state = EmulatorState(config)
-    body = {"model": "gpt-5", "input": "hi", "store": True}
+    body = {"model": "gpt-6.1-sol", "input": "hi", "store": True}
     turn = prepare(body, config=config, transport="ws", owner="o", base=Segment.root(),
                    lookup_item=lambda _: None, input_bytes=40)  # fmt: skip
     seen: list[tuple[str, bool, bool]] = []

@@ -50,7 +50,7 @@ async def test_steer_default_is_not_supported(emulator: Emulator) -> None:
 
 @pytest.mark.parametrize("lane", [None, "lane-a"])
 async def test_steer_accepted_ends_steered_then_successor(make_emulator: EmulatorFactory, lane: str | None) -> None:
-    emu = await make_emulator(steer_models=("gpt-5",))
+    emu = await make_emulator(steer_models=("gpt-6.1-sol",))
     emu.faults.arm("hold", after_events=3)  # inside the message item
     async with websockets.connect(emu.ws_url, additional_headers=HEADERS) as conn:
         await conn.send(create(lane, input="write the report"))
@@ -103,7 +103,7 @@ async def test_steer_pending_while_tool_output_is_awaited(make_emulator: Emulato
 
 
 async def test_steer_failures(make_emulator: EmulatorFactory) -> None:
-    emu = await make_emulator(steer_models=("gpt-5",))
+    emu = await make_emulator(steer_models=("gpt-6.1-sol",))
     async with websockets.connect(emu.ws_url, additional_headers=HEADERS) as conn:
         await conn.send(create())
         done = (await until_terminals(conn, 1))[-1]["response"]["id"]
@@ -151,7 +151,7 @@ async def test_steer_failures(make_emulator: EmulatorFactory) -> None:
 async def test_prompt_cache_options(make_emulator: EmulatorFactory) -> None:
     emu = await make_emulator()
     async with aiohttp.ClientSession(headers=HEADERS) as session:
-        body = {"model": "gpt-5", "input": "hi", "prompt_cache_options": {"ttl": "12h", "mode": "explicit"}}
+        body = {"model": "gpt-6.1-sol", "input": "hi", "prompt_cache_options": {"ttl": "12h", "mode": "explicit"}}
         async with session.post(emu.base_url + "/responses", json=body) as resp:
             response = await resp.json()
         assert response["prompt_cache_options"] == {"mode": "explicit", "ttl": "12h"}
@@ -198,7 +198,7 @@ async def test_function_call_done_has_name_and_sse_obfuscation(make_emulator: Em
     async with aiohttp.ClientSession(headers=HEADERS) as session:
         events = []
         for include in (None, False):
-            body: dict[str, Any] = {"model": "gpt-5", "input": "steps=1", "tools": TOOLS, "stream": True}
+            body: dict[str, Any] = {"model": "gpt-6.1-sol", "input": "steps=1", "tools": TOOLS, "stream": True}
             if include is not None:
                 body["stream_options"] = {"include_obfuscation": include}
             async with session.post(emu.base_url + "/responses", json=body) as resp:
@@ -213,11 +213,11 @@ async def test_function_call_done_has_name_and_sse_obfuscation(make_emulator: Em
 
 
 async def test_steering_through_the_sdk_connection(make_emulator: EmulatorFactory, sdk: ClientFactory) -> None:
-    emu = await make_emulator(steer_models=("gpt-5",))
+    emu = await make_emulator(steer_models=("gpt-6.1-sol",))
     emu.faults.arm("hold", after_events=3)
     client = sdk(emu)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="draft it", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="draft it", store=False)
         created = await conn.recv()
         assert created.type == "response.created"
         await wait_held(emu, 1)

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.timeout(30)
 
 async def test_three_turn_store_false_chain_hits_cache(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="turn one", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="turn one", store=False)
         first = final_response(await read_turn(conn))
-        await conn.response.create(model="gpt-5", input="turn two", store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="turn two", store=False, previous_response_id=first["id"])
         second = final_response(await read_turn(conn))
-        await conn.response.create(model="gpt-5", input="turn three", store=False, previous_response_id=second["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="turn three", store=False, previous_response_id=second["id"])
         third = final_response(await read_turn(conn))
     stats = emulator.stats
     assert stats.requests["ws"] == 3
@@ -44,10 +44,10 @@ async def test_three_turn_store_false_chain_hits_cache(emulator: Emulator, clien
 
 async def test_miss_gives_exact_previous_response_not_found(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="x", store=False, previous_response_id="resp_unknown")
+        await conn.response.create(model="gpt-6.1-sol", input="x", store=False, previous_response_id="resp_unknown")
         events = await read_turn(conn)
         # the socket stays open and takes a full-context create
-        await conn.response.create(model="gpt-5", input="x", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="x", store=False)
         assert final_response(await read_turn(conn))["status"] == "completed"
     assert events == [
         {
@@ -66,16 +66,16 @@ async def test_miss_gives_exact_previous_response_not_found(emulator: Emulator, 
 
 async def test_forced_miss_fault_and_sdk_typed_error(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="a", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="a", store=False)
         first = final_response(await read_turn(conn))
         emulator.faults.arm("miss")
-        await conn.response.create(model="gpt-5", input="b", store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="b", store=False, previous_response_id=first["id"])
         event = await conn.recv()
         assert event.type == "error"
         assert event.error.code == "previous_response_not_found"  # type: ignore[union-attr]
         assert event.error.message == f"Previous response with id '{first['id']}' not found."  # type: ignore[union-attr]
         # the parent was evicted: a retry with the same anchor misses too
-        await conn.response.create(model="gpt-5", input="b", store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="b", store=False, previous_response_id=first["id"])
         assert (await read_turn(conn))[-1]["error"]["code"] == "previous_response_not_found"
     assert emulator.stats.misses["ws"] == 2
     assert emulator.stats.faults_fired == {"miss": 1}
@@ -84,7 +84,7 @@ async def test_forced_miss_fault_and_sdk_typed_error(emulator: Emulator, client:
 async def test_generate_false_warmup_then_chained_turn(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
         await conn.response.create(
-            model="gpt-5", input="You are terse.", store=False, generate=False, tools=TOOLS, instructions="be nice"
+            model="gpt-6.1-sol", input="You are terse.", store=False, generate=False, tools=TOOLS, instructions="be nice"
         )
         warm = await read_turn(conn)
         assert [e["type"] for e in warm] == ["response.created", "response.completed"]
@@ -92,7 +92,7 @@ async def test_generate_false_warmup_then_chained_turn(emulator: Emulator, clien
         done = warm[-1]["response"]
         assert done["output"] == [] and done["status"] == "completed"
         assert done["usage"]["output_tokens"] == 0
-        await conn.response.create(model="gpt-5", input="now answer", store=False, previous_response_id=done["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="now answer", store=False, previous_response_id=done["id"])
         reply = final_response(await read_turn(conn))
     assert emulator.stats.generate_false == 1
     assert emulator.stats.cache_hits == 1
@@ -104,10 +104,10 @@ async def test_age_limit(make_emulator: EmulatorFactory, sdk: ClientFactory) -> 
     emu = await make_emulator(ws_max_age_s=1)
     client = sdk(emu)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="early")
+        await conn.response.create(model="gpt-6.1-sol", input="early")
         assert final_response(await read_turn(conn))["status"] == "completed"
         await asyncio.sleep(1.05)
-        await conn.response.create(model="gpt-5", input="late")
+        await conn.response.create(model="gpt-6.1-sol", input="late")
         event = await recv_json(conn)
         assert event == {
             "type": "error",
@@ -137,8 +137,8 @@ async def test_second_create_is_queued_fifo(make_emulator: EmulatorFactory, sdk:
     emu = await make_emulator(latency=LatencyModel(tokens_per_second=2000.0), reply_bytes=400)
     client = sdk(emu)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="first")
-        await conn.response.create(model="gpt-5", input="second")
+        await conn.response.create(model="gpt-6.1-sol", input="first")
+        await conn.response.create(model="gpt-6.1-sol", input="second")
         events = await read_turn(conn) + await read_turn(conn)
     ids = [e["response"]["id"] if "response" in e else e["item_id"] if "item_id" in e else None for e in events]
     first_done = next(i for i, e in enumerate(events) if e["type"] == "response.completed")
@@ -153,8 +153,8 @@ async def test_two_named_lanes_run_in_parallel(make_emulator: EmulatorFactory, s
     emu = await make_emulator(latency=LatencyModel(tokens_per_second=1500.0), reply_bytes=400)
     client = sdk(emu)
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="lane a", stream_id="a", store=False)
-        await conn.response.create(model="gpt-5", input="lane b", stream_id="b", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="lane a", stream_id="a", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="lane b", stream_id="b", store=False)
         events: list[dict[str, Any]] = []
         while sum(e["type"] == "response.completed" for e in events) < 2:
             events.append(await recv_json(conn))
@@ -162,11 +162,11 @@ async def test_two_named_lanes_run_in_parallel(make_emulator: EmulatorFactory, s
         # continue lane b from its own latest, and fork lane a's response into a new lane
         latest = {e["stream_id"]: e["response"]["id"] for e in events if e["type"] == "response.completed"}
         await conn.response.create(
-            model="gpt-5", input="more", stream_id="b", store=False, previous_response_id=latest["b"]
+            model="gpt-6.1-sol", input="more", stream_id="b", store=False, previous_response_id=latest["b"]
         )
         assert final_response(await read_turn(conn))["status"] == "completed"
         await conn.response.create(
-            model="gpt-5", input="fork", stream_id="c", store=False, previous_response_id=latest["a"]
+            model="gpt-6.1-sol", input="fork", stream_id="c", store=False, previous_response_id=latest["a"]
         )
         fork = await read_turn(conn)
     assert set(lanes) == {"a", "b"}
@@ -180,7 +180,7 @@ async def test_two_named_lanes_run_in_parallel(make_emulator: EmulatorFactory, s
 async def test_invalid_stream_id(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
         for bad in ("", "has space", "x" * 257):
-            await conn.response.create(model="gpt-5", input="x", stream_id=bad)
+            await conn.response.create(model="gpt-6.1-sol", input="x", stream_id=bad)
             event = await recv_json(conn)
             assert event["type"] == "error" and "stream_id" not in event
             assert event["error"]["code"] == "invalid_stream_id"
@@ -194,11 +194,11 @@ async def test_invalid_stream_id(emulator: Emulator, client: AsyncOpenAI) -> Non
 async def test_named_stream_limit(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
         for index in range(32):
-            await conn.response.create(model="gpt-5", input="x", stream_id=f"lane-{index}", store=False)
+            await conn.response.create(model="gpt-6.1-sol", input="x", stream_id=f"lane-{index}", store=False)
         done = 0
         while done < 32:
             done += (await recv_json(conn))["type"] == "response.completed"
-        await conn.response.create(model="gpt-5", input="x", stream_id="lane-32")
+        await conn.response.create(model="gpt-6.1-sol", input="x", stream_id="lane-32")
         event = await recv_json(conn)
         assert event == {
             "type": "error",
@@ -212,7 +212,7 @@ async def test_named_stream_limit(emulator: Emulator, client: AsyncOpenAI) -> No
                 "code": "websocket_stream_limit_reached",
             },
         }
-        await conn.response.create(model="gpt-5", input="reuse", stream_id="lane-0")
+        await conn.response.create(model="gpt-6.1-sol", input="reuse", stream_id="lane-0")
         assert final_response(await read_turn(conn))["status"] == "completed"
 
 
@@ -221,7 +221,7 @@ async def test_in_flight_limit_queues(make_emulator: EmulatorFactory, sdk: Clien
     client = sdk(emu)
     async with client.responses.connect() as conn:
         for index in range(5):
-            await conn.response.create(model="gpt-5", input="x", stream_id=f"s{index}")
+            await conn.response.create(model="gpt-6.1-sol", input="x", stream_id=f"s{index}")
         done = 0
         while done < 5:
             event = await recv_json(conn)
@@ -232,12 +232,12 @@ async def test_in_flight_limit_queues(make_emulator: EmulatorFactory, sdk: Clien
 
 async def test_background_rejected_and_stream_ignored(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="x", background=True, stream_id="bg")
+        await conn.response.create(model="gpt-6.1-sol", input="x", background=True, stream_id="bg")
         event = await recv_json(conn)
         assert event["type"] == "error" and event["status"] == 400 and event["stream_id"] == "bg"
         assert event["error"]["param"] == "background" and event["error"]["code"] is None
         assert event["error"]["type"] == "invalid_request_error"
-        await conn.response.create(model="gpt-5", input="x", stream=True, previous_response_id=None)
+        await conn.response.create(model="gpt-6.1-sol", input="x", stream=True, previous_response_id=None)
         assert final_response(await read_turn(conn))["status"] == "completed"
 
 
@@ -258,10 +258,10 @@ async def test_steer_unknown_type_invalid_json(emulator: Emulator, client: Async
 
 async def test_store_true_hydrates_on_new_socket(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="stored")
+        await conn.response.create(model="gpt-6.1-sol", input="stored")
         first = final_response(await read_turn(conn))
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="next", previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="next", previous_response_id=first["id"])
         second = final_response(await read_turn(conn))
     assert emulator.stats.hydrations["ws"] == 1 and emulator.stats.cache_hits == 0
     record = emulator.record(second["id"])
@@ -272,51 +272,51 @@ async def test_store_true_hydrates_on_new_socket(emulator: Emulator, client: Asy
 
 async def test_store_false_does_not_survive_new_socket(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="ephemeral", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="ephemeral", store=False)
         first = final_response(await read_turn(conn))
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="next", store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="next", store=False, previous_response_id=first["id"])
         assert (await read_turn(conn))[-1]["error"]["code"] == "previous_response_not_found"
 
 
 async def test_failed_same_lane_continuation_evicts_parent(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="a", store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="a", store=False)
         first = final_response(await read_turn(conn))
         # an unpaired function_call_output is a 400: the failed continuation evicts its parent
         bad = [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]
-        await conn.response.create(model="gpt-5", input=bad, store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input=bad, store=False, previous_response_id=first["id"])
         error = (await read_turn(conn))[-1]
         assert error["error"]["message"] == "No tool call found for function call output with call_id call_nope."
-        await conn.response.create(model="gpt-5", input="b", store=False, previous_response_id=first["id"])
+        await conn.response.create(model="gpt-6.1-sol", input="b", store=False, previous_response_id=first["id"])
         assert (await read_turn(conn))[-1]["error"]["code"] == "previous_response_not_found"
 
 
 async def test_failed_cross_lane_fork_keeps_parent(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="a", store=False, stream_id="main")
+        await conn.response.create(model="gpt-6.1-sol", input="a", store=False, stream_id="main")
         first = final_response(await read_turn(conn))
         emulator.faults.arm("error", status=500)
         await conn.response.create(
-            model="gpt-5", input="fork", store=False, stream_id="fork", previous_response_id=first["id"]
+            model="gpt-6.1-sol", input="fork", store=False, stream_id="fork", previous_response_id=first["id"]
         )
         assert (await read_turn(conn))[-1]["status"] == 500
         await conn.response.create(
-            model="gpt-5", input="b", store=False, stream_id="main", previous_response_id=first["id"]
+            model="gpt-6.1-sol", input="b", store=False, stream_id="main", previous_response_id=first["id"]
         )
         assert final_response(await read_turn(conn))["status"] == "completed"
 
 
 async def test_tool_loop_over_ws(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
-        await conn.response.create(model="gpt-5", input="run 2 tool calls", tools=TOOLS, store=False)
+        await conn.response.create(model="gpt-6.1-sol", input="run 2 tool calls", tools=TOOLS, store=False)
         response = final_response(await read_turn(conn))
         for step in (1, 2):
             call = response["output"][-1]
             assert call["type"] == "function_call" and json.loads(call["arguments"])["path"].endswith(f"{step}.txt")
             output = [{"type": "function_call_output", "call_id": call["call_id"], "output": f"content {step}"}]
             await conn.response.create(
-                model="gpt-5", input=output, tools=TOOLS, store=False, previous_response_id=response["id"]
+                model="gpt-6.1-sol", input=output, tools=TOOLS, store=False, previous_response_id=response["id"]
             )
             response = final_response(await read_turn(conn))
     assert response["output"][-1]["type"] == "message"
@@ -343,7 +343,7 @@ async def test_permessage_deflate_ping_and_identity(emulator: Emulator) -> None:
         assert "x-request-id" not in ws.response.headers
         latency = await ws.ping()
         await asyncio.wait_for(latency, 2)
-        await ws.send(json.dumps({"type": "response.create", "model": "gpt-5", "input": "zip"}))
+        await ws.send(json.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "zip"}))
         while json.loads(await ws.recv())["type"] != "response.completed":
             pass
     [conn] = emulator.stats.connections.values()
@@ -360,7 +360,7 @@ async def test_binary_frame_and_oversized_frame(make_emulator: EmulatorFactory) 
             await ws.recv()
     assert ws.close_code == 1003
     async with websockets.connect(emu.ws_url, additional_headers=headers, max_size=None) as ws:
-        await ws.send(json.dumps({"type": "response.create", "model": "gpt-5", "input": "x" * 2000}))
+        await ws.send(json.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "x" * 2000}))
         with pytest.raises(websockets.ConnectionClosed):
             await ws.recv()
     assert ws.close_code == 1009
@@ -376,10 +376,10 @@ async def test_idle_timeout(make_emulator: EmulatorFactory) -> None:
 
 def test_sync_sdk_connect(threaded: Emulator, sync_client: OpenAI) -> None:
     with sync_client.responses.connect() as conn:
-        conn.response.create(model="gpt-5", input="sync hello", store=False)
+        conn.response.create(model="gpt-6.1-sol", input="sync hello", store=False)
         first = next(event for event in conn if event.type in TERMINAL)
         assert first.type == "response.completed"
-        conn.response.create(model="gpt-5", input="again", store=False, previous_response_id=first.response.id)
+        conn.response.create(model="gpt-6.1-sol", input="again", store=False, previous_response_id=first.response.id)
         second = next(event for event in conn if event.type in TERMINAL)
         assert second.type == "response.completed", second
         assert second.response.usage is not None

@@ -16,7 +16,7 @@ ID = "a" * 64
 
 
 def body(**fields: Any) -> bytes:
-    return orjson.dumps({"model": "gpt-5", **fields})
+    return orjson.dumps({"model": "gpt-6.1-sol", **fields})
 
 
 def key(raw: bytes, identity: str = ID) -> bytes:

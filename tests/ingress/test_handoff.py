@@ -181,7 +181,7 @@ async def test_an_owner_that_is_gone_or_stuck_leaves_the_turn_to_the_sender(
         seen = await metrics(proc, session)
         # Every connection still works (a new conversation on it may now be handed off).
         for client, task in zip(clients, tasks, strict=True):
-            again = await client.responses.with_raw_response.create(model="gpt-5", input=task)
+            again = await client.responses.with_raw_response.create(model="gpt-6.1-sol", input=task)
             assert again.http_response.status_code == 200
     for client in clients:
         await client.close()

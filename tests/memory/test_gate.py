@@ -196,7 +196,7 @@ async def test_a_chunked_lease_grows_as_it_reads() -> None:
 
 def _record(heads: HeadTable, index: int) -> None:
     body = orjson.dumps(
-        {"model": "gpt-5", "input": [{"role": "user", "content": f"conversation {index} " + "x" * 200_000}]}
+        {"model": "gpt-6.1-sol", "input": [{"role": "user", "content": f"conversation {index} " + "x" * 200_000}]}
     )
     req = heads.parse("ident", body)
     response = {"id": f"resp_{index}", "output": [{"type": "message", "role": "assistant", "content": []}]}

@@ -40,7 +40,7 @@ def run_explain(*args: str) -> subprocess.CompletedProcess[str]:
 
 def tool_task(*messages: dict[str, Any]) -> dict[str, Any]:
     """A first request of a task whose model calls ``read_file`` (the emulator's tool script)."""
-    return {"model": "gpt-5", "store": False, "tools": [READ_FILE], "input": list(messages)}
+    return {"model": "gpt-6.1-sol", "store": False, "tools": [READ_FILE], "input": list(messages)}
 
 
 LOGGED = ("reason", "miss_item", "miss_type", "miss_field", "miss_detail", "candidate_items")
@@ -103,7 +103,7 @@ async def test_explain_matches_the_access_log(
 
 
 def test_explain_refuses_unusable_files(tmp_path: Path) -> None:
-    (tmp_path / "a.json").write_text('{"model": "gpt-5", "input": "hi"}')
+    (tmp_path / "a.json").write_text('{"model": "gpt-6.1-sol", "input": "hi"}')
     (tmp_path / "r.txt").write_text("not a response")
     out = run_explain(str(tmp_path / "a.json"), str(tmp_path / "r.txt"), str(tmp_path / "a.json"))
     assert out.returncode == 2 and "upshift explain:" in out.stderr
@@ -166,7 +166,7 @@ def test_every_miss_detail_has_words() -> None:
 
 
 def test_explain_refuses_an_unknown_tolerance(tmp_path: Path) -> None:
-    (tmp_path / "a.json").write_text('{"model": "gpt-5", "input": "hi"}')
+    (tmp_path / "a.json").write_text('{"model": "gpt-6.1-sol", "input": "hi"}')
     (tmp_path / "r.json").write_text('{"object": "response", "status": "completed", "output": []}')
     out = run_explain(*(str(tmp_path / n) for n in ("a.json", "r.json", "a.json")), "--tolerate", "phase,typos")
     assert out.returncode == 2 and "matching.tolerate: expected a list of" in out.stderr, out.stderr

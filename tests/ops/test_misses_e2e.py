@@ -25,7 +25,7 @@ from tests.sidecar import Sidecar
 
 from .conftest import AccessLines
 
-MODEL = "gpt-5"
+MODEL = "gpt-6.1-sol"
 Item = dict[str, Any]
 
 

@@ -120,7 +120,7 @@ async def test_sigterm_drains_in_flight_stream(spawn: Any, session: aiohttp.Clie
     async with Emulator(latency=LatencyModel(tokens_per_second=50.0)) as emulator:
         sc = spawn(emulator.base_url, env={"UPSHIFT_SHUTDOWN_GRACE_SECONDS": "15"})
         await sc.wait_ready(session)
-        body = {"model": "gpt-5", "input": "tell me a story reply_bytes=400", "stream": True}
+        body = {"model": "gpt-6.1-sol", "input": "tell me a story reply_bytes=400", "stream": True}
         headers = {"Authorization": "Bearer sk-drain-test"}
         async with session.post(sc.base_url + "/responses", json=body, headers=headers) as resp:
             assert resp.status == 200
@@ -170,7 +170,7 @@ async def test_drain_is_bounded_by_grace(spawn: Any, session: aiohttp.ClientSess
     async with Emulator(latency=LatencyModel(tokens_per_second=50.0)) as emulator:
         sc = spawn(emulator.base_url, env={"UPSHIFT_SHUTDOWN_GRACE_SECONDS": str(grace)})
         await sc.wait_ready(session)
-        body = {"model": "gpt-5", "input": "tell me a long story reply_bytes=800", "stream": True}
+        body = {"model": "gpt-6.1-sol", "input": "tell me a long story reply_bytes=800", "stream": True}
         headers = {"Authorization": "Bearer sk-drain-test"}
         async with session.post(sc.base_url + "/responses", json=body, headers=headers) as resp:
             events: list[tuple[float, str]] = []
@@ -195,7 +195,7 @@ async def _ws_turn(session: aiohttp.ClientSession, sc: SidecarProcess, key: str)
     """One turn over the WebSocket relay (``GET /v1/responses`` upgrade)."""
     url = sc.base_url.replace("http://", "ws://") + "/responses"
     async with session.ws_connect(url, headers={"Authorization": f"Bearer {key}"}) as ws:
-        await ws.send_str(orjson.dumps({"type": "response.create", "model": "gpt-5", "input": "hi"}).decode())
+        await ws.send_str(orjson.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "hi"}).decode())
         while True:
             msg = await ws.receive(timeout=10)
             assert msg.type == aiohttp.WSMsgType.TEXT, msg
@@ -225,20 +225,20 @@ async def test_no_authorization_value_in_logs_passthrough(
     await run_agent_loop(sc.base_url, turns=3, tool_output_kb=1, api_key=sk_key)
     for key in (sk_key, plain_key):
         auth = {"Authorization": f"Bearer {key}"}
-        async with session.post(sc.base_url + "/responses", json={"model": "gpt-5", "input": "hi"}, headers=auth) as r:
+        async with session.post(sc.base_url + "/responses", json={"model": "gpt-6.1-sol", "input": "hi"}, headers=auth) as r:
             assert r.status == 200, await r.text()
         async with session.get(sc.base_url + "/models", headers=auth) as r:
             assert r.status == 200
         # An upstream 400 (unknown parameter) and an HTTP passthrough (background).
-        async with session.post(sc.base_url + "/responses", json={"model": "gpt-5", "bogus": 1}, headers=auth) as r:
+        async with session.post(sc.base_url + "/responses", json={"model": "gpt-6.1-sol", "bogus": 1}, headers=auth) as r:
             assert r.status == 400
-        bg = {"model": "gpt-5", "input": "hi", "background": True}
+        bg = {"model": "gpt-6.1-sol", "input": "hi", "background": True}
         async with session.post(sc.base_url + "/responses", json=bg, headers=auth) as r:
             assert r.status == 200, await r.text()
         await _ws_turn(session, sc, key)
     async with session.post(
         sc.base_url + "/responses",
-        json={"model": "gpt-5", "input": "hi"},
+        json={"model": "gpt-6.1-sol", "input": "hi"},
         headers={"Authorization": f"Bearer {bad_key}"},
     ) as r:
         assert r.status == 401
@@ -339,7 +339,7 @@ def test_readme_documents_fallback_reason(reason: str) -> None:
 
 def test_readme_quickstart_matches_ci() -> None:
     readme = _readme()
-    test_cmd = "python -m pip install -e '.[test]' && python -m pytest"
+    test_cmd = "python -m pip install -c tests/constraints.txt -e '.[test]' && python -m pytest"
     assert test_cmd in readme
     # .ci/run runs the very same command line.
     ci = (ROOT / ".ci/run").read_text().splitlines()

@@ -95,7 +95,7 @@ async def _explained_misses(base_url: str) -> None:
     url = base_url + "/responses"
     headers = {"Authorization": "Bearer sk-upshift-demo-not-a-real-key"}
     first = [{"role": "user", "content": "Look at the repository. steps=1"}]
-    body: dict[str, Any] = {"model": "gpt-5", "input": first, "store": False, "tools": _TOOLS}
+    body: dict[str, Any] = {"model": "gpt-6.1-sol", "input": first, "store": False, "tools": _TOOLS}
     async with aiohttp.ClientSession(headers=headers) as session:
         async with session.post(url, json=body) as resp:
             output = (await resp.json())["output"]

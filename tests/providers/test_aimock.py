@@ -159,11 +159,11 @@ def messages(entry: dict[str, Any]) -> list[tuple[str, str | None]]:
 async def test_first_turn_over_websocket_to_json_and_sse(aimock: str) -> None:
     async with Sidecar(aimock + "/v1") as sidecar:
         app = client(sidecar)
-        raw = await app.responses.with_raw_response.create(model="gpt-5", input="say hello")
+        raw = await app.responses.with_raw_response.create(model="gpt-6.1-sol", input="say hello")
         response = raw.parse()
-        stream = await app.responses.create(model="gpt-5", input="say hello", stream=True)
+        stream = await app.responses.create(model="gpt-6.1-sol", input="say hello", stream=True)
         events = [event async for event in stream]
-        async with app.responses.stream(model="gpt-5", input="say hello") as helper:
+        async with app.responses.stream(model="gpt-6.1-sol", input="say hello") as helper:
             final = await helper.get_final_response()
         await app.close()
     assert raw.headers["x-upshift-mode"] == "full"
@@ -183,12 +183,12 @@ async def test_tool_call_continuation_carries_only_the_new_items(aimock: str) ->
     async with Sidecar(aimock + "/v1") as sidecar:
         app = client(sidecar)
         history: list[Any] = [{"role": "user", "content": "weather please"}]
-        first = await app.responses.with_raw_response.create(model="gpt-5", input=history, tools=WEATHER)
+        first = await app.responses.with_raw_response.create(model="gpt-6.1-sol", input=history, tools=WEATHER)
         output = first.parse().output
         call = output[0]
         assert call.type == "function_call" and call.call_id == "call_aimock_1"
         history += [*output, {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
-        second = await app.responses.with_raw_response.create(model="gpt-5", input=history, tools=WEATHER)
+        second = await app.responses.with_raw_response.create(model="gpt-6.1-sol", input=history, tools=WEATHER)
         await app.close()
     assert (first.headers["x-upshift-mode"], second.headers["x-upshift-mode"]) == ("full", "continuation")
     assert second.parse().output_text == "It is sunny in Paris."
@@ -204,10 +204,10 @@ async def test_a_continuation_that_needs_the_history_fails_cleanly(aimock: str) 
     history: list[Any] = [{"role": "user", "content": "say hello"}]
     async with Sidecar(aimock + "/v1") as sidecar:
         app = client(sidecar)
-        first = await app.responses.create(model="gpt-5", input=history)
+        first = await app.responses.create(model="gpt-6.1-sol", input=history)
         history += [*first.output, {"role": "user", "content": "and again"}]
         with pytest.raises(openai.APIStatusError) as info:
-            await app.responses.create(model="gpt-5", input=history)
+            await app.responses.create(model="gpt-6.1-sol", input=history)
         await app.close()
     assert info.value.response.headers["x-upshift-mode"] == "continuation"
     body = info.value.body
@@ -218,7 +218,7 @@ async def test_a_continuation_that_needs_the_history_fails_cleanly(aimock: str) 
     # The recipe for a stateless upstream: mode: http (the app's full history every turn).
     async with Sidecar(aimock + "/v1", mode="http") as sidecar:
         app = client(sidecar)
-        raw = await app.responses.with_raw_response.create(model="gpt-5", input=history)
+        raw = await app.responses.with_raw_response.create(model="gpt-6.1-sol", input=history)
         await app.close()
     assert raw.headers["x-upshift-mode"] == "passthrough"
     assert raw.parse().output_text == "Hello again!"
@@ -230,9 +230,9 @@ async def test_an_error_frame_without_status(aimock: str) -> None:
     async with Sidecar(aimock + "/v1") as sidecar:
         app = client(sidecar)
         with pytest.raises(openai.APIStatusError) as plain:
-            await app.responses.create(model="gpt-5", input="trigger error")
+            await app.responses.create(model="gpt-6.1-sol", input="trigger error")
         with pytest.raises(openai.APIStatusError) as streamed:
-            await app.responses.create(model="gpt-5", input="trigger error", stream=True)
+            await app.responses.create(model="gpt-6.1-sol", input="trigger error", stream=True)
         await app.close()
     for exc in (plain.value, streamed.value):
         assert exc.status_code == 500
@@ -251,12 +251,12 @@ async def test_an_abrupt_close_mid_response(aimock: str) -> None:
     async with Sidecar(aimock + "/v1") as sidecar:
         app = client(sidecar)
         with pytest.raises(openai.APIStatusError) as plain:
-            await app.responses.create(model="gpt-5", input="cut me off")
+            await app.responses.create(model="gpt-6.1-sol", input="cut me off")
         events: list[Any] = []
         with pytest.raises(openai.APIError) as streamed:
-            async for event in await app.responses.create(model="gpt-5", input="cut me off", stream=True):
+            async for event in await app.responses.create(model="gpt-6.1-sol", input="cut me off", stream=True):
                 events.append(event)
-        after = await app.responses.create(model="gpt-5", input="say hello")
+        after = await app.responses.create(model="gpt-6.1-sol", input="say hello")
         await app.close()
     assert plain.value.status_code == 502
     assert isinstance(plain.value.body, dict) and plain.value.body["code"] == "upstream_closed"

@@ -87,7 +87,7 @@ async def test_azure_websocket_app_through_the_relay() -> None:
     async with Emulator(require_keys=KEYS) as azure, Sidecar(azure.url + "/openai/v1") as sidecar:
         client = AsyncAzureOpenAI(base_url=sidecar.base_url, api_key=KEYS[0], api_version=API_VERSION, max_retries=0)
         async with client.responses.connect() as conn:
-            await conn.response.create(model="gpt-5", input="Hello over Azure WebSocket mode.")
+            await conn.response.create(model="gpt-6.1-sol", input="Hello over Azure WebSocket mode.")
             while True:
                 event = await asyncio.wait_for(conn.recv(), 5.0)
                 if event.type in ("response.completed", "response.failed", "error"):

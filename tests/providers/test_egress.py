@@ -126,7 +126,7 @@ async def test_continuations_through_a_forward_proxy_to_a_tls_upstream(tmp_path:
             run = await run_loop_async(client, task_text(STEPS, "proxy"))
             models = await client.models.list()  # the HTTP relay takes the same path
             await client.close()
-        assert "gpt-5" in [m.id for m in models.data]
+        assert "gpt-6.1-sol" in [m.id for m in models.data]
         assert run.tool_calls == STEPS
         assert_continuations(emulator, capture.bodies, run.response_ids, run.output_counts, capture.modes)
         assert_fidelity(emulator, capture.bodies, run.response_ids)
@@ -152,7 +152,7 @@ async def test_an_authenticating_proxy(tmp_path: Path) -> None:
         async with Sidecar(tls.base_url, settings=_settings(tls.base_url, proxy.url, str(tls.ca_file))) as sidecar:
             client = AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-test", max_retries=0)
             with pytest.raises(openai.APIStatusError) as info:
-                await client.responses.create(model="gpt-5", input="hi")
+                await client.responses.create(model="gpt-6.1-sol", input="hi")
             await client.close()
         assert info.value.status_code == 502
         body = info.value.body
@@ -177,7 +177,7 @@ async def test_without_the_ca_the_app_gets_a_clean_502(tmp_path: Path, monkeypat
     async with TlsEmulator(tmp_path) as tls, Sidecar(tls.base_url, settings=_settings(tls.base_url, "off")) as sc:
         client = AsyncOpenAI(base_url=sc.base_url, api_key="sk-test", max_retries=0)
         with pytest.raises(openai.APIStatusError) as info:
-            await client.responses.create(model="gpt-5", input="hi")
+            await client.responses.create(model="gpt-6.1-sol", input="hi")
         await client.close()
     assert info.value.status_code == 502
     assert info.value.response.headers["x-upshift-mode"] == "passthrough"
@@ -193,9 +193,9 @@ async def test_a_refused_connect_gives_a_clear_502(tmp_path: Path) -> None:
         async with Sidecar(tls.base_url, settings=settings) as sidecar:
             client = AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-test", max_retries=0)
             with pytest.raises(openai.APIStatusError) as info:
-                await client.responses.create(model="gpt-5", input="hi")
+                await client.responses.create(model="gpt-6.1-sol", input="hi")
             with pytest.raises(openai.APIStatusError) as streamed:
-                await client.responses.create(model="gpt-5", input="hi", stream=True)
+                await client.responses.create(model="gpt-6.1-sol", input="hi", stream=True)
             with pytest.raises(openai.APIStatusError) as other:
                 await client.models.list()
             await client.close()
@@ -219,7 +219,7 @@ async def test_a_refused_connect_on_the_websocket_relay_is_426(tmp_path: Path) -
             client = AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-test", max_retries=0)
             with pytest.raises(InvalidStatus) as info:
                 async with client.responses.connect() as conn:
-                    await conn.response.create(model="gpt-5", input="hi")
+                    await conn.response.create(model="gpt-6.1-sol", input="hi")
             await client.close()
         assert info.value.response.status_code == 426
         assert b"egress proxy refused" in (info.value.response.body or b"")

@@ -149,7 +149,7 @@ async def capture() -> AsyncIterator[tuple[str, list[Seen]]]:
 
 
 async def _post(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> aiohttp.ClientResponse:
-    body = {"model": "gpt-5", "input": "hi"}
+    body = {"model": "gpt-6.1-sol", "input": "hi"}
     async with session.post(url, json=body, headers=headers) as response:
         await response.read()
         return response
@@ -199,7 +199,7 @@ async def test_changing_turn_metadata_keeps_the_continuation(emulator: Emulator)
         history: list[Any] = [{"role": "user", "content": task_text(2, "metadata")}]
         for turn in range(3):
             extra = {"x-codex-turn-metadata": json.dumps({"turn": turn, "sandbox": "workspace-write"})}
-            response = await client.responses.create(model="gpt-5", input=history, tools=TOOLS, extra_headers=extra)
+            response = await client.responses.create(model="gpt-6.1-sol", input=history, tools=TOOLS, extra_headers=extra)
             history += [*response.output, *tool_outputs(response.output)]
         await client.close()
     assert capture.modes == ["full", "continuation", "continuation"]

@@ -29,7 +29,7 @@ async def _until_terminal(conn: Any) -> list[Any]:
 async def test_steer_and_unknown_frames_pass_both_ways(emulator: Emulator, sidecar: Sidecar) -> None:
     async with AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-steer", max_retries=0) as client:
         async with client.responses.connect() as conn:
-            await conn.response.create(model="gpt-5", input="Say something long.")
+            await conn.response.create(model="gpt-6.1-sol", input="Say something long.")
             first = (await _until_terminal(conn))[-1]
             assert first.type == "response.completed"
             response_id = first.response.id
@@ -53,7 +53,7 @@ async def test_steer_and_unknown_frames_pass_both_ways(emulator: Emulator, sidec
             assert after["bytes_received"]["ws"] - middle["bytes_received"]["ws"] == len(odd.encode())
 
             # The relayed socket still serves the chain.
-            await conn.response.create(model="gpt-5", input="And now?", previous_response_id=response_id)
+            await conn.response.create(model="gpt-6.1-sol", input="And now?", previous_response_id=response_id)
             second = (await _until_terminal(conn))[-1]
             assert second.type == "response.completed"
             rec = emulator.record(second.response.id)

@@ -28,7 +28,7 @@ from tests.sidecar import Sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-reliability-0123456789abcdef"
-MODEL = "gpt-5"
+MODEL = "gpt-6.1-sol"
 TERMINAL = ("response.completed", "response.failed", "response.incomplete", "error")
 ERROR_KEYS = {"message", "type", "param", "code"}
 

@@ -45,13 +45,13 @@ async def still_serving(http: aiohttp.ClientSession, sc: Sidecar, emu: Emulator)
 
 
 MALFORMED = {
-    "truncated": b'{"model": "gpt-5", "input": [',
-    "trailing-garbage": b'{"model": "gpt-5", "input": "hi"} x',
-    "single-quotes": b"{'model': 'gpt-5'}",
-    "trailing-comma": b'{"model": "gpt-5", "input": "hi",}',
+    "truncated": b'{"model": "gpt-6.1-sol", "input": [',
+    "trailing-garbage": b'{"model": "gpt-6.1-sol", "input": "hi"} x',
+    "single-quotes": b"{'model': 'gpt-6.1-sol'}",
+    "trailing-comma": b'{"model": "gpt-6.1-sol", "input": "hi",}',
     "empty": b"",
     "whitespace": b"   ",
-    "unterminated-string": b'{"model": "gpt-5", "input": "hi}',
+    "unterminated-string": b'{"model": "gpt-6.1-sol", "input": "hi}',
 }
 
 
@@ -66,7 +66,7 @@ async def test_malformed_json_is_a_400(
     await still_serving(http, sidecar, emulator)
 
 
-@pytest.mark.parametrize("body", [b"[]", b'["model"]', b'"gpt-5"', b"1", b"null", b"true"])
+@pytest.mark.parametrize("body", [b"[]", b'["model"]', b'"gpt-6.1-sol"', b"1", b"null", b"true"])
 async def test_non_object_body_is_a_400(
     http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar, frames: list[bytes], body: bytes
 ) -> None:
@@ -105,11 +105,11 @@ async def test_wrong_types_are_a_400_naming_the_field(
 
 
 INVALID_UTF8 = {
-    "bad-byte-in-string": b'{"model": "gpt-5", "input": "caf\xe9"}',
-    "bad-byte-in-key": b'{"model": "gpt-5", "inp\xffut": "hi"}',
-    "overlong-encoding": b'{"model": "gpt-5", "input": "\xc0\xaf"}',
-    "truncated-sequence": b'{"model": "gpt-5", "input": "\xe2\x82"}',
-    "encoded-surrogate": b'{"model": "gpt-5", "input": "\xed\xa0\x80"}',
+    "bad-byte-in-string": b'{"model": "gpt-6.1-sol", "input": "caf\xe9"}',
+    "bad-byte-in-key": b'{"model": "gpt-6.1-sol", "inp\xffut": "hi"}',
+    "overlong-encoding": b'{"model": "gpt-6.1-sol", "input": "\xc0\xaf"}',
+    "truncated-sequence": b'{"model": "gpt-6.1-sol", "input": "\xe2\x82"}',
+    "encoded-surrogate": b'{"model": "gpt-6.1-sol", "input": "\xed\xa0\x80"}',
 }
 
 
@@ -125,8 +125,8 @@ async def test_invalid_utf8_is_a_400(
 @pytest.mark.parametrize(
     "body",
     [
-        b'{"model": "gpt-5", "input": "\\ud800"}',
-        b'{"model": "gpt-5", "input": "hi", "metadata": {"k": "\\udfff"}}',
+        b'{"model": "gpt-6.1-sol", "input": "\\ud800"}',
+        b'{"model": "gpt-6.1-sol", "input": "hi", "metadata": {"k": "\\udfff"}}',
     ],
     ids=["in-string-input", "in-metadata"],
 )
@@ -142,7 +142,7 @@ async def test_lone_surrogate_escape_is_a_400(
 async def test_non_json_constants_are_a_400(
     http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar, frames: list[bytes], constant: bytes
 ) -> None:
-    body = b'{"model": "gpt-5", "input": "hi", "temperature": ' + constant + b"}"
+    body = b'{"model": "gpt-6.1-sol", "input": "hi", "temperature": ' + constant + b"}"
     reply = await post(http, sidecar.base_url, body)
     assert_openai_error(reply, 400)
     nothing_forwarded(emulator, frames)
@@ -151,7 +151,7 @@ async def test_non_json_constants_are_a_400(
 async def test_big_integers_reach_the_upstream_unchanged(
     http: aiohttp.ClientSession, sidecar: Sidecar, frames: list[bytes]
 ) -> None:
-    body = b'{"model": "gpt-5", "input": "hi", "store": false, "metadata": {"n": 18446744073709551616}}'
+    body = b'{"model": "gpt-6.1-sol", "input": "hi", "store": false, "metadata": {"n": 18446744073709551616}}'
     reply = await post(http, sidecar.base_url, body)
     assert reply.status == 200
     assert b"18446744073709551616" in frames[0], frames[0]
@@ -183,10 +183,10 @@ async def test_deeply_nested_json_is_a_400_and_harmless(
 ) -> None:
     depth = 100_000
     item = b'{"type": "message", "role": "user", "content": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
-    reply = await post(http, sidecar.base_url, b'{"model": "gpt-5", "input": [' + item + b"]}")
+    reply = await post(http, sidecar.base_url, b'{"model": "gpt-6.1-sol", "input": [' + item + b"]}")
     assert_openai_error(reply, 400)
     deep_object = b'{"a":' * depth + b"1" + b"}" * depth
-    reply = await post(http, sidecar.base_url, b'{"model": "gpt-5", "input": "hi", "metadata": ' + deep_object + b"}")
+    reply = await post(http, sidecar.base_url, b'{"model": "gpt-6.1-sol", "input": "hi", "metadata": ' + deep_object + b"}")
     assert_openai_error(reply, 400)
     nothing_forwarded(emulator, frames)
     await still_serving(http, sidecar, emulator)
@@ -246,7 +246,7 @@ async def test_unknown_item_types_pass_through_untouched(
     raw_future = (
         b'{"type":"x_future_item","id":"xf_1","payload":{"s":"\\u00e9\xf0\x9f\x8c\xa7","n":[1,2.50,-0.0,1E-7]}}'  # noqa: E501
     )
-    body = b'{"model":"gpt-5","store":false,"input":[{"role":"user","content":"hi"},' + raw_future + b"]}"
+    body = b'{"model":"gpt-6.1-sol","store":false,"input":[{"role":"user","content":"hi"},' + raw_future + b"]}"
     reply = await post(http, sidecar.base_url, body)
     assert reply.status == 200, reply.raw[:300]
     assert raw_future in frames[0], "a full send must splice the app's input bytes unchanged"
@@ -286,7 +286,7 @@ async def raw_request(port: int, data: bytes) -> bytes:
 async def test_header_injection_in_app_request_is_refused(
     http: aiohttp.ClientSession, emulator: Emulator, sidecar: Sidecar, frames: list[bytes], header: bytes
 ) -> None:
-    body = b'{"model":"gpt-5","input":"hi"}'
+    body = b'{"model":"gpt-6.1-sol","input":"hi"}'
     request = (
         b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
         + header + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()

@@ -187,7 +187,7 @@ async def noisy_traffic(http: aiohttp.ClientSession, base_url: str, emu: Emulato
     emu.faults.arm("error", status=429, transport="ws", message=f"{CONTENT} limit", headers={"retry-after": "1"})
     await post(http, base_url, {"model": MODEL, "input": f"{CONTENT} rl", "store": False}, key=LOG_KEY)
     await post(http, base_url, {"model": MODEL, "input": f"{CONTENT} bg", "background": True}, key=LOG_KEY)
-    await post(http, base_url, b'{"model": "gpt-5", "input": "' + CONTENT.encode() + b'", ', key=LOG_KEY)
+    await post(http, base_url, b'{"model": "gpt-6.1-sol", "input": "' + CONTENT.encode() + b'", ', key=LOG_KEY)
     await post(http, base_url, {"model": MODEL, "input": f"{CONTENT} bad key"}, key="sk-bad-" + LOG_KEY)
     async with http.get(base_url + "/models", headers=auth(LOG_KEY)) as resp:
         assert resp.status == 200

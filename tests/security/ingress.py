@@ -15,7 +15,7 @@ import orjson
 from tests.exposition import scrape
 from tests.sidecar import SidecarProcess
 
-MODEL = "gpt-5"
+MODEL = "gpt-6.1-sol"
 ALICE = "sk-alice-security-0123456789"
 MALLORY = "sk-mallory-security-9876543210"
 

@@ -62,7 +62,7 @@ async def test_a_cross_origin_websocket_upgrade_is_refused(emulator: Emulator, s
         assert refused.value.status == 403
         # The control: a Codex-style client (no Origin) reads its response over the socket.
         async with http.ws_connect(url) as ws:
-            await ws.send_str(orjson.dumps({"type": "response.create", "model": "gpt-5", "input": "hi"}).decode())
+            await ws.send_str(orjson.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "hi"}).decode())
             while (event := orjson.loads((await ws.receive(timeout=10)).data))["type"] != "response.completed":
                 assert event["type"] != "error", event
     assert emulator.stats.ws_connections["opened"] == opened + 1  # the control's socket only

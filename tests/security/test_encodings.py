@@ -46,7 +46,7 @@ async def test_a_compressed_body_is_decoded_and_the_model_sees_exactly_it(
 ) -> None:
     side = await started(spawn, emulator.base_url)
     history = _history(encoding)
-    plain = orjson.dumps({"model": "gpt-5", "input": history, "store": False})
+    plain = orjson.dumps({"model": "gpt-6.1-sol", "input": history, "store": False})
     packed = encode(plain)  # type: ignore[operator]
     assert len(packed) < len(plain) // 10
     status, data = await _post(side.base_url, packed, encoding)
@@ -76,7 +76,7 @@ async def test_a_zip_bomb_is_a_413_at_the_limit(emulator: Emulator, spawn: Spawn
     rss = metric(text, "upshift_memory_rss_bytes")
     assert rss < 256 * MIB, rss / MIB  # never the decoded gigabyte
     # The control: the next request on the same sidecar is served.
-    status, _ = await _post(side.base_url, gzip.compress(orjson.dumps({"model": "gpt-5", "input": "hi"})), "gzip")
+    status, _ = await _post(side.base_url, gzip.compress(orjson.dumps({"model": "gpt-6.1-sol", "input": "hi"})), "gzip")
     assert status == 200
 
 

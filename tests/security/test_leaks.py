@@ -79,7 +79,7 @@ async def _traffic(base_url: str) -> list[str]:
         for method, path, data in [
             ("POST", "/responses", body()),
             ("POST", "/responses", body(background=True)),
-            ("POST", "/responses", b'{"model": "gpt-5", "input": '),
+            ("POST", "/responses", b'{"model": "gpt-6.1-sol", "input": '),
             ("GET", "/models", None),
             ("GET", "/nope/../../etc", None),
         ]:
@@ -88,7 +88,7 @@ async def _traffic(base_url: str) -> list[str]:
         url = base_url.replace("http://", "ws://") + "/responses"
         try:
             async with http.ws_connect(url, headers=headers) as ws:
-                await ws.send_str(orjson.dumps({"type": "response.create", "model": "gpt-5", "input": "hi"}).decode())
+                await ws.send_str(orjson.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "hi"}).decode())
                 for _ in range(50):
                     msg = await ws.receive(timeout=10)
                     seen.append(str(msg.data))

@@ -44,7 +44,7 @@ def create(text: str) -> dict[str, object]:
 async def send_oversize(http: aiohttp.ClientSession, api: str, size: int) -> tuple[int | None, str]:
     """One relay session that sends a ``size``-byte text message; the close it got."""
     url = api.replace("http://", "ws://") + "/v1/responses"
-    payload = b'{"type":"response.create","model":"gpt-5","input":"' + b"x" * (size - 60) + b'"}'
+    payload = b'{"type":"response.create","model":"gpt-6.1-sol","input":"' + b"x" * (size - 60) + b'"}'
     async with http.ws_connect(url, headers={"Authorization": f"Bearer {ALICE}"}, max_msg_size=0) as ws:
         # Sent while the answer is read: the sidecar closes before the payload is through.
         sending = asyncio.ensure_future(ws.send_bytes(payload))

@@ -112,7 +112,7 @@ async def test_stalled_and_trickled_bodies_hold_nothing_and_are_closed_at_the_de
         assert slowest < 5.0, results
         # ... and so does a large one (3 MB) of a third key: it pays as it arrives too.
         history = [{"role": "user", "content": "x" * (3 * MIB)}]
-        large = orjson.dumps({"model": "gpt-5", "input": history, "store": False})
+        large = orjson.dumps({"model": "gpt-6.1-sol", "input": history, "store": False})
         async with http.post(
             side.base_url + "/responses", data=large, headers={"Authorization": "Bearer sk-bob-security-000111"}
         ) as resp:
@@ -174,7 +174,7 @@ async def test_a_body_within_the_minimum_rate_and_the_deadline_is_served(emulato
 async def test_a_client_gone_mid_body_is_one_info_line_and_a_counter(emulator: Emulator, spawn: Spawn) -> None:
     side = await started(spawn, emulator.base_url)
     for _ in range(3):
-        _, writer = await raw_head(side, 100_000, key=ALICE, first=b'{"model": "gpt-5", ')
+        _, writer = await raw_head(side, 100_000, key=ALICE, first=b'{"model": "gpt-6.1-sol", ')
         await asyncio.sleep(0.1)
         writer.close()
     for _ in range(100):
@@ -250,7 +250,7 @@ async def _stalled_sidecar() -> tuple[int, bytes]:
     grace = Settings().limits.body_grace_seconds  # the default a user has (5 s)
     async with Emulator() as emu, Sidecar(emu.base_url) as sc:
         # Larger than one read of the socket: the handler takes it in several chunks.
-        payload = orjson.dumps({"model": "gpt-5", "input": "x" * MIB, "store": False})
+        payload = orjson.dumps({"model": "gpt-6.1-sol", "input": "x" * MIB, "store": False})
         head = (
             f"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1:{sc.port}\r\nAuthorization: Bearer {ALICE}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"

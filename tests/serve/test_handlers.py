@@ -37,7 +37,7 @@ async def chat(c: AsyncOpenAI, turns: int, *, first: str = "hello", **kwargs: An
     history: list[Any] = [{"role": "user", "content": first}]
     modes = []
     for turn in range(turns):
-        raw = await c.responses.with_raw_response.create(model="gpt-5", input=history, **kwargs)
+        raw = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input=history, **kwargs)
         modes.append(raw.headers["x-upshift-mode"])
         response = raw.parse()
         assert response.status == "completed"
@@ -76,7 +76,7 @@ async def test_not_found_in_every_shape_is_replayed_invisibly(stack: tuple[Emula
     history, _ = await chat(c, 1)
     before = metric("upshift_replays_total", cause="previous_response_not_found")
     emulator.faults.arm("miss", shape=shape)
-    raw = await c.responses.with_raw_response.create(model="gpt-5", input=history)
+    raw = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input=history)
     response = raw.parse()
     assert response.status == "completed" and response.output_text
     assert raw.headers["x-upshift-mode"] == "full"
@@ -93,7 +93,7 @@ async def test_not_found_replay_streams_cleanly(stack: tuple[Emulator, Sidecar])
     c = client(sidecar)
     history, _ = await chat(c, 1)
     emulator.faults.arm("miss", shape="response_failed")
-    stream = await c.responses.create(model="gpt-5", input=history, stream=True)
+    stream = await c.responses.create(model="gpt-6.1-sol", input=history, stream=True)
     types = [event.type async for event in stream]
     assert types[0] == "response.created" and types[-1] == "response.completed"
     assert "response.failed" not in types and "error" not in types
@@ -106,7 +106,7 @@ async def test_connection_limit_replays_on_a_new_socket(make_sidecar: SidecarFac
             c = client(sidecar)
             history, _ = await chat(c, 1)
             await asyncio.sleep(0.6)
-            raw = await c.responses.with_raw_response.create(model="gpt-5", input=history)
+            raw = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input=history)
             assert raw.parse().status == "completed"
             assert raw.headers["x-upshift-mode"] == "full"
             assert used_sockets(emulator) == 2
@@ -119,7 +119,7 @@ async def test_drop_before_first_event_replays(stack: tuple[Emulator, Sidecar]) 
     history, _ = await chat(c, 1)
     emulator.faults.arm("drop", after_events=0)
     before = metric("upshift_replays_total", cause="closed_before_first_event")
-    response = await c.responses.create(model="gpt-5", input=history)
+    response = await c.responses.create(model="gpt-6.1-sol", input=history)
     assert response.status == "completed"
     assert metric("upshift_replays_total", cause="closed_before_first_event") == before + 1
     assert used_sockets(emulator) == 2
@@ -130,7 +130,7 @@ async def test_a_replay_is_tried_once(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     emulator.faults.arm("drop", after_events=0, count=2)
     async with aiohttp.ClientSession() as http:
-        body = {"model": "gpt-5", "input": "hi"}
+        body = {"model": "gpt-6.1-sol", "input": "hi"}
         async with http.post(sidecar.base_url + "/responses", json=body, headers=auth()) as resp:
             assert resp.status == 502
             error = (await resp.json())["error"]
@@ -148,10 +148,10 @@ def auth(key: str = KEY) -> dict[str, str]:
         (b"{not json", 400, None),
         (b"[1, 2]", 400, None),
         (b'"just a string"', 400, None),
-        (b'{"model": "gpt-5", "input": 5}', 400, "input"),
-        (b'{"model": "gpt-5", "input": "x", "stream": "yes"}', 400, "stream"),
-        (b'{"model": "gpt-5", "input": "\xff\xfe"}', 400, None),
-        (b'{"model": "gpt-5", "input": "' + b"x" * 2000 + b'"}', 413, None),
+        (b'{"model": "gpt-6.1-sol", "input": 5}', 400, "input"),
+        (b'{"model": "gpt-6.1-sol", "input": "x", "stream": "yes"}', 400, "stream"),
+        (b'{"model": "gpt-6.1-sol", "input": "\xff\xfe"}', 400, None),
+        (b'{"model": "gpt-6.1-sol", "input": "' + b"x" * 2000 + b'"}', 413, None),
     ],
     ids=["malformed", "array", "string", "input-type", "stream-type", "invalid-utf8", "too-large"],
 )
@@ -191,9 +191,9 @@ async def test_second_request_for_a_busy_head_goes_full_on_another_lane(stack: t
     c = client(sidecar)
     history, _ = await chat(c, 1)
     emulator.faults.arm("delay", seconds=0.3)
-    first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-5", input=history))
+    first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-6.1-sol", input=history))
     await asyncio.sleep(0.1)
-    second = await c.responses.with_raw_response.create(model="gpt-5", input=history)
+    second = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input=history)
     assert second.headers["x-upshift-mode"] == "full"
     assert (await first).headers["x-upshift-mode"] == "continuation"
     # Both ran at once, the second on a socket of its own: the first socket had not proven its
@@ -208,7 +208,7 @@ async def test_identities_never_share_sockets_or_heads(stack: tuple[Emulator, Si
     alice, bob = client(sidecar, "sk-alice"), client(sidecar, "sk-bob")
     history, _ = await chat(alice, 1)
     # Bob sends Alice's exact history: no continuation of Alice's head, Bob's own socket.
-    raw = await bob.responses.with_raw_response.create(model="gpt-5", input=history)
+    raw = await bob.responses.with_raw_response.create(model="gpt-6.1-sol", input=history)
     assert raw.headers["x-upshift-mode"] == "full"
     assert used_sockets(emulator) == 2
     assert emulator.stats.continuations["ws"] == 0
@@ -217,9 +217,9 @@ async def test_identities_never_share_sockets_or_heads(stack: tuple[Emulator, Si
 async def test_app_chained_previous_response_id_goes_to_its_socket(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     c = client(sidecar)
-    first = await c.responses.create(model="gpt-5", input="hello", store=False)
+    first = await c.responses.create(model="gpt-6.1-sol", input="hello", store=False)
     other = await client(sidecar).responses.with_raw_response.create(
-        model="gpt-5", input="more", previous_response_id=first.id, store=False
+        model="gpt-6.1-sol", input="more", previous_response_id=first.id, store=False
     )
     response = other.parse()
     assert response.previous_response_id == first.id  # the app's own id, relayed as is
@@ -229,7 +229,7 @@ async def test_app_chained_previous_response_id_goes_to_its_socket(stack: tuple[
 async def test_generate_is_never_sent_over_http(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     async with aiohttp.ClientSession() as http:
-        body = {"model": "gpt-5", "input": "hi", "generate": False}
+        body = {"model": "gpt-6.1-sol", "input": "hi", "generate": False}
         async with http.post(sidecar.base_url + "/responses", json=body, headers=auth()) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == "generate"
@@ -241,12 +241,12 @@ async def test_refused_upgrade_falls_back_to_http(stack: tuple[Emulator, Sidecar
     emulator, sidecar = stack
     emulator.faults.arm("refuse_upgrade", status=status)
     c = client(sidecar)
-    raw = await c.responses.with_raw_response.create(model="gpt-5", input="hi")
+    raw = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input="hi")
     assert raw.headers["x-upshift-mode"] == "passthrough"
     assert raw.parse().status == "completed"
     # 426 means "use HTTP" and 403 a refused key: the identity stays on HTTP for a while;
     # a bare 500 (transient) pins nothing.
-    raw = await c.responses.with_raw_response.create(model="gpt-5", input="hi")
+    raw = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input="hi")
     assert raw.headers["x-upshift-mode"] == ("full" if status == 500 else "passthrough")
 
 
@@ -260,12 +260,12 @@ async def test_mode_http_never_opens_a_socket(emulator: Emulator, make_sidecar: 
 async def test_a_full_socket_shares_its_lanes(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
     sidecar = await make_sidecar(pool={"max_sockets_per_identity": 1})
     c = client(sidecar)
-    await c.responses.create(model="gpt-5", input="zero")  # the default lane
-    await c.responses.create(model="gpt-5", input="probe")  # the idle socket's first named lane: lanes proven
+    await c.responses.create(model="gpt-6.1-sol", input="zero")  # the default lane
+    await c.responses.create(model="gpt-6.1-sol", input="probe")  # the idle socket's first named lane: lanes proven
     emulator.faults.arm("delay", seconds=0.3)
-    first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-5", input="one"))
+    first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-6.1-sol", input="one"))
     await asyncio.sleep(0.1)
-    second = await c.responses.with_raw_response.create(model="gpt-5", input="two")
+    second = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input="two")
     assert second.headers["x-upshift-mode"] == "full"  # on a named lane of the same socket
     assert (await first).headers["x-upshift-mode"] == "full"
     assert used_sockets(emulator) == 1
@@ -277,9 +277,9 @@ async def test_pool_limit_falls_back_to_http(emulator: Emulator, make_sidecar: S
     sidecar = await make_sidecar(pool={"max_sockets_per_identity": 1, "lanes_per_socket": 1, "wait_seconds": 0})
     emulator.faults.arm("delay", seconds=0.3)
     c = client(sidecar)
-    first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-5", input="one"))
+    first = asyncio.ensure_future(c.responses.with_raw_response.create(model="gpt-6.1-sol", input="one"))
     await asyncio.sleep(0.1)
-    second = await c.responses.with_raw_response.create(model="gpt-5", input="two")
+    second = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input="two")
     assert second.headers["x-upshift-mode"] == "passthrough"
     assert (await first).headers["x-upshift-mode"] == "full"
 
@@ -288,7 +288,7 @@ async def test_app_disconnect_mid_stream_leaves_the_pool_consistent(stack: tuple
     emulator, sidecar = stack
     emulator.state.latency = LatencyModel(tokens_per_second=200)
     async with aiohttp.ClientSession() as http:
-        body = {"model": "gpt-5", "input": "tell me a long story", "stream": True}
+        body = {"model": "gpt-6.1-sol", "input": "tell me a long story", "stream": True}
         resp = await http.post(sidecar.base_url + "/responses", json=body, headers=auth())
         await resp.content.readuntil(b"response.output_text.delta")
         resp.close()  # the app goes away mid-stream
@@ -326,7 +326,7 @@ async def test_drain_lets_in_flight_streams_finish(emulator: Emulator) -> None:
     emulator.state.latency = LatencyModel(tokens_per_second=150)
     sidecar = await Sidecar(emulator.base_url, shutdown={"grace_seconds": 5.0}).start()
     async with aiohttp.ClientSession() as http:
-        body = {"model": "gpt-5", "input": "a story", "stream": True}
+        body = {"model": "gpt-6.1-sol", "input": "a story", "stream": True}
         resp = await http.post(sidecar.base_url + "/responses", json=body, headers=auth())
         await resp.content.readuntil(b"response.output_text.delta")
         stopping = asyncio.ensure_future(sidecar.stop())
@@ -373,7 +373,7 @@ async def test_run_serves_until_sigterm_and_exits_0(emulator: Emulator) -> None:
                     pass
                 await asyncio.sleep(0.05)
             sc = AsyncOpenAI(base_url=f"http://127.0.0.1:{ports[0]}/v1", api_key=KEY, max_retries=0)
-            assert (await sc.responses.create(model="gpt-5", input="hi")).status == "completed"
+            assert (await sc.responses.create(model="gpt-6.1-sol", input="hi")).status == "completed"
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
     finally:

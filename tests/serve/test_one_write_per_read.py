@@ -124,7 +124,7 @@ async def test_one_read_of_many_events_is_one_write_to_the_app() -> None:
     async with Emulator(**_EMULATOR) as emu, Coalescer(emu.port) as relay, Sidecar(relay.base_url) as sc:
         for _ in range(3):
             writes_before = relay.writes
-            chunks = await _post(sc.port, {"model": "gpt-5", "input": "hi", "stream": True})
+            chunks = await _post(sc.port, {"model": "gpt-6.1-sol", "input": "hi", "stream": True})
             assert relay.writes == writes_before + 1  # one read at the sidecar
             kinds = _events(chunks)
             assert len(kinds) > 100 and kinds[0] == "response.created" and kinds[-1] == "response.completed"
@@ -132,7 +132,7 @@ async def test_one_read_of_many_events_is_one_write_to_the_app() -> None:
 
 
 def _body(text: str) -> dict[str, Any]:
-    return {"model": "gpt-5", "input": text, "stream": True}
+    return {"model": "gpt-6.1-sol", "input": text, "stream": True}
 
 
 async def test_one_read_for_two_lanes_is_one_write_to_each_app() -> None:

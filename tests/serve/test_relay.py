@@ -31,7 +31,7 @@ async def test_three_turn_chain_over_connect(stack: tuple[Emulator, Sidecar]) ->
     previous: str | None = None
     async with client.responses.connect() as conn:
         for turn in range(3):
-            await conn.response.create(model="gpt-5", input=f"turn {turn}", previous_response_id=previous, store=False)
+            await conn.response.create(model="gpt-6.1-sol", input=f"turn {turn}", previous_response_id=previous, store=False)
             event = await next_terminal(conn)
             assert event.type == "response.completed", event
             assert event.response.previous_response_id == previous
@@ -70,7 +70,7 @@ async def test_upstream_close_code_reaches_the_app(stack: tuple[Emulator, Sideca
     async with connect(
         sidecar.url.replace("http", "ws") + "/v1/responses", additional_headers={"Authorization": f"Bearer {KEY}"}
     ) as ws:
-        await ws.send('{"type":"response.create","model":"gpt-5","input":"hi"}')
+        await ws.send('{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}')
         with pytest.raises(ConnectionClosedError) as info:
             while True:
                 await ws.recv()
@@ -82,7 +82,7 @@ async def test_app_close_code_reaches_the_upstream(stack: tuple[Emulator, Sideca
     async with connect(
         sidecar.url.replace("http", "ws") + "/v1/responses", additional_headers={"Authorization": f"Bearer {KEY}"}
     ) as ws:
-        await ws.send('{"type":"response.create","model":"gpt-5","input":"hi"}')
+        await ws.send('{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}')
         while b"response.completed" not in (await ws.recv(decode=False)):
             pass
         await ws.close(4000, "app done")

@@ -39,7 +39,7 @@ async def post(url: str, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, 
 
 async def test_sse_bytes_on_the_wire(stack: tuple[Emulator, Sidecar]) -> None:
     _, sidecar = stack
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": "hi", "stream": True})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi", "stream": True})
     assert resp.status == 200
     assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
     assert REQUEST_ID.match(resp.headers["x-request-id"])
@@ -54,7 +54,7 @@ async def test_sse_bytes_on_the_wire(stack: tuple[Emulator, Sidecar]) -> None:
 
 async def test_json_aggregation_matches_the_stream(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": "hi"})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi"})
     assert resp.status == 200 and resp.headers["Content-Type"] == "application/json"
     assert REQUEST_ID.match(resp.headers["x-request-id"])
     body = orjson.loads(data)
@@ -66,9 +66,9 @@ async def test_json_aggregation_matches_the_stream(stack: tuple[Emulator, Sideca
 
 async def test_previous_response_id_rewritten_in_every_lifecycle_event(stack: tuple[Emulator, Sidecar]) -> None:
     _, sidecar = stack
-    first = orjson.loads((await post(sidecar.base_url, {"model": "gpt-5", "input": "hi"}))[1])
+    first = orjson.loads((await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi"}))[1])
     history = [{"role": "user", "content": "hi"}, *first["output"], {"role": "user", "content": "more"}]
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": history, "stream": True})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": history, "stream": True})
     assert resp.headers["x-upshift-mode"] == "continuation"
     lifecycle = [e for t, e in parse_sse(data) if "response" in e]
     assert [e["type"] for e in lifecycle] == ["response.created", "response.in_progress", "response.completed"]
@@ -78,7 +78,7 @@ async def test_previous_response_id_rewritten_in_every_lifecycle_event(stack: tu
 async def test_error_after_output_ends_with_one_nested_error_event(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     emulator.faults.arm("close", after_events=4, close_code=1011)
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": "hi", "stream": True})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi", "stream": True})
     assert resp.status == 200
     events = parse_sse(data)
     assert [t for t, _ in events].count("error") == 1 and events[-1][0] == "error"
@@ -93,7 +93,7 @@ async def test_error_after_output_with_the_sdk(stack: tuple[Emulator, Sidecar]) 
     emulator, sidecar = stack
     emulator.faults.arm("drop", after_events=4)
     c = AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-test", max_retries=0)
-    stream = await c.responses.create(model="gpt-5", input="hi", stream=True)
+    stream = await c.responses.create(model="gpt-6.1-sol", input="hi", stream=True)
     with pytest.raises(APIError) as info:
         async for _ in stream:
             pass
@@ -103,7 +103,7 @@ async def test_error_after_output_with_the_sdk(stack: tuple[Emulator, Sidecar]) 
 async def test_stream_false_failure_after_output_is_an_error_body(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     emulator.faults.arm("close", after_events=4)
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": "hi"})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi"})
     assert resp.status == 502
     assert orjson.loads(data)["error"]["code"] == "upstream_closed"
 
@@ -116,7 +116,7 @@ async def test_rate_limit_error_frame_becomes_http_429(stack: tuple[Emulator, Si
         status=429,
         headers={"retry-after": "2", "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "2s"},
     )
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": "hi", "stream": stream})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi", "stream": stream})
     assert resp.status == 429
     assert resp.headers["retry-after"] == "2" and resp.headers["x-ratelimit-remaining-requests"] == "0"
     assert resp.headers["x-ratelimit-reset-requests"] == "2s"
@@ -137,7 +137,7 @@ async def test_rate_limit_with_the_sdk(stack: tuple[Emulator, Sidecar]) -> None:
     emulator.faults.arm("error", status=429, headers={"retry-after": "0"})
     c = AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-test", max_retries=0)
     with pytest.raises(RateLimitError) as info:
-        await c.responses.create(model="gpt-5", input="hi", stream=True)
+        await c.responses.create(model="gpt-6.1-sol", input="hi", stream=True)
     assert info.value.code == "rate_limit_exceeded" and info.value.request_id
     assert REQUEST_ID.match(info.value.request_id or "")
 
@@ -145,12 +145,12 @@ async def test_rate_limit_with_the_sdk(stack: tuple[Emulator, Sidecar]) -> None:
 async def test_response_failed_is_relayed(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     emulator.faults.arm("fail", after_events=3, message="boom", count=2)
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": "hi", "stream": True})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi", "stream": True})
     events = parse_sse(data)
     assert events[-1][0] == "response.failed"
     c = AsyncOpenAI(base_url=sidecar.base_url, api_key="sk-test", max_retries=0)
     with pytest.raises(InternalServerError) as info:
-        await c.responses.create(model="gpt-5", input="hi")
+        await c.responses.create(model="gpt-6.1-sol", input="hi")
     assert info.value.status_code == 500 and "boom" in info.value.message
     assert len(sidecar.heads) == 0  # never a head from a failed response
 
@@ -158,7 +158,7 @@ async def test_response_failed_is_relayed(stack: tuple[Emulator, Sidecar]) -> No
 async def test_stream_idle_timeout_never_hangs(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
     sidecar = await make_sidecar(timeouts={"stream_idle_seconds": 0.2})
     emulator.faults.arm("delay", seconds=1.0)
-    resp, data = await post(sidecar.base_url, {"model": "gpt-5", "input": "hi", "stream": True})
+    resp, data = await post(sidecar.base_url, {"model": "gpt-6.1-sol", "input": "hi", "stream": True})
     assert resp.status == 504
     assert orjson.loads(data)["error"]["code"] == "upstream_timeout"
     assert sidecar.pool.count() == 0  # the socket with an unfinished response is closed

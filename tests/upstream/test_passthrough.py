@@ -24,8 +24,8 @@ async def test_models(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     raw = await client(sidecar).models.with_raw_response.list()
     assert raw.headers["x-upshift-mode"] == "passthrough" and raw.headers["x-request-id"].startswith("req_")
-    assert "gpt-5" in [m.id for m in raw.parse().data]
-    assert (await client(sidecar).models.retrieve("gpt-5")).id == "gpt-5"
+    assert "gpt-6.1-sol" in [m.id for m in raw.parse().data]
+    assert (await client(sidecar).models.retrieve("gpt-6.1-sol")).id == "gpt-6.1-sol"
 
 
 async def test_chat_completions_and_embeddings(stack: tuple[Emulator, Sidecar]) -> None:
@@ -55,7 +55,7 @@ async def test_files_multipart_streams_through(stack: tuple[Emulator, Sidecar]) 
 async def test_background_goes_over_http_and_get_delete_by_id(stack: tuple[Emulator, Sidecar]) -> None:
     emulator, sidecar = stack
     c = client(sidecar)
-    raw = await c.responses.with_raw_response.create(model="gpt-5", input="hi", background=True)
+    raw = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input="hi", background=True)
     assert raw.headers["x-upshift-mode"] == "passthrough"
     queued = raw.parse()
     assert queued.status in ("queued", "in_progress")
@@ -76,20 +76,20 @@ async def test_conversation_goes_over_http(stack: tuple[Emulator, Sidecar]) -> N
     emulator, sidecar = stack
     c = client(sidecar)
     conversation = await c.conversations.create()
-    raw = await c.responses.with_raw_response.create(model="gpt-5", input="hi", conversation=conversation.id)
+    raw = await c.responses.with_raw_response.create(model="gpt-6.1-sol", input="hi", conversation=conversation.id)
     assert raw.headers["x-upshift-mode"] == "passthrough" and raw.parse().status == "completed"
     assert emulator.stats.requests["http"] == 1 and emulator.stats.ws_connections["opened"] == 0
 
 
 async def test_oversize_request_goes_over_http(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
     sidecar = await make_sidecar(limits={"ws_frame_budget_bytes": 2000})
-    raw = await client(sidecar).responses.with_raw_response.create(model="gpt-5", input="x" * 5000)
+    raw = await client(sidecar).responses.with_raw_response.create(model="gpt-6.1-sol", input="x" * 5000)
     assert raw.headers["x-upshift-mode"] == "passthrough" and raw.parse().status == "completed"
 
 
 async def test_streamed_responses_over_http_are_not_buffered(emulator: Emulator, make_sidecar: SidecarFactory) -> None:
     sidecar = await make_sidecar(mode="http")
-    stream = await client(sidecar).responses.create(model="gpt-5", input="hi", stream=True)
+    stream = await client(sidecar).responses.create(model="gpt-6.1-sol", input="hi", stream=True)
     types = [event.type async for event in stream]
     assert types[0] == "response.created" and types[-1] == "response.completed"
 
@@ -136,7 +136,7 @@ async def test_upstream_refused_is_502(path: str) -> None:
             if path == "/models":
                 resp = await http.get(sidecar.base_url + path, headers=headers)
             else:
-                resp = await http.post(sidecar.base_url + path, json={"model": "gpt-5", "input": "hi"}, headers=headers)
+                resp = await http.post(sidecar.base_url + path, json={"model": "gpt-6.1-sol", "input": "hi"}, headers=headers)
             assert resp.status == 502
             body = await resp.json()
             assert body["error"]["code"] == "upstream_unavailable"
@@ -151,5 +151,5 @@ async def test_configured_key_replaces_the_apps(
     # The emulator rejects keys starting with sk-bad: the app's placeholder never reaches it.
     models = await client(sidecar, "sk-bad-placeholder").models.list()
     assert models.data
-    response = await client(sidecar, "sk-bad-placeholder").responses.create(model="gpt-5", input="hi")
+    response = await client(sidecar, "sk-bad-placeholder").responses.create(model="gpt-6.1-sol", input="hi")
     assert response.status == "completed"

@@ -31,7 +31,7 @@ def who(key: str, upstream: str) -> Identity:
 
 
 def req(text: str) -> Any:
-    return parse_request(orjson.dumps({"model": "gpt-5", "input": [{"role": "user", "content": text}]}))
+    return parse_request(orjson.dumps({"model": "gpt-6.1-sol", "input": [{"role": "user", "content": text}]}))
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ async def open_socket(settings: Settings, key: str = KEY) -> UpstreamSocket:
 async def test_one_response_over_the_socket(emulator: Any) -> None:
     sock = await open_socket(settings_for(emulator.base_url))
     inbox = sock.open_inbox(None)
-    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}', None)
     types = []
     while not types or types[-1] != "response.completed":
         raw, event = await inbox.get(5)
@@ -110,7 +110,7 @@ async def test_close_maps_to_upstream_closed_with_code(emulator: Any) -> None:
     emulator.faults.arm("close", after_events=1, close_code=1011)
     sock = await open_socket(settings_for(emulator.base_url))
     inbox = sock.open_inbox(None)
-    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}', None)
     await inbox.get(5)
     with pytest.raises(UpstreamClosed) as info:
         await inbox.get(5)
@@ -165,13 +165,13 @@ async def test_send_while_the_upstream_closes_is_upstream_closed() -> None:
     server, url = await _raw_upstream(handler)
     sock = await open_socket(settings_for(url))
     inbox = sock.open_inbox(None)
-    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}', None)
     with pytest.raises(UpstreamClosed) as info:
         await inbox.get(5)
     assert info.value.close_code == 1011
     assert sock.protocol.state is State.CLOSING and sock.closed  # the close frame came, TCP is still up
     with pytest.raises(UpstreamClosed) as again:
-        await sock.send(b'{"type":"response.create","model":"gpt-5","input":"again"}', None)
+        await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"again"}', None)
     assert again.value.close_code == 1011
     for task in handlers:
         task.cancel()  # the upstream ends the TCP connection now
@@ -188,7 +188,7 @@ async def test_keepalive_pings_are_answered(emulator: Any) -> None:
     await asyncio.sleep(0.3)  # about 10 pings: one unanswered for 50 ms would drop the socket
     assert not sock.closed
     inbox = sock.open_inbox(None)
-    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}', None)
     while (await inbox.get(5))[1]["type"] != "response.completed":
         pass
     assert not sock.closed
@@ -398,7 +398,7 @@ async def _scripted(script: bytes, *, step: int = 0) -> tuple[UpstreamSocket, as
     server, url = await _raw_upstream(handler)
     sock = await open_socket(settings_for(url))
     assert not sock._library  # no extension negotiated: proxy.wire.wsframe's reader, not the library's
-    await sock.send(b'{"type":"response.create","model":"gpt-5","input":"hi"}', None)
+    await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}', None)
     return sock, server, sent
 
 
