@@ -2,8 +2,8 @@
 
 pydantic-ai re-sends the whole history every request (``store: false``). It sends ``phase`` back
 on assistant messages only for model ids its profile knows to support it (``gpt-5.4``,
-``gpt-5.5``, ``gpt-5.6``, ``gpt-6`` and later); for others (here ``gpt-5.2``) it leaves ``phase`` off, although the model
-labelled its messages. The scripted model labels them when the prompt asks for a ``preamble``
+``gpt-5.5``, ``gpt-5.6``, ``gpt-6`` and later); for others (here ``gpt-5.2``) it leaves ``phase``
+off, although the model labelled its messages. The scripted model labels them when the prompt asks for a ``preamble``
 (a ``phase: "commentary"`` message before each call, the answer ``phase: "final_answer"``).
 
 * ``gpt-5.2`` by default: a phase-less echo is another message for the model, so every turn after

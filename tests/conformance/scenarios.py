@@ -65,7 +65,9 @@ async def http_json(emu: Emulator) -> list[Payload]:
         first = out[1][1]
         async with session.get(f"{emu.base_url}/responses/{first['id']}") as resp:
             out.append(("response", await resp.json()))
-        out.append(await _post(session, emu, {"model": "gpt-6.1-sol", "input": "more", "previous_response_id": first["id"]}))
+        out.append(
+            await _post(session, emu, {"model": "gpt-6.1-sol", "input": "more", "previous_response_id": first["id"]})
+        )
         queued = await _post(session, emu, {"model": "gpt-6.1-sol", "input": "later", "background": True})
         out.append(queued)
         async with session.post(f"{emu.base_url}/responses/{queued[1]['id']}/cancel") as resp:

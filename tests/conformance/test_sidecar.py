@@ -36,7 +36,9 @@ async def test_app_view_and_upstream_frames_conform(emulator: Emulator, make_sid
                 if item["type"] == "function_call":
                     history.append({"type": "function_call_output", "call_id": item["call_id"], "output": "ok"})
         history.append({"role": "user", "content": "thanks"})
-        raw_json = await app.responses.with_raw_response.create(model="gpt-6.1-sol", input=history, tools=TOOLS, **REASONING)
+        raw_json = await app.responses.with_raw_response.create(
+            model="gpt-6.1-sol", input=history, tools=TOOLS, **REASONING
+        )
         schema.validate_response(raw_json.http_response.json())
         with pytest.raises(openai.BadRequestError) as info:
             await app.responses.create(model="gpt-6.1-sol", input="x", previous_response_id="resp_unknown")

@@ -190,7 +190,9 @@ async def test_keys_isolate_stored_responses(emulator: Emulator, client: AsyncOp
 async def test_bad_or_missing_key(emulator: Emulator, key: str | None) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as session:
-        async with session.post(emulator.base_url + "/responses", json={"model": "gpt-6.1-sol"}, headers=headers) as resp:
+        async with session.post(
+            emulator.base_url + "/responses", json={"model": "gpt-6.1-sol"}, headers=headers
+        ) as resp:
             assert resp.status == 401
             body = await resp.json()
     assert body["error"]["code"] == "invalid_api_key"
@@ -210,7 +212,9 @@ async def test_validation_errors(client: AsyncOpenAI) -> None:
         await client.responses.create(model="gpt-6.1-sol", input="x", extra_body={"stream_id": "a"})
     assert info.value.param == "stream_id"
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="gpt-6.1-sol", input=[{"type": "item_reference", "id": "msg_nope"}], store=False)
+        await client.responses.create(
+            model="gpt-6.1-sol", input=[{"type": "item_reference", "id": "msg_nope"}], store=False
+        )
     assert "Items are not persisted when `store` is set to false" in info.value.message
     dangling = [
         {"role": "user", "content": "x"},

@@ -27,7 +27,13 @@ async def ws(emulator: Emulator) -> AsyncIterator[ClientConnection]:
 
 
 def create(stream_id: str | None = None, **fields: Any) -> str:
-    body: dict[str, Any] = {"type": "response.create", "model": "gpt-6.1-sol", "input": "hello", "store": False, **fields}
+    body: dict[str, Any] = {
+        "type": "response.create",
+        "model": "gpt-6.1-sol",
+        "input": "hello",
+        "store": False,
+        **fields,
+    }
     if stream_id is not None:
         body["stream_id"] = stream_id
     return json.dumps(body)

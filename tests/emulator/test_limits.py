@@ -119,7 +119,9 @@ async def test_rtt_delays_every_message_both_ways(make_emulator: EmulatorFactory
         events = await read_turn(conn)
         assert time.monotonic() - started >= 0.1  # frame in, then the events out
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
-        await conn.response.create(model="gpt-6.1-sol", input="again", previous_response_id=events[-1]["response"]["id"])
+        await conn.response.create(
+            model="gpt-6.1-sol", input="again", previous_response_id=events[-1]["response"]["id"]
+        )
         second = await read_turn(conn)
     after = emu.stats.network
     # upgrade request + 2 frames in; 101 + every event out

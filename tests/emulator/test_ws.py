@@ -23,7 +23,9 @@ async def test_three_turn_store_false_chain_hits_cache(emulator: Emulator, clien
         first = final_response(await read_turn(conn))
         await conn.response.create(model="gpt-6.1-sol", input="turn two", store=False, previous_response_id=first["id"])
         second = final_response(await read_turn(conn))
-        await conn.response.create(model="gpt-6.1-sol", input="turn three", store=False, previous_response_id=second["id"])
+        await conn.response.create(
+            model="gpt-6.1-sol", input="turn three", store=False, previous_response_id=second["id"]
+        )
         third = final_response(await read_turn(conn))
     stats = emulator.stats
     assert stats.requests["ws"] == 3
@@ -84,7 +86,12 @@ async def test_forced_miss_fault_and_sdk_typed_error(emulator: Emulator, client:
 async def test_generate_false_warmup_then_chained_turn(emulator: Emulator, client: AsyncOpenAI) -> None:
     async with client.responses.connect() as conn:
         await conn.response.create(
-            model="gpt-6.1-sol", input="You are terse.", store=False, generate=False, tools=TOOLS, instructions="be nice"
+            model="gpt-6.1-sol",
+            input="You are terse.",
+            store=False,
+            generate=False,
+            tools=TOOLS,
+            instructions="be nice",
         )
         warm = await read_turn(conn)
         assert [e["type"] for e in warm] == ["response.created", "response.completed"]
@@ -92,7 +99,9 @@ async def test_generate_false_warmup_then_chained_turn(emulator: Emulator, clien
         done = warm[-1]["response"]
         assert done["output"] == [] and done["status"] == "completed"
         assert done["usage"]["output_tokens"] == 0
-        await conn.response.create(model="gpt-6.1-sol", input="now answer", store=False, previous_response_id=done["id"])
+        await conn.response.create(
+            model="gpt-6.1-sol", input="now answer", store=False, previous_response_id=done["id"]
+        )
         reply = final_response(await read_turn(conn))
     assert emulator.stats.generate_false == 1
     assert emulator.stats.cache_hits == 1

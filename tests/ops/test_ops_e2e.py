@@ -225,12 +225,16 @@ async def test_no_authorization_value_in_logs_passthrough(
     await run_agent_loop(sc.base_url, turns=3, tool_output_kb=1, api_key=sk_key)
     for key in (sk_key, plain_key):
         auth = {"Authorization": f"Bearer {key}"}
-        async with session.post(sc.base_url + "/responses", json={"model": "gpt-6.1-sol", "input": "hi"}, headers=auth) as r:
+        async with session.post(
+            sc.base_url + "/responses", json={"model": "gpt-6.1-sol", "input": "hi"}, headers=auth
+        ) as r:
             assert r.status == 200, await r.text()
         async with session.get(sc.base_url + "/models", headers=auth) as r:
             assert r.status == 200
         # An upstream 400 (unknown parameter) and an HTTP passthrough (background).
-        async with session.post(sc.base_url + "/responses", json={"model": "gpt-6.1-sol", "bogus": 1}, headers=auth) as r:
+        async with session.post(
+            sc.base_url + "/responses", json={"model": "gpt-6.1-sol", "bogus": 1}, headers=auth
+        ) as r:
             assert r.status == 400
         bg = {"model": "gpt-6.1-sol", "input": "hi", "background": True}
         async with session.post(sc.base_url + "/responses", json=bg, headers=auth) as r:

@@ -199,7 +199,9 @@ async def test_changing_turn_metadata_keeps_the_continuation(emulator: Emulator)
         history: list[Any] = [{"role": "user", "content": task_text(2, "metadata")}]
         for turn in range(3):
             extra = {"x-codex-turn-metadata": json.dumps({"turn": turn, "sandbox": "workspace-write"})}
-            response = await client.responses.create(model="gpt-6.1-sol", input=history, tools=TOOLS, extra_headers=extra)
+            response = await client.responses.create(
+                model="gpt-6.1-sol", input=history, tools=TOOLS, extra_headers=extra
+            )
             history += [*response.output, *tool_outputs(response.output)]
         await client.close()
     assert capture.modes == ["full", "continuation", "continuation"]

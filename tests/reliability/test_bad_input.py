@@ -186,7 +186,9 @@ async def test_deeply_nested_json_is_a_400_and_harmless(
     reply = await post(http, sidecar.base_url, b'{"model": "gpt-6.1-sol", "input": [' + item + b"]}")
     assert_openai_error(reply, 400)
     deep_object = b'{"a":' * depth + b"1" + b"}" * depth
-    reply = await post(http, sidecar.base_url, b'{"model": "gpt-6.1-sol", "input": "hi", "metadata": ' + deep_object + b"}")
+    reply = await post(
+        http, sidecar.base_url, b'{"model": "gpt-6.1-sol", "input": "hi", "metadata": ' + deep_object + b"}"
+    )
     assert_openai_error(reply, 400)
     nothing_forwarded(emulator, frames)
     await still_serving(http, sidecar, emulator)

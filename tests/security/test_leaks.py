@@ -88,7 +88,9 @@ async def _traffic(base_url: str) -> list[str]:
         url = base_url.replace("http://", "ws://") + "/responses"
         try:
             async with http.ws_connect(url, headers=headers) as ws:
-                await ws.send_str(orjson.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "hi"}).decode())
+                await ws.send_str(
+                    orjson.dumps({"type": "response.create", "model": "gpt-6.1-sol", "input": "hi"}).decode()
+                )
                 for _ in range(50):
                     msg = await ws.receive(timeout=10)
                     seen.append(str(msg.data))

@@ -31,7 +31,9 @@ async def test_three_turn_chain_over_connect(stack: tuple[Emulator, Sidecar]) ->
     previous: str | None = None
     async with client.responses.connect() as conn:
         for turn in range(3):
-            await conn.response.create(model="gpt-6.1-sol", input=f"turn {turn}", previous_response_id=previous, store=False)
+            await conn.response.create(
+                model="gpt-6.1-sol", input=f"turn {turn}", previous_response_id=previous, store=False
+            )
             event = await next_terminal(conn)
             assert event.type == "response.completed", event
             assert event.response.previous_response_id == previous

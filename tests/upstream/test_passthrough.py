@@ -136,7 +136,9 @@ async def test_upstream_refused_is_502(path: str) -> None:
             if path == "/models":
                 resp = await http.get(sidecar.base_url + path, headers=headers)
             else:
-                resp = await http.post(sidecar.base_url + path, json={"model": "gpt-6.1-sol", "input": "hi"}, headers=headers)
+                resp = await http.post(
+                    sidecar.base_url + path, json={"model": "gpt-6.1-sol", "input": "hi"}, headers=headers
+                )
             assert resp.status == 502
             body = await resp.json()
             assert body["error"]["code"] == "upstream_unavailable"
