@@ -207,7 +207,7 @@ class Checks:
         tier_fields: dict[str, Any] = {"requested": tier, "served": None}
         code, _, param = answer.error()
         if answer.failure:
-            hint = "" if answer.failure.startswith("not sent") else _unavailable_hint(answer.failure)
+            hint = "" if answer.unsent else _unavailable_hint(answer.failure)
             self.results[Check.HTTP] = Result(Status.FAIL, f"POST /v1/responses got no answer: {answer.failure}", hint)
             self.results[Check.SERVICE_TIER] = Result(Status.SKIP, "no HTTP answer", fields=tier_fields)
             return
@@ -273,6 +273,9 @@ class Checks:
         return f"the upgrade on /v1/responses failed: {exc}", _unavailable_hint(str(exc))
 
     async def _websocket(self) -> UpstreamSocket | None:
+        if self.budget.sent >= self.budget.limit:
+            self.results[Check.WEBSOCKET] = Result(Status.SKIP, f"not tried: {_SPENT}")
+            return None
         opened = await self._open()
         if isinstance(opened, UpstreamError):
             detail, hint = self._socket_failure(opened)
@@ -297,7 +300,7 @@ class Checks:
         new = _user("And once more: reply with one word: ok.")
         answer = await self.up.turn(sock, self._body([new], previous_response_id=first.response_id))
         if not answer.answered:
-            status = Status.SKIP if answer.failure.startswith("not sent") else Status.FAIL
+            status = Status.SKIP if answer.unsent else Status.FAIL
             detail = f"the second turn (previous_response_id and one new item) got {answer.describe()}"
             hint = (
                 ""
@@ -344,7 +347,7 @@ class Checks:
     async def _lanes(self, sock: UpstreamSocket) -> None:
         answer = await self.up.turn(sock, self._body([_user("Reply with one word: ok.")], store=False), lane=_LANE)
         fields: dict[str, Any] = {"supported": None}
-        if answer.failure.startswith("not sent"):
+        if answer.unsent:
             self.results[Check.LANES] = Result(Status.SKIP, f"not tried: {_SPENT}", fields=fields)
             return
         hint = "the sidecar finds this out itself; pool.lanes_per_socket: 1 spares it the probe"
@@ -395,7 +398,7 @@ class Checks:
         self.results[Check.HYDRATION] = result
 
     def _not_answered(self, what: str, answer: Answer) -> Result:
-        if answer.failure.startswith("not sent"):
+        if answer.unsent:
             return Result(Status.SKIP, f"not tried: {_SPENT}")
         return Result(Status.FAIL, f"{what} got {answer.describe()}")
 
@@ -405,7 +408,7 @@ class Checks:
         body = {"model": self.options.model, "input": [_user("Reply with one word: ok.")]}
         answer = await self.up.request("POST", "/v1/responses/compact", body)
         if answer.failure:
-            status = Status.SKIP if answer.failure.startswith("not sent") else Status.FAIL
+            status = Status.SKIP if answer.unsent else Status.FAIL
             self.results[Check.COMPACT] = Result(status, f"POST /v1/responses/compact got no answer: {answer.failure}")
             return
         said = f"POST /v1/responses/compact answered {answer.describe()}"

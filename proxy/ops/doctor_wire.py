@@ -76,6 +76,8 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
     signal: LaneSignal | None = None
     """What the socket's lane demultiplexer learnt about ``stream_id`` from this answer."""
+    unsent: bool = False
+    """Not sent: the budget was spent."""
 
     @property
     def response(self) -> dict[str, Any] | None:
@@ -210,7 +212,7 @@ class Upstream:
         assert self._session is not None, "Upstream used outside 'async with'"
         answer = Answer()
         if not self.budget.take():
-            answer.failure = "not sent: --max-requests reached"
+            answer.unsent, answer.failure = True, "not sent: --max-requests reached"
             return answer
         query = f"?{self.query}" if self.query else ""
         if base is None:
@@ -283,7 +285,7 @@ class Upstream:
         """One ``response.create`` on ``sock`` (counted), read to its terminal event."""
         answer = Answer()
         if not self.budget.take():
-            answer.failure = "not sent: --max-requests reached"
+            answer.unsent, answer.failure = True, "not sent: --max-requests reached"
             return answer
         frame = build_frame(parse_request(orjson.dumps(body)), stream_id=lane)
         signals = self._signals.setdefault(sock.key, [])
