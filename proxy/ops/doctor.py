@@ -28,7 +28,8 @@ import orjson
 
 from proxy.config import load_settings
 from proxy.errors import ConfigError
-from proxy.ops.doctor_checks import Check, Checks, Options, Result, Status
+from proxy.ops.doctor_checks import Checks, Options
+from proxy.ops.doctor_report import Check, Result, Status, render, to_json
 from proxy.redact import redact_url
 from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
@@ -93,19 +94,6 @@ def _scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
-def render(results: dict[Check, Result], requests_sent: int, limit: int, head: str) -> str:
-    """The lines for people: one per check."""
-    lines = [head]
-    for check, result in results.items():
-        line = f"{result.status.upper():<5} {check:<13} {result.detail}"
-        if result.hint:
-            line += f" -> {result.hint}"
-        lines.append(line)
-    failed = sum(r.status is Status.FAIL for r in results.values())
-    lines.append(f"{requests_sent} of {limit} requests sent; {failed} check(s) failed")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str]) -> int:
     """``upshift doctor [flags]``; returns the exit code."""
     args = _parser().parse_args(argv)
@@ -138,9 +126,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     if args.json:
-        doc: dict[str, Any] = {str(check): result.to_json() for check, result in results.items()}
-        doc["requests_sent"] = checks.requests_sent
-        out = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n"
+        out = orjson.dumps(to_json(results, checks.requests_sent), option=orjson.OPT_INDENT_2).decode() + "\n"
     else:
         head = f"upshift doctor: {redact_url(settings.upstream)} ({checks.path}), model {args.model}"
         out = render(results, checks.requests_sent, args.max_requests, head)

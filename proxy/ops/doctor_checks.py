@@ -19,67 +19,23 @@ The run, in order (each step is skipped once ``--max-requests`` is spent):
 from __future__ import annotations
 
 import asyncio
-import enum
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
-
-import aiohttp
 
 from proxy.config import Settings, parse_hostport
 from proxy.core.demux import LaneSignal
 from proxy.errors import UpstreamError, UpstreamRefused
+from proxy.ops.doctor_report import Check, Result, Status
+from proxy.ops.doctor_via import via_check
 from proxy.ops.doctor_wire import Answer, Budget, Upstream
 from proxy.redact import redact_url
 from proxy.serve.keys import KeySource
 from proxy.upstream.ws import UpstreamSocket
 
-__all__ = ["Check", "Checks", "Options", "Result", "Status"]
-
-
-class Status(enum.StrEnum):
-    """The outcome of one check."""
-
-    PASS = "pass"
-    WARN = "warn"
-    """It works, not as well as it could: the line says what to change."""
-    FAIL = "fail"
-    """It does not work here."""
-    SKIP = "skip"
-    """Not tried: what it needs failed, or ``--max-requests`` was spent."""
-
-
-class Check(enum.StrEnum):
-    """The checks, in the order they print."""
-
-    HTTP = "http"
-    WEBSOCKET = "websocket"
-    CONTINUATION = "continuation"
-    LANES = "lanes"
-    STORE_FALSE = "store_false"
-    HYDRATION = "hydration"
-    COMPACT = "compact"
-    SERVICE_TIER = "service_tier"
-    VIA = "via"
-
-
-@dataclass(slots=True)
-class Result:
-    """One check's line: its status, what it saw, what to do, and its own fields."""
-
-    status: Status
-    detail: str
-    hint: str = ""
-    fields: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": str(self.status), "detail": self.detail}
-        if self.hint:
-            out["hint"] = self.hint
-        out.update(self.fields)
-        return out
+__all__ = ["Checks", "Options"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +73,13 @@ _REFUSED_HINTS = {
 
 def _user(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
+
+
+def _admin_url(via: str, admin_listen: str) -> str:
+    """The admin URL of the sidecar at ``via``: its host, the configured admin port."""
+    host = urlsplit(via).hostname or "127.0.0.1"
+    _, port = parse_hostport(admin_listen)
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def _unavailable_hint(message: str) -> str:
@@ -193,7 +156,10 @@ class Checks:
             await self._hydration(stored, sock is not None)
             await self._compact()
             if self.options.via:
-                await self._via(self.options.via)
+                admin = self.options.via_admin or _admin_url(self.options.via, self.settings.admin_listen)
+                self.results[Check.VIA] = await via_check(
+                    self.up, self.options.via, admin, self._body, self.app_headers
+                )
         order = list(Check)
         return dict(sorted(self.results.items(), key=lambda kv: order.index(kv[0])))
 
@@ -357,6 +323,7 @@ class Checks:
             self.results[Check.LANES] = Result(Status.PASS, detail, fields=fields)
         elif answer.signal is LaneSignal.REFUSED:
             fields["supported"] = False
+            fields["error"] = (answer.body or {}).get("error")  # the upstream's own words, whole
             detail = f"the upstream refused stream_id: {answer.describe()}"
             self.results[Check.LANES] = Result(Status.WARN, detail, hint, fields)
         elif answer.signal is LaneSignal.IGNORED:
@@ -424,80 +391,3 @@ class Checks:
             if answer.status == 400:
                 hint = "--model a model that compacts, if your apps compact"
             self.results[Check.COMPACT] = Result(Status.WARN, said, hint)
-
-    # -- through a running sidecar ---------------------------------------------------------------
-
-    def _admin_url(self, via: str) -> str:
-        if self.options.via_admin:
-            return self.options.via_admin.rstrip("/")
-        parts = urlsplit(via)
-        _, port = parse_hostport(self.settings.admin_listen)
-        host = parts.hostname or "127.0.0.1"
-        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-
-    async def _via(self, via: str) -> None:
-        base = via.rstrip("/")
-        if not base.endswith("/v1"):
-            base += "/v1"
-        if self.budget.sent + 3 > self.budget.limit:
-            self.results[Check.VIA] = Result(Status.SKIP, f"not tried: {_SPENT} (it needs 3 requests)")
-            return
-        fields: dict[str, Any] = {"first_turn": None, "second_turn": None}
-        headers = {**self.app_headers, "User-Agent": "upshift-doctor"}
-        first_input = [_user("Through the sidecar: reply with one word: ok.")]
-        one = await self.up.request("POST", "/v1/responses", self._body(first_input), headers=headers, base=base)
-        fields["first_turn"] = one.headers.get("x-upshift-mode")
-        if not one.answered:
-            self.results[Check.VIA] = Result(
-                Status.FAIL,
-                f"the sidecar at {redact_url(base)} answered the first turn with {one.describe()}",
-                fields=fields,
-            )
-            return
-        history = [*first_input, *((one.response or {}).get("output") or []), _user("Again: ok.")]
-        two = await self.up.request("POST", "/v1/responses", self._body(history), headers=headers, base=base)
-        fields["second_turn"] = two.headers.get("x-upshift-mode")
-        problems: list[str] = []
-        hint = ""
-        if not two.answered:
-            problems.append(f"the second turn got {two.describe()}")
-        elif fields["second_turn"] != "continuation":
-            problems.append(f"the second turn was sent as {fields['second_turn']!r}, not continued")
-            hint = "see the sidecar's access log (reason, miss_item) or 'upshift explain'"
-        seen = await self.up.request("GET", f"/v1/responses/{two.response_id}") if two.answered else None
-        fields["same_upstream"] = seen is not None and seen.status == 200
-        if seen is not None and seen.status != 200:
-            problems.append(
-                f"the response it made is not visible to the doctor's key at its upstream ({seen.describe()}): "
-                "the sidecar uses another upstream or another credential"
-            )
-        admin = await self._probe_admin(self._admin_url(base))
-        fields["admin"] = admin
-        detail = f"through {redact_url(base)}: turns {fields['first_turn']} then {fields['second_turn']}"
-        if fields["same_upstream"]:
-            detail += "; same upstream and credential as the doctor"
-        detail += f"; admin {admin['url']} {admin['readyz'] or 'unreachable'}"
-        if admin.get("version"):
-            detail += f" (upshift {admin['version']})"
-        if problems:
-            self.results[Check.VIA] = Result(Status.FAIL, f"{detail}: {'; '.join(problems)}", hint, fields)
-        elif admin["readyz"] != "ready":
-            self.results[Check.VIA] = Result(Status.WARN, detail, "--via-admin URL: the sidecar's admin_listen", fields)
-        else:
-            self.results[Check.VIA] = Result(Status.PASS, detail, fields=fields)
-
-    async def _probe_admin(self, url: str) -> dict[str, Any]:
-        """``/readyz`` and ``/metrics`` of the sidecar's admin port (not upstream requests)."""
-        found: dict[str, Any] = {"url": url, "readyz": None, "version": None}
-        timeout = aiohttp.ClientTimeout(total=5.0)
-        try:
-            async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
-                async with session.get(url + "/readyz") as resp:
-                    found["readyz"] = "ready" if resp.status == 200 else f"HTTP {resp.status}"
-                async with session.get(url + "/metrics") as resp:
-                    text = await resp.text()
-                match = re.search(r'upshift_build_info\{[^}]*version="([^"]+)"', text)
-                found["version"] = match.group(1) if match else None
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        return found

@@ -41,9 +41,9 @@ async def doctor(*args: str, key: str | None = KEY, env: dict[str, str] | None =
     out, err = await asyncio.wait_for(proc.communicate(), 90)
     assert proc.returncode is not None
     text = out.decode() + err.decode()
-    if key:
-        assert key not in text, text
-    return proc.returncode, out.decode() + err.decode()
+    for secret in (KEY, key):
+        assert not secret or secret not in text, text
+    return proc.returncode, text
 
 
 async def doctor_json(*args: str, **kwargs: Any) -> tuple[int, dict[str, Any]]:
@@ -157,6 +157,12 @@ async def test_without_lanes_nothing_fails(mode: str) -> None:
     assert lanes["supported"] is False and lanes["status"] == "warn"
     if mode == "reject":
         assert "unknown_parameter: Unknown parameter: 'stream_id'." in lanes["detail"]
+        assert lanes["error"] == {
+            "type": "invalid_request_error",
+            "code": "unknown_parameter",
+            "message": "Unknown parameter: 'stream_id'.",
+            "param": "stream_id",
+        }
     else:
         assert "1008" in lanes["detail"]
     assert all(doc[c]["status"] == "pass" for c in CHECKS if c not in ("lanes", "compact")), doc
@@ -279,6 +285,17 @@ async def test_service_tier_asked_and_served(emulator: Emulator) -> None:
     assert code == 0
     assert doc["service_tier"]["requested"] == "flex" and doc["service_tier"]["served"] == "flex"
     assert doc["service_tier"]["status"] == "pass"
+
+
+async def test_an_injected_key_from_a_file(tmp_path: Path) -> None:
+    """``api_key.source: file``: the key the sidecar would inject, read as the sidecar reads it."""
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    async with watched(require_keys=(KEY,)) as (emulator, seen):
+        code, doc = await doctor_json("--upstream", emulator.base_url, "--api-key-file", str(key_file), key=None)
+        assert code == 0
+        assert_all_pass(emulator, doc)
+    assert {s.authorization for s in seen} == {True}
 
 
 async def test_no_key_is_a_usage_error(emulator: Emulator) -> None:
