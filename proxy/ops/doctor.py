@@ -22,11 +22,10 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Any
 
 import orjson
 
-from proxy.config import load_settings
+from proxy.config import Settings, load_settings
 from proxy.errors import ConfigError
 from proxy.ops.doctor_checks import Checks, Options
 from proxy.ops.doctor_report import Check, Result, Status, render, to_json
@@ -69,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _key_setup(args: argparse.Namespace, settings: Any) -> tuple[KeySource, dict[str, str], list[str]]:
+def _key_setup(args: argparse.Namespace, settings: Settings) -> tuple[KeySource, dict[str, str], list[str]]:
     """The key source, the headers an app would send, and the secrets never to print.
 
     Raises:

@@ -117,6 +117,8 @@ class Checks:
         self.up = Upstream(settings, keys, app_headers, options.query, options.timeout, self.budget)
         self.path = self.up.describe_path()
         self.results: dict[Check, Result] = {}
+        self._reached = False
+        """The upstream answered over HTTP (with any status): else ``compact`` is not tried."""
         self._first = Answer()
         """The first turn on socket A (its output is the full send's history)."""
 
@@ -177,6 +179,7 @@ class Checks:
             self.results[Check.HTTP] = Result(Status.FAIL, f"POST /v1/responses got no answer: {answer.failure}", hint)
             self.results[Check.SERVICE_TIER] = Result(Status.SKIP, "no HTTP answer", fields=tier_fields)
             return
+        self._reached = True
         took = f"in {answer.total_ms:.0f} ms ({self.path})"
         if answer.status == 200 and answer.response is not None:
             self.results[Check.HTTP] = Result(Status.PASS, f"POST /v1/responses answered HTTP 200 {took}")
@@ -372,6 +375,9 @@ class Checks:
     # -- compaction ------------------------------------------------------------------------------
 
     async def _compact(self) -> None:
+        if not self._reached:
+            self.results[Check.COMPACT] = Result(Status.SKIP, "the upstream is not reachable over HTTP (see http)")
+            return
         body = {"model": self.options.model, "input": [_user("Reply with one word: ok.")]}
         answer = await self.up.request("POST", "/v1/responses/compact", body)
         if answer.failure:

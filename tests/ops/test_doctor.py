@@ -225,6 +225,20 @@ async def test_through_an_egress_proxy_to_a_tls_upstream(tmp_path: Path) -> None
     assert connects >= 3, proxy.log.read_text()
 
 
+async def test_an_egress_proxy_that_refuses_the_connect(tmp_path: Path) -> None:
+    """A company proxy that allows CONNECT to port 443 only: both transports fail, saying so."""
+    async with TlsEmulator(tmp_path) as tls, Tinyproxy(tmp_path, connect_ports=(443,)) as proxy:
+        env = {"UPSHIFT_EGRESS_PROXY": proxy.url, "UPSHIFT_EGRESS_CA_FILE": str(tls.ca_file)}
+        code, doc = await doctor_json("--upstream", tls.base_url, env=env)
+        refused = proxy.refused()
+    assert code == 1
+    for check in ("http", "websocket"):
+        assert doc[check]["status"] == "fail" and "(HTTP 403 to CONNECT)" in doc[check]["detail"], doc[check]
+        assert "egress.proxy" in doc[check]["hint"]
+    assert refused == 2  # one CONNECT each, the upgrade not retried
+    assert tls.emulator.stats.requests["http"] == 0
+
+
 async def test_an_untrusted_certificate(tmp_path: Path) -> None:
     async with TlsEmulator(tmp_path) as tls:
         code, doc = await doctor_json("--upstream", tls.base_url, env={"UPSHIFT_EGRESS_PROXY": "off"})
