@@ -49,14 +49,15 @@ async def via_check(
         base += "/v1"
     if up.budget.sent + 3 > up.budget.limit:
         return Result(Status.SKIP, f"not tried: {_SPENT} (it needs 3 requests)")
-    fields: dict[str, Any] = {"first_turn": None, "second_turn": None}
+    fields: dict[str, Any] = {"first_turn": None, "second_turn": None, "same_upstream": None}
     headers = {**app_headers, "User-Agent": "upshift-doctor"}
     first_input = [_user("Through the sidecar: reply with one word: ok.")]
     one = await up.request("POST", "/v1/responses", make_body(first_input), headers=headers, base=base)
     fields["first_turn"] = one.headers.get("x-upshift-mode")
     if not one.answered:
+        admin = fields["admin"] = await _probe_admin(admin_url.rstrip("/"))
         said = f"the sidecar at {redact_url(base)} answered the first turn with {one.describe()}"
-        return Result(Status.FAIL, said, fields=fields)
+        return Result(Status.FAIL, f"{said}; admin {admin['url']} {admin['readyz'] or 'unreachable'}", fields=fields)
     history = [*first_input, *((one.response or {}).get("output") or []), _user("Again: ok.")]
     two = await up.request("POST", "/v1/responses", make_body(history), headers=headers, base=base)
     fields["second_turn"] = two.headers.get("x-upshift-mode")
@@ -68,8 +69,11 @@ async def via_check(
         problems.append(f"the second turn was sent as {fields['second_turn']!r}, not continued")
         hint = "see the sidecar's access log (reason, miss_item) or 'upshift explain'"
     seen = await up.request("GET", f"/v1/responses/{two.response_id}") if two.answered else None
-    fields["same_upstream"] = seen is not None and seen.status == 200
-    if seen is not None and seen.status != 200:
+    if seen is not None and seen.failure:
+        problems.append(f"reading the response back from the upstream failed: {seen.describe()}")
+    elif seen is not None:
+        fields["same_upstream"] = seen.status == 200
+    if fields["same_upstream"] is False and seen is not None:
         problems.append(
             f"the response it made is not visible to the doctor's key at its upstream ({seen.describe()}): "
             "the sidecar uses another upstream or another credential"

@@ -256,14 +256,25 @@ async def test_via_a_running_sidecar(emulator: Emulator, spawn: Callable[..., Si
         await sidecar.wait_ready(session)
     args = ("--upstream", emulator.base_url, "--via", sidecar.base_url, "--via-admin", sidecar.admin)
     code, doc = await doctor_json(*args)
+    text_code, out = await doctor(*args)
     assert await sidecar.terminate() == 0
-    assert code == 0
+    assert code == 0 == text_code
     via = doc["via"]
     assert via["status"] == "pass", via
     assert via["first_turn"] == "full" and via["second_turn"] == "continuation"
     assert via["same_upstream"] is True and via["admin"]["readyz"] == "ready" and via["admin"]["version"]
     assert "through" in via["detail"] and "same upstream and credential" in via["detail"]
     assert doc["requests_sent"] == 12
+    # The README shows such a run: its lines are the ones printed now, check by check.
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("```text\nupshift doctor: ") + 8 :]
+    shown_lines = shown[: shown.index("```")].splitlines()
+    assert [line.split()[1] for line in shown_lines[1:-1]] == [line.split()[1] for line in out.splitlines()[1:-1]]
+    assert shown_lines[-1] == out.splitlines()[-1] == "12 of 12 requests sent; 0 check(s) failed"
+    # Once the sidecar is gone, via says so.
+    code, doc = await doctor_json(*args)
+    assert code == 1 and doc["via"]["status"] == "fail" and "unreachable" in doc["via"]["detail"]
+    assert doc["via"]["admin"]["readyz"] is None
 
 
 async def test_via_a_sidecar_of_another_upstream(emulator: Emulator) -> None:
