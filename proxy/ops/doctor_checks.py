@@ -19,14 +19,16 @@ The run, in order (each step is skipped once ``--max-requests`` is spent):
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
+
 from proxy.config import Settings, parse_hostport
 from proxy.core.demux import LaneSignal
+from proxy.core.retry import error_fields
 from proxy.errors import UpstreamError, UpstreamRefused
 from proxy.ops.doctor_report import Check, Result, Status
 from proxy.ops.doctor_via import via_check
@@ -94,8 +96,12 @@ def _unavailable_hint(message: str) -> str:
 def _refusal(exc: UpstreamRefused) -> str:
     """The upstream's own words for a refused upgrade, if its body has them."""
     text = exc.payload.decode("utf-8", "replace").strip()
-    match = re.search(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)"', text)
-    said = match.group(1) if match else text[:200]
+    try:
+        body = orjson.loads(exc.payload)
+    except orjson.JSONDecodeError:
+        body = None
+    message = error_fields(body)[1] if isinstance(body, dict) else None
+    said = message or text[:200]
     return f"the upgrade on /v1/responses was refused with HTTP {exc.http_status}" + (f": {said}" if said else "")
 
 

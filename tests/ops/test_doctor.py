@@ -182,11 +182,13 @@ async def test_a_socket_cap_of_one() -> None:
 async def test_refused_upgrades(emulator: Emulator, status: int, attempts: int) -> None:
     """A proxy that blocks WebSocket answers the upgrade: ``websocket`` fails with its status,
     nothing that needs a socket is tried, the upgrade is not retried (a 429 once)."""
-    emulator.faults.arm("refuse_upgrade", status=status, headers={"retry-after": "0"}, count=10)
+    said = "WebSocket upgrades are not allowed by policy."
+    emulator.faults.arm("refuse_upgrade", status=status, message=said, headers={"retry-after": "0"}, count=10)
     code, doc = await doctor_json("--upstream", emulator.base_url)
     assert code == 1
     ws = doc["websocket"]
-    assert ws["status"] == "fail" and f"refused with HTTP {status}" in ws["detail"] and ws["http_status"] == status
+    assert ws["status"] == "fail" and ws["http_status"] == status
+    assert f"refused with HTTP {status}: {said} (direct)" in ws["detail"]
     assert ws["hint"]
     assert doc["http"]["status"] == "pass"
     for check in ("continuation", "lanes", "store_false", "hydration"):
