@@ -314,6 +314,18 @@ async def test_service_tier_asked_and_served(emulator: Emulator) -> None:
     assert doc["service_tier"]["status"] == "pass"
 
 
+async def test_a_service_tier_refused(emulator: Emulator) -> None:
+    message = "Invalid value: 'ultrafast'. This model does not support the ultrafast service tier."
+    emulator.faults.arm("error", status=400, param="service_tier", message=message, transport="http")
+    args = ("--upstream", emulator.base_url, "--service-tier", "ultrafast", "--max-requests", "1")
+    code, doc = await doctor_json(*args)
+    assert code == 1
+    assert doc["http"]["status"] == "pass" and "HTTP 400" in doc["http"]["detail"]
+    tier = doc["service_tier"]
+    assert tier["status"] == "fail" and message in tier["detail"]
+    assert tier["requested"] == "ultrafast" and tier["served"] is None
+
+
 async def test_an_injected_key_from_a_file(tmp_path: Path) -> None:
     """``api_key.source: file``: the key the sidecar would inject, read as the sidecar reads it."""
     key_file = tmp_path / "api-key"
