@@ -69,7 +69,8 @@ _REFUSED_HINTS = {
     404: "no WebSocket mode at this URL: check upstream (Azure's path is /openai/v1)",
     426: "a proxy or gateway on the way does not pass WebSocket upgrades: allow them to the upstream, "
     "or run the sidecar with mode: http (every turn then goes over HTTP)",
-    429: "the upstream allows this key few sockets: keep pool.max_sockets_per_identity below its cap",
+    429: "the key's sockets are at the upstream's cap (running sidecars may hold them): try again later, "
+    "and keep pool.max_sockets_per_identity below the cap",
 }
 
 
@@ -254,8 +255,12 @@ class Checks:
         opened = await self._open()
         if isinstance(opened, UpstreamError):
             detail, hint = self._socket_failure(opened)
-            fields = {"http_status": opened.http_status} if isinstance(opened, UpstreamRefused) else {}
-            self.results[Check.WEBSOCKET] = Result(Status.FAIL, f"{detail} ({self.path})", hint, fields)
+            refused = opened.http_status if isinstance(opened, UpstreamRefused) else None
+            fields = {"http_status": refused} if refused is not None else {}
+            # A 429 is the upstream itself refusing one more socket for this key (running
+            # sidecars may hold them all): the way there works, the socket checks wait.
+            status = Status.WARN if refused == 429 else Status.FAIL
+            self.results[Check.WEBSOCKET] = Result(status, f"{detail} ({self.path})", hint, fields)
             return None
         self._first = await self.up.turn(opened, self._body([_user(_CONTEXT + "Reply with one word: ok.")]))
         if not self._first.answered:
