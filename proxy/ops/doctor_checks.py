@@ -353,7 +353,10 @@ class Checks:
             self.results[Check.LANES] = Result(Status.WARN, detail, fields=fields)
 
     async def _hydration(self, stored: str, have_socket: bool) -> None:
-        if not stored or not have_socket:
+        if not have_socket:
+            self.results[Check.HYDRATION] = Result(Status.SKIP, "no socket (see websocket)")
+            return
+        if not stored:
             self.results[Check.HYDRATION] = Result(Status.SKIP, "no stored response on a socket to continue")
             return
         if self.budget.sent >= self.budget.limit:
