@@ -1,5 +1,6 @@
 """Command line: ``upshift [flags]`` runs the sidecar; ``upshift demo ...`` runs the demo;
-``upshift explain PREVIOUS RESPONSE NEXT`` explains whether a saved request would continue.
+``upshift explain PREVIOUS RESPONSE NEXT`` explains whether a saved request would continue;
+``upshift doctor`` checks the upstream and a running sidecar with the sidecar's configuration.
 
 Flags override env vars (``UPSHIFT_*``), which override the YAML file, which overrides the
 defaults (see :func:`proxy.config.load_settings`). Exit codes: 0 ok, 1 configuration error,
@@ -55,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Sidecar relaying full-history Responses API calls as WebSocket continuations.",
         epilog="Every setting is also a config-file key and an UPSHIFT_<SECTION>_<KEY> env var; "
         "precedence: flags > env > file > defaults. 'upshift demo --help' runs the demo; "
-        "'upshift explain --help' explains a miss.",
+        "'upshift explain --help' explains a miss; "
+        "'upshift doctor --help' checks the upstream before you deploy.",
     )
     p.add_argument("--listen", metavar="HOST:PORT", help="API listener (default 127.0.0.1:8080)")
     p.add_argument("--admin-listen", metavar="HOST:PORT", help="admin listener (default 0.0.0.0:9090)")
@@ -93,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         # Offline: says whether a saved request would continue the previous one (no server).
         explain = importlib.import_module("proxy.ops.explain_cmd")
         sys.exit(explain.main(args_list[1:]))
+    if args_list[:1] == ["doctor"]:
+        # Checks the upstream (and a running sidecar) with the sidecar's configuration.
+        doctor = importlib.import_module("proxy.ops.doctor")
+        sys.exit(doctor.main(args_list[1:]))
     if args_list[:1] == ["demo"]:
         # Imported lazily: the demo pulls in client libraries the sidecar itself never needs.
         demo = importlib.import_module("proxy.ops.demo")

@@ -1,3 +1,3 @@
-"""Operating the sidecar: metrics, logs, health and status pages, miss explanations, the demo and
-explain commands.
+"""Operating the sidecar: metrics, logs, health and status pages, miss explanations, the demo,
+explain and doctor commands.
 """
