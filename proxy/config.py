@@ -671,8 +671,10 @@ def _check_string(key: str, value: str) -> None:
 
 def _check_peer_url(url: str) -> None:
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.path.strip("/") or parts.query:
-        raise ValueError(f"expected a peer base URL like http://10.0.0.1:8080; got {url!r}")
+    # https:// is what replicas off loopback use (cluster.tls_*); http:// only with
+    # cluster.plain_http_peers, which the cluster checks when it starts.
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ValueError(f"expected a peer base URL like https://10.0.0.1:8443 or http://10.0.0.1:8080; got {url!r}")
 
 
 def _value(leaf: _Leaf, raw: object, *, text: bool, where: str) -> object:

@@ -237,6 +237,11 @@ def pod(
     mounts = [
         (str(volumes[m["name"]]), m["mountPath"], bool(m.get("readOnly", False))) for m in c.get("volumeMounts", [])
     ]
+    # A mount inside another volume's mount path: the runtime makes its mount point in that volume.
+    for _, dst, _ in mounts:
+        for outer_src, outer_dst, _ in mounts:
+            if dst.startswith(outer_dst.rstrip("/") + "/"):
+                (Path(outer_src) / dst[len(outer_dst) :].strip("/")).mkdir(parents=True, exist_ok=True)
 
     env = environment(c, meta, ip, name, secrets)
     # The listeners: a wildcard host is the Pod's own address (see the module docstring).
