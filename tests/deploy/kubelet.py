@@ -47,17 +47,17 @@ def render(overlay: str) -> list[dict[str, Any]]:
     kubectl = which("kubectl")
     if kubectl is not None:
         return kustomize(kubectl, K8S / overlay)
-    return _render_files(K8S / overlay)
+    return render_files(K8S / overlay)
 
 
-def _render_files(directory: Path) -> list[dict[str, Any]]:
+def render_files(directory: Path) -> list[dict[str, Any]]:
     """Our kustomizations without kubectl: ``resources`` (files or directories), recursively."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text(encoding="utf-8"))
     docs: list[dict[str, Any]] = []
     for entry in spec.get("resources", []):
         path = (directory / entry).resolve()
         if path.is_dir():
-            docs.extend(_render_files(path))
+            docs.extend(render_files(path))
         else:
             docs.extend(d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d)
     return docs

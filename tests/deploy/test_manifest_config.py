@@ -14,6 +14,7 @@ from proxy.config import Settings, load_settings
 from proxy.errors import ConfigError
 from proxy.ingress.cluster import Cluster, peer_key
 from tests.deploy import kubelet
+from tests.tools import kustomize, which
 
 
 def _settings_of(overlay: str, deployment: str, tmp_path: Path, pod_ip: str = "127.0.0.2") -> Settings:
@@ -90,3 +91,23 @@ def test_a_replica_finds_itself_among_dns_peers_however_self_url_is_spelled(tmp_
     assert cluster.self_url == "https://[fd00::5]:8443"
     assert cluster.query_peer("https://[fd00::5]:8443", 1) is None
     assert cluster.query_peer("https://[fd00::6]:8443", 1) is not None
+
+
+def test_the_fallback_renderer_renders_what_kubectl_does() -> None:
+    """Without kubectl the overlays are rendered from their files: the same upshift container."""
+    kubectl = which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not on PATH: nothing to compare the fallback renderer with")
+    for overlay, deployment in (("sidecar", "my-app"), ("gateway", "upshift-gateway")):
+        rendered = [
+            kubelet.one(docs, "Deployment", deployment)["spec"]["template"]["spec"]
+            for docs in (
+                kustomize(kubectl, kubelet.K8S / overlay),
+                kubelet.render_files(kubelet.K8S / overlay),
+            )
+        ]
+        ours, theirs = (kubelet.container(spec, "upshift") for spec in rendered)
+        ours.pop("image"), theirs.pop("image")  # the images: stanza (a tag) is kustomize's alone
+        assert ours == theirs
+        assert rendered[0]["volumes"] == rendered[1]["volumes"]
+        assert rendered[0]["securityContext"] == rendered[1]["securityContext"]

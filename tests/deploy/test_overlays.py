@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,8 @@ def _run(
     tasks: list[str],
     turns: int,
 ) -> dict[str, Any]:
-    """Start ``replicas`` of the overlay with the app's turns; what the world reported."""
+    """Start the Deployment's replicas with the app's turns; what the world reported. ``hosts``:
+    the names in the cluster's ``/etc/hosts``, each with the replicas (by index) it resolves to."""
     docs = kubelet.render(overlay)
     dep = kubelet.one(docs, "Deployment", deployment)
     replicas = int(dep["spec"].get("replicas", 1))
@@ -100,16 +102,22 @@ def _run(
     }
     plan_file, result_file = tmp_path / "plan.json", tmp_path / "result.json"
     plan_file.write_text(json.dumps(plan))
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         ["unshare", "--net", "--mount", "--propagation", "private", sys.executable, "-m", "tests.deploy.world"]
         + [str(plan_file), str(result_file)],
         cwd=kubelet.ROOT,
         env={**os.environ, "PYTHONPATH": str(kubelet.ROOT)},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=240,
+        start_new_session=True,
     )
-    assert result_file.exists(), f"the world did not finish: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the world, the emulator and every Pod
+        out, _ = proc.communicate()
+    assert result_file.exists(), f"the world did not finish: {proc.returncode}\n{out}"
     result: dict[str, Any] = json.loads(result_file.read_text())
     return result
 
@@ -165,7 +173,7 @@ def test_gateway_overlay_two_replicas_forward_over_tls(tmp_path: Path) -> None:
         "upshift-gateway",
         hosts={"upshift-gateway": [0], "upshift-gateway-peers": [0, 1]},
         base_url=f"http://upshift-gateway:{port}/v1",
-        app_key=kubelet.NAMESPACE and TEST_KEY,
+        app_key=TEST_KEY,
         tasks=[f"Conversation {i}: say hello" for i in range(6)],
         turns=2,
     )
