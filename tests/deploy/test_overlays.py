@@ -154,6 +154,9 @@ def test_sidecar_overlay_serves_its_app_with_the_mounted_key(tmp_path: Path) -> 
     turns = result["conversations"][0]
     assert [t["ok"] for t in turns] == [True, True], (turns, _explain(result))
     assert all(t["status"] == "completed" for t in turns)
+    # No writable directory in this Pod (read-only root, no emptyDir): the learned socket caps are
+    # this process's own, which one line says.
+    assert result["logs"]["my-app-0"].count("socket caps are not shared") == 1, _explain(result)
     stats = result["emulator"]
     # The second turn went over the upstream WebSocket as a continuation.
     assert stats["continuations"]["ws"] == 1, stats
@@ -190,3 +193,5 @@ def test_gateway_overlay_two_replicas_forward_over_tls(tmp_path: Path) -> None:
     assert _counter(second, "upshift_forwards_total", level="replica") == 0
     stats = result["emulator"]
     assert stats["continuations"]["ws"] == len(result["conversations"]), stats
+    # The replicas' /tmp is an emptyDir: the workers of a replica can share learned socket caps.
+    assert all("socket caps are not shared" not in log for log in result["logs"].values()), _explain(result)

@@ -137,7 +137,7 @@ def main(plan_path: str, result_path: str) -> None:
                 proc.kill()
                 proc.wait(5)
         for pod in plan["pods"]:
-            result["logs"][pod["name"]] = Path(pod["log"]).read_text(errors="replace")[-4000:]
+            result["logs"][pod["name"]] = Path(pod["log"]).read_text(errors="replace")[-100_000:]
         Path(result_path).write_text(json.dumps(result))
 
 
