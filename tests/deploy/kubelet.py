@@ -302,8 +302,12 @@ def script(p: Pod, hosts: Path, work: Path) -> str:
         f"mkdir {scratch}/upper {scratch}/work {q(root)}",
         f"mount -t overlay overlay -o lowerdir=/,upperdir={scratch}/upper,workdir={scratch}/work {q(root)}",
     ]
-    # The interpreter stands in for the image's /opt/venv: every directory above it traversable.
-    for parent in reversed(python_home.parents):
+    # This machine's interpreter and checkout stand in for the image's /opt/venv: every directory
+    # above them traversable by the container's uid (in the overlay: this machine is unchanged).
+    above: set[Path] = set()
+    for place in (python_home, Path(sys.prefix), Path(sys.base_prefix), ROOT):
+        above.update(place.parents)
+    for parent in sorted(above, key=lambda p: len(p.parts)):
         lines.append(f"chmod o+x {q(root + str(parent))}")
     # Mount paths resolved inside the container's root (/var/run is a symlink to /run): the
     # overlay's lower layer is this machine's root, so resolving here resolves there.
