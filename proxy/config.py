@@ -675,6 +675,11 @@ def _check_peer_url(url: str) -> None:
     # cluster.plain_http_peers, which the cluster checks when it starts.
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
         raise ValueError(f"expected a peer base URL like https://10.0.0.1:8443 or http://10.0.0.1:8080; got {url!r}")
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        hint = " (an IPv6 address goes in brackets: https://[fd00::5]:8443)" if parts.netloc.count(":") > 1 else ""
+        raise ValueError(f"expected a peer base URL with a valid port{hint}; got {url!r}") from None
 
 
 def _value(leaf: _Leaf, raw: object, *, text: bool, where: str) -> object:

@@ -60,10 +60,19 @@ def test_peer_urls_https_and_http_load(url: str) -> None:
     assert settings.cluster.self_url == url
 
 
-@pytest.mark.parametrize("url", ["ftp://10.0.0.1:8443", "https://10.0.0.1:8443/v1", "10.0.0.1:8443"])
+@pytest.mark.parametrize(
+    "url", ["ftp://10.0.0.1:8443", "https://10.0.0.1:8443/v1", "10.0.0.1:8443", "https://10.0.0.1:99999"]
+)
 def test_peer_urls_other_than_base_urls_are_refused(url: str) -> None:
     with pytest.raises(ConfigError, match="expected a peer base URL"):
         load_settings({}, {"UPSHIFT_CLUSTER_PEERS_DNS": "peers:8443", "UPSHIFT_CLUSTER_SELF_URL": url}, None)
+
+
+def test_an_ipv6_self_url_without_brackets_is_refused_with_the_form_to_use() -> None:
+    """``https://$(POD_IP):8443`` on an IPv6 cluster: the manifest's comment says to bracket it."""
+    env = {"UPSHIFT_CLUSTER_PEERS_DNS": "peers:8443", "UPSHIFT_CLUSTER_SELF_URL": "https://fd00::5:8443"}
+    with pytest.raises(ConfigError, match=r"brackets: https://\[fd00::5\]:8443"):
+        load_settings({}, env, None)
 
 
 def test_peer_key_spellings() -> None:
