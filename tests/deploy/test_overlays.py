@@ -113,7 +113,7 @@ def _run(
         start_new_session=True,
     )
     try:
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=100)  # within pytest-timeout's 120 s
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the world, the emulator and every Pod
         out, _ = proc.communicate()
