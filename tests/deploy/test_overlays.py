@@ -161,6 +161,7 @@ def test_sidecar_overlay_serves_its_app_with_the_mounted_key(tmp_path: Path) -> 
     # The second turn went over the upstream WebSocket as a continuation.
     assert stats["continuations"]["ws"] == 1, stats
     assert stats["errors"] == {"http": 0, "ws": 0}, stats
+    assert result["exits"] == {"my-app-0": 0}, _explain(result)  # SIGTERM: drained, exit 0
 
 
 def test_gateway_overlay_two_replicas_forward_over_tls(tmp_path: Path) -> None:
@@ -193,5 +194,6 @@ def test_gateway_overlay_two_replicas_forward_over_tls(tmp_path: Path) -> None:
     assert _counter(second, "upshift_forwards_total", level="replica") == 0
     stats = result["emulator"]
     assert stats["continuations"]["ws"] == len(result["conversations"]), stats
+    assert result["exits"] == {"upshift-gateway-0": 0, "upshift-gateway-1": 0}, _explain(result)
     # The replicas' /tmp is an emptyDir: the workers of a replica can share learned socket caps.
     assert all("socket caps are not shared" not in log for log in result["logs"].values()), _explain(result)

@@ -92,6 +92,7 @@ def main(plan_path: str, result_path: str) -> None:
     subprocess.run(["mount", "--bind", plan["hosts"], "/etc/hosts"], check=True)
     result: dict[str, Any] = {"pods": {}, "conversations": [], "metrics": {}, "logs": {}}
     procs: list[subprocess.Popen[bytes]] = []
+    started: list[tuple[dict[str, Any], subprocess.Popen[bytes]]] = []
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         emulator_log = open(plan["emulator_log"], "wb")  # noqa: SIM115 - closed with the process
@@ -104,7 +105,6 @@ def main(plan_path: str, result_path: str) -> None:
         procs.append(emulator)
         why = _wait(f"http://{EMULATOR}/_emulator/health", emulator, 30)
         assert not why, f"emulator: {why}"
-        started: list[tuple[dict[str, Any], subprocess.Popen[bytes]]] = []
         for pod in plan["pods"]:
             log = open(pod["log"], "wb")  # noqa: SIM115 - closed with the process
             proc = subprocess.Popen(
@@ -120,8 +120,9 @@ def main(plan_path: str, result_path: str) -> None:
             result["pods"][pod["name"]] = why or "ready"
         if all(v == "ready" for v in result["pods"].values()):
             client = OpenAI(base_url=plan["base_url"], api_key=plan["app_key"], max_retries=0, timeout=30)
-            for task in plan["tasks"]:
-                result["conversations"].append(_conversation(client, task, plan["turns"]))
+            with client:
+                for task in plan["tasks"]:
+                    result["conversations"].append(_conversation(client, task, plan["turns"]))
             for pod, _ in started:
                 result["metrics"][pod["name"]] = _metrics(pod["admin"])
             status, text = _get(f"http://{EMULATOR}/_emulator/stats")
@@ -136,6 +137,7 @@ def main(plan_path: str, result_path: str) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+        result["exits"] = {pod["name"]: proc.returncode for pod, proc in started}
         for pod in plan["pods"]:
             result["logs"][pod["name"]] = Path(pod["log"]).read_text(errors="replace")[-100_000:]
         Path(result_path).write_text(json.dumps(result))
