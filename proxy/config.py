@@ -287,11 +287,11 @@ class ClusterSettings:
     """Conversation affinity across replicas (workers of one machine are peers automatically)."""
 
     peers: str = ""
-    """API base URLs of all replicas, comma-separated (``http://10.0.0.1:8080,...``), this one
+    """Base URLs of all replicas, comma-separated (``https://10.0.0.1:8443,...``), this one
     included; empty: no replicas (unless ``peers_dns``)."""
     self_url: str = ""
     """This replica's name in the peer set (exactly as listed, or as DNS yields it:
-    ``http://<pod IP>:<port>``); never derived from the listen address."""
+    ``https://<pod IP>:<port>``); never derived from the listen address."""
     peers_dns: str = ""
     """``name:port`` of a headless Service whose addresses are the replicas (instead of
     ``peers``); re-resolved every ``dns_refresh_seconds``."""
