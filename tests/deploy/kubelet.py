@@ -9,10 +9,12 @@ written as the kubelet writes it (file modes from ``defaultMode``, group ownersh
 ``fsGroup``, emptyDirs 0777) and the container's uid, gid and groups. :func:`script` is the
 shell script that starts it in a mount namespace of its own (:mod:`tests.deploy.world`).
 
-Two things differ from a cluster, and only these: the upstream URL (the manifests name
-``api.openai.com``; here it is the emulator on loopback), and a listener on the wildcard address
-binds the Pod's IP (in a Pod the wildcard means the Pod's own addresses; here every Pod's network
-is one loopback address, 127.0.0.2, 127.0.0.3, ..., in one private network namespace).
+Every Pod's network is one loopback address (127.0.0.2, 127.0.0.3, ...) of one private network
+namespace. The configuration differs from a cluster's in the upstream URL alone (the manifests
+name ``api.openai.com``; here it is the emulator on loopback), and, for a Deployment of several
+replicas, in one more place: replicas share that namespace, so a listener on the wildcard address
+binds the Pod's IP instead (in a Pod the wildcard means the Pod's own addresses: the same set of
+connections reaches it). A single replica keeps the wildcard.
 """
 
 from __future__ import annotations
@@ -244,16 +246,19 @@ def pod(
                 (Path(outer_src) / dst[len(outer_dst) :].strip("/")).mkdir(parents=True, exist_ok=True)
 
     env = environment(c, meta, ip, name, secrets)
-    # The listeners: a wildcard host is the Pod's own address (see the module docstring).
     config = yaml.safe_load(configmaps["upshift-config"]["config.yaml"])
-    for key, var in _LISTENERS.items():
-        value = env.get(var, str(config.get(key, "")))
-        if value and _listen_host(value) in ("0.0.0.0", "::"):
-            env[var] = f"{ip}:{value.rsplit(':', 1)[1]}"
-    if _PEER_LISTEN in env and _listen_host(env[_PEER_LISTEN]) in ("0.0.0.0", "::"):
-        env[_PEER_LISTEN] = f"{ip}:{env[_PEER_LISTEN].rsplit(':', 1)[1]}"
+    if int(dep["spec"].get("replicas", 1)) > 1:
+        # Replicas share one network namespace here: a wildcard host is the Pod's own address.
+        for key, var in _LISTENERS.items():
+            value = env.get(var, str(config.get(key, "")))
+            if value and _listen_host(value) in ("0.0.0.0", "::"):
+                env[var] = f"{ip}:{value.rsplit(':', 1)[1]}"
+        if _PEER_LISTEN in env and _listen_host(env[_PEER_LISTEN]) in ("0.0.0.0", "::"):
+            env[_PEER_LISTEN] = f"{ip}:{env[_PEER_LISTEN].rsplit(':', 1)[1]}"
     env["UPSHIFT_UPSTREAM"] = UPSTREAM
     admin = env.get("UPSHIFT_ADMIN_LISTEN", str(config.get("admin_listen", "")))
+    if _listen_host(admin) in ("0.0.0.0", "::"):
+        admin = f"{ip}:{admin.rsplit(':', 1)[1]}"  # the kubelet probes the Pod's IP
 
     # The image: its ENV and the product; the kubelet adds HOSTNAME.
     python_bin = str(Path(sys.executable).parent)

@@ -7,7 +7,8 @@ runs it: the image's entrypoint with the container's args, its environment, its 
 ``fsGroup``, a read-only root filesystem (:mod:`tests.deploy.kubelet`), every Pod on a loopback
 address of a private network namespace (:mod:`tests.deploy.world`). The only substitution in the
 product's configuration is the upstream URL: the manifests name api.openai.com, these tests the
-emulator on loopback (and a wildcard listen address binds the Pod's IP, as explained in
+emulator on loopback (and the gateway's replicas, which share one network namespace here, bind
+their Pod's IP where the manifest says the wildcard address, as explained in
 :mod:`tests.deploy.kubelet`).
 
 Needs root, ``unshare`` and ``setpriv`` (mount and network namespaces, bind mounts, an overlay
