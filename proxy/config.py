@@ -287,11 +287,11 @@ class ClusterSettings:
     """Conversation affinity across replicas (workers of one machine are peers automatically)."""
 
     peers: str = ""
-    """API base URLs of all replicas, comma-separated (``http://10.0.0.1:8080,...``), this one
+    """Base URLs of all replicas, comma-separated (``https://10.0.0.1:8443,...``), this one
     included; empty: no replicas (unless ``peers_dns``)."""
     self_url: str = ""
     """This replica's name in the peer set (exactly as listed, or as DNS yields it:
-    ``http://<pod IP>:<port>``); never derived from the listen address."""
+    ``https://<pod IP>:<port>``); never derived from the listen address."""
     peers_dns: str = ""
     """``name:port`` of a headless Service whose addresses are the replicas (instead of
     ``peers``); re-resolved every ``dns_refresh_seconds``."""
@@ -671,8 +671,15 @@ def _check_string(key: str, value: str) -> None:
 
 def _check_peer_url(url: str) -> None:
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.path.strip("/") or parts.query:
-        raise ValueError(f"expected a peer base URL like http://10.0.0.1:8080; got {url!r}")
+    # https:// is what replicas off loopback use (cluster.tls_*); http:// only with
+    # cluster.plain_http_peers, which the cluster checks when it starts.
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ValueError(f"expected a peer base URL like https://10.0.0.1:8443 or http://10.0.0.1:8080; got {url!r}")
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        hint = " (an IPv6 address goes in brackets: https://[fd00::5]:8443)" if parts.netloc.count(":") > 1 else ""
+        raise ValueError(f"expected a peer base URL with a valid port{hint}; got {url!r}") from None
 
 
 def _value(leaf: _Leaf, raw: object, *, text: bool, where: str) -> object:

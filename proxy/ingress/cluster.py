@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import ssl
@@ -54,6 +55,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -129,6 +131,23 @@ def _resolver(scheme: str) -> Resolver:
 
 resolve_peers = _resolver("http")
 """The addresses of ``host`` as peer base URLs (``http://10.1.2.3:8080``, ``http://[fd00::1]:8080``)."""
+
+
+def peer_key(url: str) -> tuple[str, str, int | None]:
+    """A replica URL as compared to find this replica in the peer set: scheme and host without
+    case, an IP address in its canonical form (``[fd00:0::5]`` is ``[fd00::5]``), the scheme's
+    default port spelled out. ``cluster.self_url`` is written by hand, the peer set comes from
+    DNS: a replica that missed itself in it would forward its own conversations to itself."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return scheme, host, port or {"http": 80, "https": 443}.get(scheme)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +278,11 @@ class Cluster:
     def set_members(self, urls: tuple[str, ...] | list[str]) -> None:
         """Replace the replica peer set (from DNS): only conversations whose owner changed move."""
         members = tuple(sorted({u.rstrip("/") for u in urls}))
+        if self.self_url and self.self_url not in members:
+            # This replica as the peer set spells it: every replica ranks the same names.
+            mine = [m for m in members if peer_key(m) == peer_key(self.self_url)]
+            if mine:
+                self.self_url = mine[0]
         if members == self._members:
             return
         log.info("cluster peers: %d (%s)", len(members), ", ".join(members))

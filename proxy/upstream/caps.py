@@ -8,6 +8,8 @@ one small JSON file; every worker merges the file into its planner on its housek
 The file lives in a directory only this user may enter (``pool.cap_state_dir``; default
 ``$XDG_RUNTIME_DIR/upshift``, else ``/tmp/upshift-<uid>``): created 0700, and refused if it is
 someone else's or open to others (a shared ``/tmp`` is a place an attacker can pre-create).
+Without a usable directory (a read-only root filesystem without a writable ``/tmp``) the caps
+are not shared, which one log line says; the process starts and learns its caps alone.
 Identities appear only as their digests. Writes are atomic (a temporary file renamed over the
 old one, under ``flock``). Times are ``CLOCK_MONOTONIC``, which all processes of a machine share.
 """
@@ -67,12 +69,14 @@ class CapFile:
         self._mtime = 0
         if directory == "off":
             return
-        base = Path(directory) if directory else default_dir()
         try:
+            # A read-only root filesystem may leave no writable temporary directory at all
+            # (``gettempdir`` then raises): the caps are then this process's own.
+            base = Path(directory) if directory else default_dir()
             ok = _private_dir(base)
         except OSError as exc:
             log.warning("socket caps are not shared: %s", exc)
-            ok = False
+            return
         if ok:
             self.path = base / _NAME
 
