@@ -8,7 +8,7 @@ config.yaml, deploy/README.md and docs/*.md, through the real loader and the rea
 * A command line (in a code block or an inline code span, also in config.yaml's comments) that
   starts ``python -m proxy`` or ``upshift`` (the same program) runs through the CLI: a command
   that would start the sidecar runs with ``--print-config`` added (its settings load, nothing
-  listens), ``--help``/``--version``/``--print-config`` as written, a subcommand (``demo``,
+  listens), ``--help``/``--version``/``--print-config`` as written, a subcommand (``demo``, ``doctor``,
   ``explain``) with ``--help``. The CLI runs with the user's defaults: no ``UPSHIFT_*`` variable.
 """
 
@@ -35,7 +35,7 @@ REFUSED = "<!-- refused -->"
 _BLOCK = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.M | re.S)
 _INLINE = re.compile(r"`((?:python -m proxy|upshift)(?:\s[^`]*)?)`")
 _COMMAND = re.compile(r"(?:^|&& |; )((?:python -m proxy|upshift)(?=\s|$)[^#\n]*)")
-_SUBCOMMANDS = ("demo", "explain")
+_SUBCOMMANDS = ("demo", "explain", "doctor")
 
 
 @dataclass(frozen=True)
