@@ -338,8 +338,10 @@ class Settings:
 
     listen: str = "127.0.0.1:8080"
     """API listener (the app's ``OPENAI_BASE_URL`` points here)."""
-    admin_listen: str = "0.0.0.0:9090"
-    """Admin listener: /healthz, /readyz, /metrics."""
+    admin_listen: str = "127.0.0.1:9090"
+    """Admin listener: /healthz, /readyz, /metrics, the status page. Loopback by default; in
+    Kubernetes (``KUBERNETES_SERVICE_HOST`` set) when no source sets it: ``0.0.0.0:9090``, the
+    kubelet's probes reaching the pod IP (:data:`ADMIN_LISTEN_IN_KUBERNETES`)."""
     upstream: str = "https://api.openai.com/v1"
     """Upstream base URL; the WebSocket URL is this with http→ws, https→wss, plus /responses."""
     mode: Literal["websocket", "http"] = "websocket"
@@ -804,6 +806,12 @@ def peer_urls(value: str) -> tuple[str, ...]:
     return tuple(sorted({u.strip().rstrip("/") for u in value.split(",") if u.strip()}))
 
 
+ADMIN_LISTEN_IN_KUBERNETES = "0.0.0.0:9090"
+"""``admin_listen`` when no flag, variable or file sets it and ``KUBERNETES_SERVICE_HOST`` is set
+(every container of a Pod has it): the kubelet's probes and Prometheus reach the pod IP. Outside
+Kubernetes the default stays loopback, so a laptop's LAN never sees the status page."""
+
+
 def load_settings(
     argv_values: Mapping[str, object] | None,
     env: Mapping[str, str],
@@ -832,6 +840,8 @@ def load_settings(
         values.update(_from_file(os.path.expanduser(path)))
     values.update(_from_env(env))
     values.update(_from_flags(argv_values or {}))
+    if "admin_listen" not in values and env.get("KUBERNETES_SERVICE_HOST"):
+        values["admin_listen"] = ADMIN_LISTEN_IN_KUBERNETES
     settings: Settings = _build(Settings, values)
     _check_settings(settings)
     return settings

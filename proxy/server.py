@@ -239,7 +239,9 @@ class Server:
             auto_decompress=False,  # issue 21: read_body decodes gzip/deflate within the limit
         )
         self._admin = web.AppRunner(
-            make_admin_app(self.lifecycle),
+            make_admin_app(
+                self.lifecycle, admin_listen=settings.admin_listen, allowed_hosts=settings.listener.allowed_hosts
+            ),
             access_log=None,
             handle_signals=False,
             keepalive_timeout=settings.listener.keepalive_seconds,
