@@ -795,10 +795,28 @@ def _check_settings(s: Settings) -> None:
     if c.peers and c.self_url.rstrip("/") not in peer_urls(c.peers):
         raise ConfigError(f"settings: cluster.self_url ({c.self_url}) is not one of cluster.peers")
     host, port = parse_hostport(s.listen)
+    if s.api_key.source != "passthrough" and not s.listener.allowed_hosts and not _loopback_host(host):
+        # Any Host would be answered with the injected key: a DNS-rebound page (a laptop's
+        # container publishing 0.0.0.0) could read every /v1 route with it.
+        raise ConfigError(
+            f"settings: listen ({s.listen}) is not loopback and api_key.source is {s.api_key.source}: "
+            "set listener.allowed_hosts (UPSHIFT_LISTENER_ALLOWED_HOSTS) to the host names apps use "
+            "to reach the sidecar, or listen on 127.0.0.1",
+            param="listener.allowed_hosts",
+        )
     admin_host, admin_port = parse_hostport(s.admin_listen)
     wildcard = ("0.0.0.0", "::")
     if port and port == admin_port and (host == admin_host or host in wildcard or admin_host in wildcard):
         raise ConfigError(f"settings: listen ({s.listen}) and admin_listen ({s.admin_listen}) share a port")
+
+
+def _loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def peer_urls(value: str) -> tuple[str, ...]:
