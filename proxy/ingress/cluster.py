@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import ssl
@@ -54,6 +55,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -163,6 +165,25 @@ def arrived_privately(request: web.BaseRequest) -> bool:
     if transport is None:
         return False
     return isinstance(transport.get_extra_info("sockname"), str | bytes)
+
+
+def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address((text or "").strip("[]").partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _member_address(remote: str | None, members: tuple[str, ...], self_url: str) -> bool:
+    """Whether ``remote`` is the address of a replica in ``members`` (other than this one; a
+    member named by a host name is never matched: without a secret only addresses count)."""
+    caller = _address(remote)
+    if caller is None or len(members) < 2:
+        return False
+    return any(_address(urlsplit(m).hostname) == caller for m in members if m != self_url)
 
 
 def _tls_client(settings: Settings) -> ssl.SSLContext | None:
@@ -392,11 +413,13 @@ class Cluster:
 
     def authentic(self, request: web.Request, marker: str) -> bool:
         """Whether a marked bodiless request (an owner query) comes from a replica: its
-        signature holds (once, in time) when this replica has a secret; without one, the
-        marker is taken at its word, as a forward's is."""
-        if not self.auth.enabled:
-            return True
-        return self.auth.verify(marker, request.method, request.raw_path, b"")
+        signature holds (once, in time) when this replica has a secret; without one, only a
+        caller at the address of another member of the peer set is one (a process with no
+        peers answers no one but its own workers, on their private sockets). An owner query
+        answered to anyone would tell any client which response ids exist."""
+        if self.auth.enabled:
+            return self.auth.verify(marker, request.method, request.raw_path, b"")
+        return _member_address(request.remote, self._members, self.self_url)
 
     # -- the request path ------------------------------------------------------------------------
 
