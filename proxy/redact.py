@@ -26,8 +26,8 @@ _KEEP_QUERY = frozenset({"api-version"})
 """Query parameters shown as they are (Azure's version); every other value may be a secret."""
 _SCHEME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 _MAX_REMEMBERED = 64
-_remembered: set[str] = set()
-"""Secret parts of configured URLs, in every spelling a text may quote them in."""
+_remembered: tuple[str, ...] = ()
+"""Secret parts of configured URLs, in every spelling a text may quote them in (longest first)."""
 
 
 def _userinfo(rest: str) -> tuple[str, str] | None:
@@ -77,6 +77,7 @@ def redact_url(url: str) -> str:
 def remember(url: str) -> None:
     """Mask the secrets of ``url`` (a configured URL: its userinfo's password or lone user
     name, its query values) in every later :func:`redact_urls`, however a text quotes them."""
+    global _remembered
     if len(_remembered) >= _MAX_REMEMBERED:
         return
     secrets: list[str] = []
@@ -90,11 +91,13 @@ def remember(url: str) -> None:
         name, eq, value = pair.partition("=")
         if eq and name.lower() not in _KEEP_QUERY:
             secrets.append(value)
+    forms = set(_remembered)
     for secret in secrets:
         for spelling in {secret, unquote(secret)}:
             for form in {spelling, repr(spelling)[1:-1], spelling.encode("unicode_escape").decode("ascii")}:
                 if len(form) >= 3:  # shorter would mask ordinary text
-                    _remembered.add(form)
+                    forms.add(form)
+    _remembered = tuple(sorted(forms, key=len, reverse=True))
 
 
 def _redact_token(token: str) -> str:
@@ -122,7 +125,7 @@ def _redact_token(token: str) -> str:
 def redact_urls(text: str) -> str:
     """``text`` with every URL in it passed through :func:`redact_url`, and every remembered
     secret masked."""
-    for secret in sorted(_remembered, key=len, reverse=True):
+    for secret in _remembered:
         if secret in text:
             text = text.replace(secret, REDACTED_PART)
     if "://" not in text:
