@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from proxy.emulator import Emulator
-from tests.security.ingress import body, openai_error
+from tests.security.ingress import body, openai_error, started
 from tests.security.support import start_process
 from tests.sidecar import ROOT, SidecarProcess
 
@@ -86,3 +86,14 @@ def test_the_admin_listener_is_loopback_by_default_outside_kubernetes() -> None:
     assert _admin_listen(KUBERNETES_SERVICE_HOST="10.96.0.1") == "0.0.0.0:9090"
     assert _admin_listen(KUBERNETES_SERVICE_HOST="10.96.0.1", UPSHIFT_ADMIN_LISTEN="0.0.0.0:9191") == "0.0.0.0:9191"
     assert _admin_listen(UPSHIFT_ADMIN_LISTEN="0.0.0.0:9090") == "0.0.0.0:9090"
+
+
+async def test_a_loopback_admin_listener_in_a_pod_is_said_at_startup(
+    emulator: Emulator, spawn: Callable[..., SidecarProcess]
+) -> None:
+    # A Deployment of its own that keeps config.yaml's loopback admin_listen: its probes would
+    # fail with nothing in the log to say why.
+    side = await started(spawn, emulator.base_url, KUBERNETES_SERVICE_HOST="10.96.0.1")
+    assert "UPSHIFT_ADMIN_LISTEN=0.0.0.0:" in side.logs(), side.logs()
+    outside = await started(spawn, emulator.base_url, KUBERNETES_SERVICE_HOST="")
+    assert "UPSHIFT_ADMIN_LISTEN" not in outside.logs()
