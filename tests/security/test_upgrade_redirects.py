@@ -70,6 +70,13 @@ async def test_a_redirected_upgrade_is_not_followed_and_the_turn_goes_over_http(
         assert status == 200, data
         assert emulator.stats.ws_connections["refused"] >= 1
         assert headers["x-upshift-mode"] == "passthrough", headers
+        # An app's own WebSocket, relayed: the upgrade is refused to it, never redirected.
+        url = side.api.replace("http://", "ws://") + "/v1/responses"
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(url, headers={"Authorization": "Bearer sk-placeholder-app-0123456789"})
+        assert refused.value.status == 426 and "location" not in {k.lower() for k in refused.value.headers or {}}
+        assert other.heads == [], other.heads
 
 
 async def test_a_redirect_of_an_http_request_is_relayed_not_followed(
