@@ -60,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
         "'upshift doctor --help' checks the upstream before you deploy.",
     )
     p.add_argument("--listen", metavar="HOST:PORT", help="API listener (default 127.0.0.1:8080)")
-    p.add_argument("--admin-listen", metavar="HOST:PORT", help="admin listener (default 0.0.0.0:9090)")
+    p.add_argument(
+        "--admin-listen",
+        metavar="HOST:PORT",
+        help="admin listener (default 127.0.0.1:9090, in Kubernetes 0.0.0.0:9090)",
+    )
     p.add_argument("--upstream", metavar="URL", help="upstream base URL (default https://api.openai.com/v1)")
     p.add_argument("--config", metavar="PATH", help=f"YAML config file (env {CONFIG_ENV})")
     p.add_argument("--mode", metavar="{websocket,http}", help="'http' turns WebSocket use off")

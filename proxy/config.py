@@ -338,8 +338,10 @@ class Settings:
 
     listen: str = "127.0.0.1:8080"
     """API listener (the app's ``OPENAI_BASE_URL`` points here)."""
-    admin_listen: str = "0.0.0.0:9090"
-    """Admin listener: /healthz, /readyz, /metrics."""
+    admin_listen: str = "127.0.0.1:9090"
+    """Admin listener: /healthz, /readyz, /metrics, the status page. Loopback by default; in
+    Kubernetes (``KUBERNETES_SERVICE_HOST`` set) when no source sets it: ``0.0.0.0:9090``, the
+    kubelet's probes reaching the pod IP (:data:`ADMIN_LISTEN_IN_KUBERNETES`)."""
     upstream: str = "https://api.openai.com/v1"
     """Upstream base URL; the WebSocket URL is this with http→ws, https→wss, plus /responses."""
     mode: Literal["websocket", "http"] = "websocket"
@@ -800,15 +802,39 @@ def _check_settings(s: Settings) -> None:
     if c.peers and c.self_url.rstrip("/") not in peer_urls(c.peers):
         raise ConfigError(f"settings: cluster.self_url ({c.self_url}) is not one of cluster.peers")
     host, port = parse_hostport(s.listen)
+    if s.api_key.source != "passthrough" and not s.listener.allowed_hosts and not _loopback_host(host):
+        # Any Host would be answered with the injected key: a DNS-rebound page (a laptop's
+        # container publishing 0.0.0.0) could read every /v1 route with it.
+        raise ConfigError(
+            f"settings: listen ({s.listen}) is not loopback and api_key.source is {s.api_key.source}: "
+            "set listener.allowed_hosts (UPSHIFT_LISTENER_ALLOWED_HOSTS) to the host names apps use "
+            "to reach the sidecar, or listen on 127.0.0.1",
+            param="listener.allowed_hosts",
+        )
     admin_host, admin_port = parse_hostport(s.admin_listen)
     wildcard = ("0.0.0.0", "::")
     if port and port == admin_port and (host == admin_host or host in wildcard or admin_host in wildcard):
         raise ConfigError(f"settings: listen ({s.listen}) and admin_listen ({s.admin_listen}) share a port")
 
 
+def _loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def peer_urls(value: str) -> tuple[str, ...]:
     """``cluster.peers`` as a tuple of normalised base URLs (no trailing slash)."""
     return tuple(sorted({u.strip().rstrip("/") for u in value.split(",") if u.strip()}))
+
+
+ADMIN_LISTEN_IN_KUBERNETES = "0.0.0.0:9090"
+"""``admin_listen`` when no flag, variable or file sets it and ``KUBERNETES_SERVICE_HOST`` is set
+(every container of a Pod has it): the kubelet's probes and Prometheus reach the pod IP. Outside
+Kubernetes the default stays loopback, so a laptop's LAN never sees the status page."""
 
 
 def load_settings(
@@ -839,6 +865,8 @@ def load_settings(
         values.update(_from_file(os.path.expanduser(path)))
     values.update(_from_env(env))
     values.update(_from_flags(argv_values or {}))
+    if "admin_listen" not in values and env.get("KUBERNETES_SERVICE_HOST"):
+        values["admin_listen"] = ADMIN_LISTEN_IN_KUBERNETES
     settings: Settings = _build(Settings, values)
     _check_settings(settings)
     return settings

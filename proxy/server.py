@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import ipaddress
 import logging
+import os
 import platform
 import signal
 import time
@@ -239,7 +241,9 @@ class Server:
             auto_decompress=False,  # issue 21: read_body decodes gzip/deflate within the limit
         )
         self._admin = web.AppRunner(
-            make_admin_app(self.lifecycle),
+            make_admin_app(
+                self.lifecycle, admin_listen=settings.admin_listen, allowed_hosts=settings.listener.allowed_hosts
+            ),
             access_log=None,
             handle_signals=False,
             keepalive_timeout=settings.listener.keepalive_seconds,
@@ -261,6 +265,13 @@ class Server:
             await HardenedUnixSite(self._admin, self.admin_path, self.admin_guard).start()
         else:
             host, port = split_hostport(self.settings.admin_listen)
+            if os.environ.get("KUBERNETES_SERVICE_HOST") and _is_loopback(host):
+                log.warning(
+                    "admin_listen %s is loopback in a Kubernetes Pod: the kubelet's probes of the pod IP "
+                    "cannot reach it (set UPSHIFT_ADMIN_LISTEN=0.0.0.0:%d, as the shipped manifests do)",
+                    self.settings.admin_listen,
+                    port,
+                )
             await HardenedTCPSite(self._admin, host, port, self.admin_guard).start()
             self.admin_address = _bound(self._admin)
         await self._api.setup()
@@ -291,6 +302,15 @@ class Server:
         grace = self.settings.shutdown.grace_seconds
         await asyncio.sleep(max(grace - min(0.25, grace / 4), 0.0))
         await self.services.streams.cut_all()
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bound(runner: web.AppRunner) -> tuple[str, int]:

@@ -137,11 +137,18 @@ def test_probes_on_admin_port(proxy: dict[str, Any], probe: str, path: str, sett
     assert ports["admin"] == admin_port
 
 
-def test_admin_listens_on_all_interfaces_and_api_on_loopback() -> None:
-    # The kubelet probes the pod IP; the API must be reachable from this Pod only.
+def test_admin_listens_on_all_interfaces_and_api_on_loopback(
+    proxy: dict[str, Any], gateway_docs: list[dict[str, Any]]
+) -> None:
+    # The kubelet probes the pod IP, so the manifests put the admin port there; config.yaml keeps
+    # it on loopback (a laptop); the sidecar's API must be reachable from this Pod only.
     cfg = _top_config()
-    assert cfg["admin_listen"].startswith("0.0.0.0:")
+    assert cfg["admin_listen"] == "127.0.0.1:9090"
     assert cfg["listen"].startswith("127.0.0.1:")
+    (gateway,) = _one(gateway_docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    for container in (proxy, gateway):
+        admin = next(p["containerPort"] for p in container["ports"] if p["name"] == "admin")
+        assert _env(container)["UPSHIFT_ADMIN_LISTEN"] == f"0.0.0.0:{admin}"
 
 
 def _assert_restricted(container: dict[str, Any], pod: dict[str, Any]) -> None:

@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import socket
 import ssl
 import time
@@ -60,6 +61,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
@@ -77,7 +79,7 @@ from proxy.ingress.forward import (
     worker_peer,
 )
 from proxy.ingress.handoff import HANDED_OFF, Handoff, HandoffOutcome, arrived_by_handoff
-from proxy.ingress.peerauth import CHALLENGE_HEADER, PROOF_HEADER, PROOF_PATH, PROOF_SECONDS, PeerAuth
+from proxy.ingress.peerauth import PROOF_HEADER, PROOF_PATH, PROOF_SECONDS, PeerAuth
 from proxy.ingress.private import Trust, check_peer
 from proxy.ops.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
 from proxy.serve.identity import Identity
@@ -182,6 +184,25 @@ def arrived_privately(request: web.BaseRequest) -> bool:
     if transport is None:
         return False
     return isinstance(transport.get_extra_info("sockname"), str | bytes)
+
+
+def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address((text or "").strip("[]").partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _member_address(remote: str | None, members: tuple[str, ...], self_url: str) -> bool:
+    """Whether ``remote`` is the address of a replica in ``members`` (other than this one; a
+    member named by a host name is never matched: without a secret only addresses count)."""
+    caller = _address(remote)
+    if caller is None or len(members) < 2:
+        return False
+    return any(_address(urlsplit(m).hostname) == caller for m in members if m != self_url)
 
 
 def _tls_client(settings: Settings) -> ssl.SSLContext | None:
@@ -363,11 +384,39 @@ class Cluster:
             response.headers[OWNER_HEADER] = (self.self_url or "1") if debug else "1"
 
     async def prove(self, request: web.Request) -> web.Response:
-        """``GET /.upshift/peer``: answer a replica's challenge with the proof of the secret."""
-        proof = self.auth.prove(request.headers.get(CHALLENGE_HEADER, ""))
+        """``GET /.upshift/peer``: answer a replica's question with the proof of the secret,
+        only when the question is signed with the secret (in time, once) and names this
+        replica as the prover (:mod:`proxy.ingress.peerauth`); else the 404 of no route."""
+        marker = request.headers.get(MARKER, "")
+        asker, prover = request.query.get("asker", ""), request.query.get("prover", "")
+        if not (self.auth.enabled and marker and self._is_me(request, prover)):
+            return web.Response(status=404)
+        if not self.auth.verify(marker, request.method, request.raw_path, b""):
+            return web.Response(status=404)
+        proof = self.auth.prove(asker, prover, request.query.get("challenge", ""))
         if not proof:
             return web.Response(status=404)
         return web.Response(status=204, headers={PROOF_HEADER: proof})
+
+    def _is_me(self, request: web.Request, prover: str) -> bool:
+        """Whether ``prover`` (a peer URL) names this replica: its ``self_url``, or the address
+        and port the question reached it at (what the asker dialled)."""
+        prover = prover.rstrip("/")
+        if not prover:
+            return False
+        if self.self_url and prover.lower() == self.self_url.lower():
+            return True
+        transport = request.transport
+        sockname = transport.get_extra_info("sockname") if transport is not None else None
+        if not isinstance(sockname, tuple) or len(sockname) < 2:
+            return False
+        try:
+            parts = urlsplit(prover)
+            port = parts.port
+        except ValueError:
+            return False
+        local = _address(str(sockname[0]))
+        return local is not None and _address(parts.hostname) == local and port == int(sockname[1])
 
     def _received(self, request: web.Request, marker: str, body: bytes) -> web.Response | None:
         """Count a replica forward received; the refusal when it is not authentic."""
@@ -416,11 +465,13 @@ class Cluster:
 
     def authentic(self, request: web.Request, marker: str) -> bool:
         """Whether a marked bodiless request (an owner query) comes from a replica: its
-        signature holds (once, in time) when this replica has a secret; without one, the
-        marker is taken at its word, as a forward's is."""
-        if not self.auth.enabled:
-            return True
-        return self.auth.verify(marker, request.method, request.raw_path, b"")
+        signature holds (once, in time) when this replica has a secret; without one, only a
+        caller at the address of another member of the peer set is one (a process with no
+        peers answers no one but its own workers, on their private sockets). An owner query
+        answered to anyone would tell any client which response ids exist."""
+        if self.auth.enabled:
+            return self.auth.verify(marker, request.method, request.raw_path, b"")
+        return _member_address(request.remote, self._members, self.self_url)
 
     # -- the request path ------------------------------------------------------------------------
 
@@ -516,11 +567,14 @@ class Cluster:
         if not self.auth.enabled or peer.proven_until > time.monotonic():
             return True
         challenge = self.auth.challenge()
+        asker, prover = self.self_url, peer.name
+        raw = str(URL(PROOF_PATH).with_query({"asker": asker, "prover": prover, "challenge": challenge}))
+        marker = self.auth.marker("GET", raw, b"", "proof-" + os.urandom(8).hex())
         timeout = aiohttp.ClientTimeout(total=self._timeout)
         try:
             async with peer.client().get(
-                peer.url(PROOF_PATH),
-                headers={CHALLENGE_HEADER: challenge},
+                peer.url(raw),
+                headers={MARKER: marker},
                 timeout=timeout,
                 allow_redirects=False,
                 server_hostname=peer.server_name,
@@ -530,7 +584,7 @@ class Cluster:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             await self._mark_down(peer, f"no proof of the cluster secret: {type(exc).__name__}")
             return False
-        if not self.auth.check_proof(challenge, proof):
+        if not self.auth.check_proof(asker, prover, challenge, proof):
             await self._mark_down(peer, "it could not prove it holds the cluster secret")
             return False
         peer.proven_until = time.monotonic() + PROOF_SECONDS

@@ -12,8 +12,9 @@ are never forwarded). So a process that does not know an id asks the others, in 
   proved it holds the cluster secret, with the cluster's ``x-upshift-forwarded`` marker signed
   as forwards are (:mod:`proxy.ingress.peerauth`: an HMAC over method, path and query, time
   and nonce); the replica verifies it (a query not signed under its secret is answered 404)
-  and asks its own workers. Without ``cluster.secret_file`` the marker is taken at its word,
-  as a forward's is.
+  and asks its own workers. Without ``cluster.secret_file`` only a caller at the address of
+  another replica of the peer set is answered (the marker alone proves nothing); a process
+  with no replicas answers only its own workers, so no client learns whether an id exists.
 
 ``GET /_upshift/owner?id=<response id>&identity=<digest>`` answers ``{"verdict": "own" |
 "foreign" | "unknown"}`` for that pair (never an identity): ``foreign`` only for the process

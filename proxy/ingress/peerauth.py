@@ -11,8 +11,15 @@ the secret before a replica is sent anything.
 * **Owners are proven before they are sent a byte of an app's request.** Forwards carry the
   app's key, so a process that only claims to be a replica (a Pod that took the gateway's
   label) must never receive one: before its first forward, and every
-  :data:`PROOF_SECONDS`, a replica asks a peer to answer a random challenge with an HMAC of
-  it (``GET`` :data:`PROOF_PATH`); a peer that cannot is skipped like one that is down.
+  :data:`PROOF_SECONDS`, a replica asks a peer to prove it holds the secret (``GET``
+  :data:`PROOF_PATH` ``?asker=<its own URL>&prover=<the peer's URL>&challenge=<fresh nonce>``);
+  a peer that cannot is skipped like one that is down. The question is signed as a forward is
+  (the marker: in time, once), so a process without the secret is answered nothing (the proof
+  is no signing oracle); the answer is an HMAC over both names and the nonce, and a replica
+  answers only a question naming *itself* as the prover (its ``self_url``, or the address the
+  question reached it at). So a process in the peer set without the secret cannot pass a
+  replica's question on to an honest replica (or back to the asker) and return its answer:
+  that one names another prover, and the one it would name is the rogue's.
 * **Rotation without downtime.** ``cluster.secret_file`` holds one secret per line: the first
   signs and proves, every one (at most two) verifies. Roll out the new secret as the second
   line, then swap the lines, then drop the old one.
@@ -29,11 +36,10 @@ from cachetools import TTLCache
 
 from proxy.errors import ConfigError
 
-__all__ = ["CHALLENGE_HEADER", "MAX_SKEW_SECONDS", "PROOF_HEADER", "PROOF_PATH", "PROOF_SECONDS", "PeerAuth"]
+__all__ = ["MAX_SKEW_SECONDS", "PROOF_HEADER", "PROOF_PATH", "PROOF_SECONDS", "PeerAuth"]
 
 PROOF_PATH = "/.upshift/peer"
 """Where a replica answers a challenge (on its API and peer listeners)."""
-CHALLENGE_HEADER = "x-upshift-challenge"
 PROOF_HEADER = "x-upshift-proof"
 MAX_SKEW_SECONDS = 60.0
 """A signed forward older or newer than this (by the owner's clock) is refused."""
@@ -114,12 +120,25 @@ class PeerAuth:
     def challenge() -> str:
         return os.urandom(16).hex()
 
-    def prove(self, challenge: str) -> str:
-        """The answer to ``challenge`` (empty without a secret)."""
-        if not self.secrets or len(challenge) != 32:
-            return ""
-        return hmac.new(self.secrets[0], f"upshift-peer-v1\n{challenge}".encode(), hashlib.sha256).hexdigest()
+    @staticmethod
+    def _proof_text(asker: str, prover: str, challenge: str) -> bytes | None:
+        if len(challenge) != 32 or any(c not in "0123456789abcdef" for c in challenge):
+            return None
+        if "\n" in asker or "\n" in prover:
+            return None
+        return "\n".join(("upshift-peer-v2", asker, prover, challenge)).encode()
 
-    def check_proof(self, challenge: str, proof: str) -> bool:
-        text = f"upshift-peer-v1\n{challenge}".encode()
+    def prove(self, asker: str, prover: str, challenge: str) -> str:
+        """The proof for ``asker`` that ``prover`` holds the secret, bound to ``challenge``
+        (empty without a secret or for a malformed question)."""
+        text = self._proof_text(asker, prover, challenge)
+        if not self.secrets or text is None:
+            return ""
+        return hmac.new(self.secrets[0], text, hashlib.sha256).hexdigest()
+
+    def check_proof(self, asker: str, prover: str, challenge: str, proof: str) -> bool:
+        """Whether ``proof`` answers this question under one of the secrets."""
+        text = self._proof_text(asker, prover, challenge)
+        if text is None:
+            return False
         return any(hmac.compare_digest(hmac.new(s, text, hashlib.sha256).hexdigest(), proof) for s in self.secrets)

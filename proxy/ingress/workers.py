@@ -56,7 +56,7 @@ from proxy.ingress.cluster import WorkerPlacement
 from proxy.ingress.listener import Guard, HardenedTCPSite
 from proxy.ingress.private import Trust, check_peer, runtime_dir
 from proxy.loop import run as run_loop
-from proxy.ops.health import Lifecycle
+from proxy.ops.health import Lifecycle, admin_host_guard
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
 
@@ -250,7 +250,8 @@ class _Supervisor:
         return web.Response(body=encoder(registry), headers={"Content-Type": content_type})
 
     def _admin_app(self) -> web.Application:
-        app = web.Application()
+        s = self.settings
+        app = web.Application(middlewares=[admin_host_guard(s.admin_listen, s.listener.allowed_hosts)])
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)

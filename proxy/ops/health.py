@@ -6,21 +6,33 @@ Both probes are dependency-free and answer in well under 10 ms. Neither ever loo
 upstream: a transient upstream error must not mark the whole Pod NotReady (readiness) or
 restart the sidecar in a loop (liveness). ``/readyz`` only reflects the sidecar's own
 lifecycle: 503 while starting and while draining.
+
+Web pages get nothing here (:func:`admin_host_guard`): a DNS-rebound page would otherwise read
+the status page, ``/misses`` and ``/metrics`` of a sidecar on the user's machine. Its ``Host``
+names the page's own domain; every request whose ``Host`` is not ``localhost``, an IP address
+(loopback, the listener's own, the pod IP the kubelet's probes and Prometheus send), the
+admin listen name or a ``listener.allowed_hosts`` name gets 403 ``host_not_allowed``. An IP
+address is never a rebound name: a page can only be same-origin with an address by being
+served from it.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+import ipaddress
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from proxy.ops.metrics import REGISTRY
+from proxy.core.reasons import BrowserRefusal
+from proxy.errors import ForeignHost
+from proxy.ops.metrics import BROWSER_REFUSALS, ERRORS, REGISTRY
 from proxy.ops.misses import RECENT
 from proxy.ops.status import Sampler, misses_json, render_status, snapshot
 
-__all__ = ["LIFECYCLE_KEY", "SAMPLER_KEY", "Lifecycle", "State", "make_admin_app"]
+__all__ = ["LIFECYCLE_KEY", "SAMPLER_KEY", "Lifecycle", "State", "admin_host_guard", "make_admin_app"]
 
 
 class State(enum.Enum):
@@ -102,19 +114,85 @@ async def _misses(request: web.Request) -> web.Response:
     return web.json_response(misses_json(RECENT, limit), headers=_NO_STORE)
 
 
-def make_admin_app(lifecycle: Lifecycle, *, sample_seconds: float = 5.0) -> web.Application:
+def _host_name(value: str) -> str | None:
+    """The name of a ``Host`` value (lower case, IPv6 without brackets, no port); ``None`` when
+    it is malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        rest = value[end + 1 :] if end > 0 else ":"
+        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None
+        return value[1:end]
+    name, colon, port = value.rpartition(":")
+    if not colon:
+        return value or None
+    if not port.isdigit() or ":" in name or not name:
+        return None
+    return name
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def admin_host_guard(admin_listen: str, allowed_hosts: Iterable[str] = ()) -> Middleware:
+    """The admin listener's ``Host`` check (see the module docstring): ``localhost``, an IP
+    address, the host of ``admin_listen`` or a name of ``allowed_hosts``; requests on a unix
+    socket (a worker's admin socket, scraped by its supervisor) are not checked."""
+    listen_name = _host_name(admin_listen)
+    names = {n for n in (_host_name(h) for h in allowed_hosts) if n}
+    exact = {h.strip().lower() for h in allowed_hosts}
+    if listen_name and listen_name not in ("0.0.0.0", "::"):
+        names.add(listen_name)
+
+    def allowed(raw: str) -> bool:
+        name = _host_name(raw)
+        if name is None:
+            return False
+        return name == "localhost" or _is_address(name) or name in names or raw.strip().lower() in exact
+
+    @web.middleware
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        transport = request.transport
+        unix = transport is not None and isinstance(transport.get_extra_info("sockname"), str | bytes)
+        if not unix and not allowed(request.headers.get("Host", "")):
+            exc = ForeignHost("The Host header does not name this admin listener (see listener.allowed_hosts).")
+            ERRORS.labels(exc.code).inc()
+            BROWSER_REFUSALS.labels(BrowserRefusal.HOST).inc()
+            return web.json_response(exc.body(), status=exc.status, headers={"Connection": "close", **_NO_STORE})
+        return await handler(request)
+
+    return guard
+
+
+def make_admin_app(
+    lifecycle: Lifecycle,
+    *,
+    sample_seconds: float = 5.0,
+    admin_listen: str = "127.0.0.1:9090",
+    allowed_hosts: Iterable[str] = (),
+) -> web.Application:
     """The admin application: ``GET /healthz``, ``/readyz``, ``/metrics``, ``/``, ``/status``,
     ``/misses``, nothing else.
 
     Args:
         lifecycle: Shared with the server, which moves it forward.
         sample_seconds: How often the status page's chart samples the counters (15 minutes kept).
+        admin_listen: The listen address (its host is a name the listener answers to).
+        allowed_hosts: Further ``Host`` names it answers to (``listener.allowed_hosts``).
 
     Returns:
         An aiohttp application to serve on ``admin_listen`` (run it with ``access_log=None``:
         probes every second would flood the log).
     """
-    app = web.Application()
+    app = web.Application(middlewares=[admin_host_guard(admin_listen, allowed_hosts)])
     app[LIFECYCLE_KEY] = lifecycle
     sampler = app[SAMPLER_KEY] = Sampler(sample_seconds, 900.0)
 

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised by .ci/ranges at the lowest 
 
 from proxy.config import EgressSettings, Settings
 from proxy.errors import ConfigError
-from proxy.redact import redact_url, redact_urls
+from proxy.redact import redact_url, remember
 
 __all__ = ["ENV_NAMES", "Egress", "check_proxy_url", "egress_for"]
 
@@ -186,10 +186,11 @@ def check_proxy_url(url: str) -> None:
     Raises:
         ConfigError: with the reason and the redacted URL.
     """
+    remember(url)  # its password is masked in every later text, whatever characters it holds
     try:
         parse_proxy(url)
     except InvalidProxy as exc:
-        raise ConfigError(f"egress.proxy: {redact_urls(url)!r} is not a valid proxy URL: {exc.msg}") from None
+        raise ConfigError(f"egress.proxy: {redact_url(url)!r} is not a valid proxy URL: {exc.msg}") from None
 
 
 @functools.lru_cache(maxsize=16)

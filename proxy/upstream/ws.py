@@ -96,6 +96,17 @@ def closed_error(rcvd: Close | None, sent: Close | None) -> UpstreamClosed:
     )
 
 
+class _NoRedirects(connect):
+    """websockets' ``connect`` that follows no redirect: a 3xx answer to the upgrade is a
+    refused upgrade (:class:`~proxy.errors.UpstreamRefused`, so the turn goes over HTTP). A
+    redirect would carry the upgrade's headers to another origin, and websockets strips only
+    ``Authorization``, ``Cookie`` and ``Proxy-Authorization`` there, not a key in another
+    header (``api_key.header: api-key``); the HTTP relay follows none either."""
+
+    def process_redirect(self, exc: Exception) -> Exception | str:
+        return exc
+
+
 async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings: Settings) -> ClientConnection:
     """Open an upstream WebSocket with the sidecar's options.
 
@@ -119,7 +130,7 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
     if egress.ssl is not None and egress.proxy is not None and egress.proxy.startswith("https:"):
         tls["proxy_ssl"] = egress.ssl  # TLS to an https:// proxy trusts the same CAs
     try:
-        return await connect(
+        return await _NoRedirects(
             url,
             additional_headers=list(headers),
             user_agent_header=USER_AGENT,
@@ -142,8 +153,11 @@ async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings:
         raise UpstreamUnavailable(f"The egress proxy failed: {redact_urls(str(exc))}") from exc
     except InvalidStatus as exc:
         response = exc.response
+        reason = f"refused the WebSocket upgrade with HTTP {response.status_code}"
+        if 300 <= response.status_code <= 399:
+            reason = f"answered the WebSocket upgrade with a redirect (HTTP {response.status_code}), not followed"
         raise UpstreamRefused(
-            f"The upstream refused the WebSocket upgrade with HTTP {response.status_code}.",
+            f"The upstream {reason}.",
             http_status=response.status_code,
             headers={k.lower(): v for k, v in response.headers.raw_items()},
             payload=bytes(response.body or b""),
