@@ -10,6 +10,12 @@ Bounded and fair: at most ``capacity`` ids are remembered, and when one must go 
 oldest id of the identity that holds the most (a tenant creating ids at a thousand times the
 rate of another evicts its own ids, never the other's while it holds more than that one).
 
+:func:`request_ids` is the one reading of which ids a request names (``previous_response_id``,
+``conversation``, ``item_reference`` inputs), for every route and the relay: from the parsed
+request, never from a byte search (``"previous\\u005fresponse_id"`` is the same key to every
+parser), and refusing an object that repeats a key it names an id with (one parser keeps the
+first, another the last).
+
 The sniffers find a response id in bytes on their way to the app without parsing or
 re-encoding them: the top-level ``id`` of a JSON response body, ``response.id`` of the first
 SSE event or of a WebSocket ``response.created`` frame. Each looks at a bounded prefix only.
@@ -19,23 +25,36 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from proxy.core.reasons import OwnerVerdict
+from proxy.core.request import ParsedRequest
+from proxy.core.request import _loads as loads_body
+from proxy.errors import InvalidRequest
 
 __all__ = [
+    "NOTHING",
+    "PARSE_INLINE",
     "SNIFF_LIMIT",
+    "NamedIds",
     "OwnerRegistry",
     "OwnerVerdict",
-    "chained_ids",
     "created_id",
     "member_string",
+    "parsed_ids",
+    "read_request",
+    "request_ids",
 ]
 
+PARSE_INLINE = 256 * 1024
+"""A body or frame whose ids are read is parsed on the event loop up to this size, else in a thread."""
 SNIFF_LIMIT = 256 * 1024
 """Bytes of an answer looked at for its response id; an id found nowhere in them stays unknown
 (then, behind an injected key, it is refused: the safe direction)."""
@@ -211,23 +230,147 @@ def created_id(message: str | bytes) -> str | None:
     return member_string(raw, ("response", "id"))
 
 
-_PREVIOUS = b'"previous_response_id"'
+# -- which ids a request names ------------------------------------------------------------------
+
+_TOP_KEYS = ("previous_response_id", "conversation")
+"""Top-level members that name a stored object."""
+_REFERENCE = "item_reference"
+_CHECKED = frozenset({*_TOP_KEYS, "input", "type", "id"})
+"""Keys an object may not repeat once its ids are read exactly (the upstream may keep the first
+of two, orjson keeps the last)."""
+_ESCAPE = re.compile(rb"\\u00[5-7]")
+"""An escape of ``_`` or a lower-case letter: the only way a checked name is spelled otherwise."""
+_ESCAPED_NAME = re.compile(rb'"(?:[a-z_]|\\u[0-9a-fA-F]{4})*\\u[0-9a-fA-F]{4}(?:[a-z_]|\\u[0-9a-fA-F]{4})*"')
+"""A string of letters and ``_`` with at least one ``\\u`` escape (a checked name spelled so)."""
 
 
-def chained_ids(frame: bytes) -> tuple[str, str | None] | None:
-    """``(previous_response_id, stream_id)`` of an app's WebSocket frame, or ``None`` when it
-    names no response id. Cheap when it names none (one byte search); parsed otherwise.
+@dataclass(frozen=True, slots=True)
+class NamedIds:
+    """The stored objects a request (an HTTP body, a relay frame) names, as the upstream reads them.
+
+    Attributes:
+        previous_response_id: The response it continues.
+        conversation: The conversation it belongs to (``"conv_…"`` or ``{"id": "conv_…"}``).
+        items: The ids of its ``item_reference`` inputs.
+        stream_id: A relay frame's lane (only to address an error event to it).
+    """
+
+    previous_response_id: str | None = None
+    conversation: str | None = None
+    items: tuple[str, ...] = ()
+    stream_id: str | None = None
+
+
+NOTHING = NamedIds()
+
+
+def read_request(raw: bytes) -> NamedIds:
+    """The ids named by ``raw``, a body or frame that must be one JSON object.
 
     Raises:
-        ValueError: the frame names one but is not a JSON object.
+        InvalidRequest: ``raw`` is not a JSON object (parsed as the upstream parses it: what
+            orjson refuses is read by the stdlib parser, and NaN or a lone surrogate refused), or
+            repeats a key it names an id with.
     """
-    if _PREVIOUS not in frame:
-        return None
-    value: Any = orjson.loads(frame)
-    if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
-    previous = value.get("previous_response_id")
-    stream = value.get("stream_id")
-    if not isinstance(previous, str):
-        return None
-    return previous, stream if isinstance(stream, str) else None
+    fields = loads_body(raw)
+    if not isinstance(fields, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    raw_input = fields.get("input")
+    return request_ids(fields, raw_input if isinstance(raw_input, list) else (), raw)
+
+
+def parsed_ids(req: ParsedRequest) -> NamedIds:
+    """The ids a ``POST /v1/responses`` names, read from the parse already made (after a fast
+    parse: only its new bytes and items; the rest passed this check when they were sent)."""
+    if req.base is not None and req.tail is not None:
+        return request_ids(req.fields, req.tail, req.body, req.base.raw_len)
+    return request_ids(req.fields, req.items, req.body)
+
+
+def request_ids(fields: dict[str, Any], items: Sequence[Any], raw: bytes, start: int = 0) -> NamedIds:
+    """Which ids a request names: the one decision every route and the relay use.
+
+    Args:
+        fields: ``raw`` parsed (its top-level members).
+        items: The input items whose ``item_reference`` ids are read (after a fast parse: the
+            new ones; the rest were read the same way when the previous turn sent them).
+        raw: The bytes the upstream will read.
+        start: Only ``raw[start:]`` is new (a fast parse): ``raw[:start]`` is a prefix of a body
+            this identity sent before that passed this very check, so a key repeated anywhere
+            has a spelling in ``raw[start:]``.
+
+    Raises:
+        InvalidRequest: an object repeats a key it names an id with (or that says which member
+            is an ``item_reference``): parsers disagree on which of the two counts.
+    """
+    previous = fields.get("previous_response_id")
+    conversation = fields.get("conversation")
+    if isinstance(conversation, dict):
+        conversation_id = conversation.get("id")
+    else:
+        conversation_id = conversation
+    refs = tuple(
+        str(item["id"])
+        for item in items
+        if isinstance(item, dict) and item.get("type") == _REFERENCE and isinstance(item.get("id"), str)
+    )
+    if _suspect(fields, raw, start):
+        _refuse_repeats(raw)
+    stream = fields.get("stream_id")
+    return NamedIds(
+        previous if isinstance(previous, str) else None,
+        conversation_id if isinstance(conversation_id, str) else None,
+        refs,
+        stream if isinstance(stream, str) else None,
+    )
+
+
+def _suspect(fields: dict[str, Any], raw: bytes, start: int) -> bool:
+    """Whether ``raw`` may repeat a checked key: cheap byte searches that can only err towards
+    ``True`` (the exact reading then decides). A checked name is spelled either literally or with
+    a ``\\u00XX`` escape of ``_`` or a letter: both are searched for."""
+    if isinstance(fields.get("conversation"), dict):
+        return True  # its "id" may be repeated
+    if _ESCAPE.search(raw, start) is not None and any(map(_names_one, _ESCAPED_NAME.finditer(raw, start))):
+        return True
+    if raw.find(b"item_reference", start) >= 0:
+        return True
+    for key in _TOP_KEYS:
+        if key not in fields:
+            continue  # never at the top level (any spelling of it would be a member)
+        needle = b'"' + key.encode() + b'"'
+        if start:
+            if raw.find(needle, start) >= 0:
+                return True
+        elif raw.count(needle) >= 2:
+            return True
+    return False
+
+
+def _names_one(match: re.Match[bytes]) -> bool:
+    """Whether an escaped string decodes to a checked name (or may: it does not decode alone)."""
+    try:
+        return orjson.loads(match.group()) in (*_TOP_KEYS, _REFERENCE)
+    except orjson.JSONDecodeError:
+        return True
+
+
+def _refuse_repeats(raw: bytes) -> None:
+    """Read ``raw`` exactly (every member of every object) and refuse a repeated checked key."""
+
+    def pairs(members: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in members:
+            if key in seen and key in _CHECKED:
+                raise InvalidRequest(
+                    f"The request body repeats the key '{key}' in one object; send each key once.", param=key
+                )
+            seen.add(key)
+        return dict(members)
+
+    try:
+        json.loads(raw.decode("utf-8", "surrogatepass"), object_pairs_hook=pairs)
+    except InvalidRequest:
+        raise
+    except (ValueError, RecursionError) as exc:  # read by orjson or the stdlib already: not expected
+        raise InvalidRequest(f"We could not parse the JSON body of your request. ({exc})") from None

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from proxy.core.owners import OwnerRegistry
+from proxy.core.owners import NamedIds, OwnerRegistry
 from proxy.core.reasons import OwnerVerdict
+from proxy.errors import ForeignResponse
 
 __all__ = ["OwnerBook", "RemoteOwners"]
 
@@ -54,3 +55,14 @@ class OwnerBook:
         """Whether ``identity`` may name ``response_id`` (its own; unknown only when not strict)."""
         found = await self.verdict(identity, response_id)
         return found is OwnerVerdict.OWN or (found is OwnerVerdict.UNKNOWN and not self.strict)
+
+    async def check(self, identity: str, named: NamedIds) -> None:
+        """Refuse a request naming what ``identity`` may not name (the ids
+        :func:`~proxy.core.owners.request_ids` read from it).
+
+        Raises:
+            ForeignResponse: its ``previous_response_id`` is not ``identity``'s.
+        """
+        rid = named.previous_response_id
+        if rid is not None and not await self.allows(identity, rid):
+            raise ForeignResponse(rid)
