@@ -29,7 +29,7 @@ from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Mode, Route
 from proxy.errors import invalid_url_body
 from proxy.ingress.browsers import browser_guard
-from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, post_responses
+from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, canonical_paths, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.ingress.owners import install as install_owner_routes
 from proxy.loop import loop_name
@@ -139,7 +139,8 @@ def build_app(services: Services, ingress: Ingress | None = None) -> web.Applica
     # answer its own 413 shape, so it is set above ours.
     app = web.Application(
         client_max_size=services.settings.limits.max_body_bytes + 1,
-        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings)],  # issue 21: no web pages
+        # No web pages; one spelling of every /v1 path (what is routed and checked is what is forwarded).
+        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings), canonical_paths],
     )
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)

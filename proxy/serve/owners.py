@@ -51,10 +51,15 @@ class OwnerBook:
             found = await self.remote.verdict(identity, response_id)
         return found
 
-    async def allows(self, identity: str, response_id: str) -> bool:
-        """Whether ``identity`` may name ``response_id`` (its own; unknown only when not strict)."""
-        found = await self.verdict(identity, response_id)
-        return found is OwnerVerdict.OWN or (found is OwnerVerdict.UNKNOWN and not self.strict)
+    async def allows(self, identity: str, response_id: str, *also: str) -> bool:
+        """Whether ``identity`` may name ``response_id`` (its own; unknown only when not strict).
+
+        ``also``: other digests the same caller's ids are recorded under (the caller's identity
+        without its query string: ``GET /v1/responses/{id}?stream=true`` is the creator's own)."""
+        verdicts = {await self.verdict(who, response_id) for who in (identity, *also)}
+        if OwnerVerdict.OWN in verdicts:
+            return True
+        return verdicts == {OwnerVerdict.UNKNOWN} and not self.strict
 
     async def check(self, identity: str, named: NamedIds) -> None:
         """Refuse a request naming what ``identity`` may not name (the ids
