@@ -244,7 +244,7 @@ _ESCAPED_NAME = re.compile(rb'"(?:[a-z_]|\\u[0-9a-fA-F]{4})*\\u[0-9a-fA-F]{4}(?:
 """A string of letters and ``_`` with at least one ``\\u`` escape (a checked name spelled so)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class NamedIds:
     """The stored objects a request (an HTTP body, a relay frame) names, as the upstream reads them.
 
@@ -255,10 +255,22 @@ class NamedIds:
         stream_id: A relay frame's lane (only to address an error event to it).
     """
 
-    previous_response_id: str | None = None
-    conversation: str | None = None
-    items: tuple[str, ...] = ()
-    stream_id: str | None = None
+    previous_response_id: str | None
+    conversation: str | None
+    items: tuple[str, ...]
+    stream_id: str | None
+
+    def __init__(
+        self,
+        previous_response_id: str | None = None,
+        conversation: str | None = None,
+        items: tuple[str, ...] = (),
+        stream_id: str | None = None,
+    ) -> None:
+        object.__setattr__(self, "previous_response_id", previous_response_id)
+        object.__setattr__(self, "conversation", conversation)
+        object.__setattr__(self, "items", items)
+        object.__setattr__(self, "stream_id", stream_id)
 
 
 NOTHING = NamedIds()
