@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from proxy.core.reasons import OwnerVerdict
+from proxy.core.reasons import ObjectKind, OwnerVerdict
 from proxy.core.request import ParsedRequest
 from proxy.core.request import _loads as loads_body
 from proxy.errors import InvalidRequest
@@ -44,10 +44,12 @@ __all__ = [
     "PARSE_INLINE",
     "SNIFF_LIMIT",
     "NamedIds",
+    "ObjectRoute",
     "OwnerRegistry",
     "OwnerVerdict",
     "created_id",
     "member_string",
+    "object_route",
     "parsed_ids",
     "read_request",
     "request_ids",
@@ -386,3 +388,49 @@ def _refuse_repeats(raw: bytes) -> None:
         raise
     except (ValueError, RecursionError) as exc:  # read by orjson or the stdlib already: not expected
         raise InvalidRequest(f"We could not parse the JSON body of your request. ({exc})") from None
+
+
+# -- routes of other stored objects ------------------------------------------------------------
+
+_COLLECTIONS: tuple[tuple[tuple[str, ...], ObjectKind], ...] = (
+    (("conversations",), ObjectKind.CONVERSATIONS),
+    (("files",), ObjectKind.FILES),
+    (("vector_stores",), ObjectKind.VECTOR_STORES),
+    (("chat", "completions"), ObjectKind.CHAT_COMPLETIONS),
+    (("batches",), ObjectKind.BATCHES),
+    (("containers",), ObjectKind.CONTAINERS),
+    (("uploads",), ObjectKind.UPLOADS),
+)
+"""``/v1/<these>``: collections of stored objects an app creates (``POST``), lists (``GET``) and
+names (``/v1/<these>/{id}...``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRoute:
+    """What a ``/v1`` request does to a collection of stored objects.
+
+    Attributes:
+        kind: The collection.
+        object_id: The object the path names (``/v1/files/{id}/content``), if any.
+        creates: ``POST`` to the collection: the answer's ``id`` is a new object.
+        lists: ``GET`` of the collection: every object of the key, whoever created it.
+    """
+
+    kind: ObjectKind
+    object_id: str | None = None
+    creates: bool = False
+    lists: bool = False
+
+
+def object_route(method: str, path: str) -> ObjectRoute | None:
+    """The stored-object collection a canonical ``/v1`` path addresses, or ``None``."""
+    segments = path.split("/")[2:] if path.startswith("/v1/") else []
+    for prefix, kind in _COLLECTIONS:
+        n = len(prefix)
+        if tuple(segments[:n]) != prefix:
+            continue
+        rest = segments[n:]
+        if rest:
+            return ObjectRoute(kind, object_id=rest[0])
+        return ObjectRoute(kind, creates=method == "POST", lists=method == "GET")
+    return None

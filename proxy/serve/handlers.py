@@ -79,7 +79,8 @@ class Services:
     """Who created each response id, and who may name it (issue 22; proxy/serve/owners.py)."""
 
     def __post_init__(self) -> None:
-        self.owners = OwnerBook(self.pool.owners, strict=self.keys.injects)
+        shared = self.settings.identity.shared_objects
+        self.owners = OwnerBook(self.pool.owners, strict=self.keys.injects, shared=shared)
 
     @property
     def relay_sessions(self) -> Counter[str]:

@@ -9,11 +9,12 @@ fails closed: an id no process knows is refused, as the upstream refuses an unkn
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from proxy.core.owners import NamedIds, OwnerRegistry
-from proxy.core.reasons import OwnerVerdict
-from proxy.errors import ForeignResponse
+from proxy.core.reasons import ObjectKind, OwnerVerdict
+from proxy.errors import ForeignObject, ForeignResponse, NotShared
 
 __all__ = ["OwnerBook", "RemoteOwners"]
 
@@ -32,11 +33,14 @@ class OwnerBook:
     Args:
         registry: This process's owners (``Pool.owners``).
         strict: Refuse ids of unknown owner (an injected key: the upstream's store is shared).
+        shared: ``identity.shared_objects``.
     """
 
-    def __init__(self, registry: OwnerRegistry, *, strict: bool) -> None:
+    def __init__(self, registry: OwnerRegistry, *, strict: bool, shared: Iterable[str] = ()) -> None:
         self.registry = registry
         self.strict = strict
+        self.shared = frozenset(shared)
+        """``identity.shared_objects``: kinds of stored objects every tenant may name."""
         self.remote: RemoteOwners | None = None
         """Set by the composition root when there are other processes to ask."""
 
@@ -67,7 +71,20 @@ class OwnerBook:
 
         Raises:
             ForeignResponse: its ``previous_response_id`` is not ``identity``'s.
+            ForeignObject: its ``conversation`` is not ``identity``'s.
+            NotShared: behind an injected key, an ``item_reference`` input (items have no
+                recorded owner) unless ``items`` are shared.
         """
         rid = named.previous_response_id
         if rid is not None and not await self.allows(identity, rid):
             raise ForeignResponse(rid)
+        conversation = named.conversation
+        if conversation is not None and ObjectKind.CONVERSATIONS not in self.shared:
+            if not await self.allows(identity, conversation):
+                raise ForeignObject("conversation", conversation, param="conversation")
+        if named.items and self.strict and ObjectKind.ITEMS not in self.shared:
+            raise NotShared(
+                "Behind the sidecar's injected key an item_reference could name any tenant's item;"
+                " an operator allows it with identity.shared_objects: [items].",
+                param="input",
+            )

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from urllib.parse import unquote_plus
 
 from aiohttp import web
 
 from proxy.core.owners import PARSE_INLINE, NamedIds, read_request
 from proxy.core.reasons import Mode, Route
 from proxy.errors import ForeignResponseRoute, RequestError
-from proxy.serve.handlers import SERVICES, Services, refuse
-from proxy.serve.identity import request_identity
+from proxy.serve.handlers import SERVICES, refuse
+from proxy.serve.objects import owner_digests
 from proxy.serve.record import Record
 from proxy.serve.streaming import new_request_id, read_body
 
@@ -55,7 +54,7 @@ async def _named(request: web.Request) -> web.StreamResponse:
             if request.method == "POST" and "tail" not in request.match_info and rid in _NOT_IDS:
                 body = await read_body(request, svc.settings.limits.max_body_bytes)
                 await svc.owners.check(identity.digest, await _read(body))
-            elif not await svc.owners.allows(identity.digest, rid, *_bare(svc, request)):
+            elif not await svc.owners.allows(identity.digest, rid, *owner_digests(svc, request, identity)[1:]):
                 raise ForeignResponseRoute(rid)
         except RequestError as exc:
             response = refuse(exc, headers, rec, started)
@@ -68,24 +67,6 @@ async def _named(request: web.Request) -> web.StreamResponse:
         return fwd.response
     finally:
         rec.finish()
-
-
-_READ_PARAMETERS = frozenset({"stream", "starting_after", "include", "include[]"})
-"""Query parameters of a read of a stored response (how to read it, not whose it is)."""
-
-
-def _bare(svc: Services, request: web.Request) -> tuple[str, ...]:
-    """The caller's identity without the query parameters of a read, when it sent any: the owner
-    of a response is who created it (its credential and the upstream's own parameters such as
-    ``api-version``), whatever ``?stream=true&starting_after=N`` (resuming a background stream) or
-    ``?include[]=...`` a later read carries."""
-    raw = request.rel_url.raw_query_string
-    if not raw:
-        return ()
-    kept = [pair for pair in raw.split("&") if unquote_plus(pair.partition("=")[0]) not in _READ_PARAMETERS]
-    if len(kept) == len(raw.split("&")):
-        return ()
-    return (request_identity(request.headers, "&".join(kept), svc.settings, svc.keys).digest,)
 
 
 async def _read(body: bytes) -> NamedIds:
