@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,7 +237,10 @@ def created_id(message: str | bytes) -> str | None:
 _TOP_KEYS = ("previous_response_id", "conversation")
 """Top-level members that name a stored object."""
 _REFERENCE = "item_reference"
-_CHECKED = frozenset({*_TOP_KEYS, "input", "type", "id"})
+_NESTED = (_REFERENCE, "file_id", "vector_store_ids")
+"""Names below the top level that name a stored object (or make an input a reference)."""
+_NAMES = frozenset({*_TOP_KEYS, *_NESTED})
+_CHECKED = frozenset({*_TOP_KEYS, "input", "type", "id", "content", "file_id", "tools", "vector_store_ids"})
 """Keys an object may not repeat once its ids are read exactly (the upstream may keep the first
 of two, orjson keeps the last)."""
 _ESCAPE = re.compile(rb"\\u00[5-7]")
@@ -255,12 +258,16 @@ class NamedIds:
         conversation: The conversation it belongs to (``"conv_…"`` or ``{"id": "conv_…"}``).
         items: The ids of its ``item_reference`` inputs.
         stream_id: A relay frame's lane (only to address an error event to it).
+        files: The ``file_id`` of its input parts (after a fast parse: of its new items).
+        vector_stores: The ``vector_store_ids`` of its ``file_search`` tools.
     """
 
     previous_response_id: str | None
     conversation: str | None
     items: tuple[str, ...]
     stream_id: str | None
+    files: tuple[str, ...]
+    vector_stores: tuple[str, ...]
 
     def __init__(
         self,
@@ -268,11 +275,15 @@ class NamedIds:
         conversation: str | None = None,
         items: tuple[str, ...] = (),
         stream_id: str | None = None,
+        files: tuple[str, ...] = (),
+        vector_stores: tuple[str, ...] = (),
     ) -> None:
         object.__setattr__(self, "previous_response_id", previous_response_id)
         object.__setattr__(self, "conversation", conversation)
         object.__setattr__(self, "items", items)
         object.__setattr__(self, "stream_id", stream_id)
+        object.__setattr__(self, "files", files)
+        object.__setattr__(self, "vector_stores", vector_stores)
 
 
 NOTHING = NamedIds()
@@ -323,12 +334,18 @@ def request_ids(fields: dict[str, Any], items: Sequence[Any], raw: bytes, start:
         conversation_id = conversation.get("id")
     else:
         conversation_id = conversation
-    refs = tuple(
-        str(item["id"])
-        for item in items
-        if isinstance(item, dict) and item.get("type") == _REFERENCE and isinstance(item.get("id"), str)
-    )
-    if _suspect(fields, raw, start):
+    spelled = _spelled(raw, start)
+    refs: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    if _REFERENCE in spelled:
+        refs = tuple(
+            str(item["id"])
+            for item in items
+            if isinstance(item, dict) and item.get("type") == _REFERENCE and isinstance(item.get("id"), str)
+        )
+    if "file_id" in spelled:
+        files = tuple(_file_ids(items))
+    if _suspect(fields, raw, start, spelled):
         _refuse_repeats(raw)
     stream = fields.get("stream_id")
     return NamedIds(
@@ -336,19 +353,51 @@ def request_ids(fields: dict[str, Any], items: Sequence[Any], raw: bytes, start:
         conversation_id if isinstance(conversation_id, str) else None,
         refs,
         stream if isinstance(stream, str) else None,
+        files,
+        tuple(_store_ids(fields.get("tools"))),
     )
 
 
-def _suspect(fields: dict[str, Any], raw: bytes, start: int) -> bool:
+def _file_ids(items: Sequence[Any]) -> Iterator[str]:
+    """The ``file_id`` of every content part of ``items`` (``input_file``, ``input_image``)."""
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("file_id"), str):
+                    yield part["file_id"]
+
+
+def _store_ids(tools: Any) -> Iterator[str]:
+    """The ``vector_store_ids`` of every ``file_search`` tool."""
+    if isinstance(tools, list):
+        for tool in tools:
+            ids = tool.get("vector_store_ids") if isinstance(tool, dict) else None
+            if isinstance(ids, list):
+                yield from (i for i in ids if isinstance(i, str))
+
+
+def _spelled(raw: bytes, start: int) -> frozenset[str]:
+    """The checked names ``raw[start:]`` may spell: the nested ones found literally, and any spelled
+    with a ``\\u00XX`` escape of ``_`` or a letter (the only other way to spell them). Errs
+    towards more names, never fewer."""
+    found = {name for name in _NESTED if raw.find(name.encode(), start) >= 0}
+    if _ESCAPE.search(raw, start) is not None:
+        for match in _ESCAPED_NAME.finditer(raw, start):
+            try:
+                name = orjson.loads(match.group())
+            except orjson.JSONDecodeError:
+                return _NAMES  # an escape that does not decode alone: any name, to be safe
+            if name in _NAMES:
+                found.add(name)
+    return frozenset(found)
+
+
+def _suspect(fields: dict[str, Any], raw: bytes, start: int, spelled: frozenset[str]) -> bool:
     """Whether ``raw`` may repeat a checked key: cheap byte searches that can only err towards
-    ``True`` (the exact reading then decides). A checked name is spelled either literally or with
-    a ``\\u00XX`` escape of ``_`` or a letter: both are searched for."""
-    if isinstance(fields.get("conversation"), dict):
-        return True  # its "id" may be repeated
-    if _ESCAPE.search(raw, start) is not None and any(map(_names_one, _ESCAPED_NAME.finditer(raw, start))):
-        return True
-    if raw.find(b"item_reference", start) >= 0:
-        return True
+    ``True`` (the exact reading then decides)."""
+    if isinstance(fields.get("conversation"), dict) or spelled:
+        return True  # a conversation's "id", or a nested name (or an escaped one) may be repeated
     for key in _TOP_KEYS:
         if key not in fields:
             continue  # never at the top level (any spelling of it would be a member)
@@ -359,14 +408,6 @@ def _suspect(fields: dict[str, Any], raw: bytes, start: int) -> bool:
         elif raw.count(needle) >= 2:
             return True
     return False
-
-
-def _names_one(match: re.Match[bytes]) -> bool:
-    """Whether an escaped string decodes to a checked name (or may: it does not decode alone)."""
-    try:
-        return orjson.loads(match.group()) in (*_TOP_KEYS, _REFERENCE)
-    except orjson.JSONDecodeError:
-        return True
 
 
 def _refuse_repeats(raw: bytes) -> None:

@@ -71,7 +71,8 @@ class OwnerBook:
 
         Raises:
             ForeignResponse: its ``previous_response_id`` is not ``identity``'s.
-            ForeignObject: its ``conversation`` is not ``identity``'s.
+            ForeignObject: its ``conversation``, a ``file_id`` of its input or a
+                ``vector_store_ids`` entry of its tools is not ``identity``'s.
             NotShared: behind an injected key, an ``item_reference`` input (items have no
                 recorded owner) unless ``items`` are shared.
         """
@@ -82,6 +83,14 @@ class OwnerBook:
         if conversation is not None and ObjectKind.CONVERSATIONS not in self.shared:
             if not await self.allows(identity, conversation):
                 raise ForeignObject("conversation", conversation, param="conversation")
+        for kind, ids, param in (
+            (ObjectKind.FILES, named.files, "input"),
+            (ObjectKind.VECTOR_STORES, named.vector_stores, "tools"),
+        ):
+            if kind not in self.shared:
+                for object_id in ids:
+                    if not await self.allows(identity, object_id):
+                        raise ForeignObject(kind, object_id, param=param)
         if named.items and self.strict and ObjectKind.ITEMS not in self.shared:
             raise NotShared(
                 "Behind the sidecar's injected key an item_reference could name any tenant's item;"

@@ -115,3 +115,21 @@ def test_after_a_fast_parse_only_the_new_bytes_are_searched_and_a_repeat_across_
     new = b', {"type": "item_reference", "id": "msg_1", "id": "msg_2"}]}'
     with pytest.raises(InvalidRequest, match="'id'"):
         request_ids(fields, [{"type": "item_reference", "id": "msg_2"}], prefix + new, len(prefix))
+
+
+def test_files_and_vector_stores_named_in_a_body_are_read_and_their_keys_not_repeated() -> None:
+    body = {
+        "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}],
+        "tools": [{"type": "file_search", "vector_store_ids": ["vs_1", "vs_2"]}],
+    }
+    named = read_request(orjson.dumps(body))
+    assert (named.files, named.vector_stores) == (("file-1",), ("vs_1", "vs_2"))
+    escaped = b'{"input": [{"role": "user", "content": [{"type": "input_file", "file\\u005fid": "file-2"}]}]}'
+    assert read_request(escaped).files == ("file-2",)
+    for repeated in (
+        b'{"input": [{"role": "user", "content": [{"file_id": "file-1", "file_id": "file-2"}]}]}',
+        b'{"input": [{"role": "user", "content": [{"file_id": "file-1"}], "content": "hi"}]}',
+        b'{"tools": [{"vector_store_ids": ["vs_1"]}], "tools": []}',
+    ):
+        with pytest.raises(InvalidRequest, match="repeats the key"):
+            read_request(repeated)

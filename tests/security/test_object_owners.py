@@ -137,3 +137,36 @@ async def test_an_operator_shares_what_it_lists(
     assert reply.status == 200, reply.raw[:300]  # shared: the upstream resolves it
     # What is not listed stays walled.
     assert_openai_error(await call(http, "GET", proc.api, "/v1/files", BOB), 403, "not_shared")
+
+
+async def test_a_file_or_vector_store_named_in_a_body_is_the_creators_or_refused(
+    emulator: Emulator, spawn: Callable[..., SidecarProcess], http: aiohttp.ClientSession
+) -> None:
+    proc = await start_process(spawn, emulator.base_url, env=injected_env())
+    form = aiohttp.FormData()
+    form.add_field("purpose", "user_data")
+    form.add_field("file", b"alice's file", filename="alice.txt")
+    async with http.post(proc.api + "/v1/files", data=form, headers=auth(ALICE)) as resp:
+        file_id = (await resp.json())["id"]
+
+    def asking(about: str, tools: list[Any] | None = None) -> dict[str, Any]:
+        part = {"type": "input_file", "file_id": about}
+        content = [{"type": "input_text", "text": "summarise"}, part]
+        return {"model": MODEL, "input": [{"role": "user", "content": content}], **({"tools": tools} if tools else {})}
+
+    before = forwarded(emulator)
+    reply = await post(http, proc.api + "/v1", asking(file_id), key=BOB)
+    error = assert_openai_error(reply, 404, "object_not_found")
+    assert error["param"] == "input" and file_id in error["message"], error
+    frame = {"type": "response.create", **asking(file_id)}
+    events = await relay_turn(http, proc.api, BOB, frame)
+    assert [e["type"] for e in events] == ["error"] and events[0]["error"]["code"] == "object_not_found", events
+    # A vector store no tenant created through the sidecar: refused behind the key (fail closed).
+    tools = [{"type": "file_search", "vector_store_ids": ["vs_made_elsewhere"]}]
+    body = {"model": MODEL, "input": [user("search")], "tools": tools}
+    error = assert_openai_error(await post(http, proc.api + "/v1", body, key=ALICE), 404, "object_not_found")
+    assert error["param"] == "tools", error
+    assert forwarded(emulator) == before
+    # The control: Alice's own file is hers to use.
+    reply = await post(http, proc.api + "/v1", asking(file_id), key=ALICE)
+    assert reply.status == 200, reply.raw[:300]
