@@ -243,8 +243,9 @@ _NAMES = frozenset({*_TOP_KEYS, *_NESTED})
 _CHECKED = frozenset({*_TOP_KEYS, "input", "type", "id", "content", "file_id", "tools", "vector_store_ids"})
 """Keys an object may not repeat once its ids are read exactly (the upstream may keep the first
 of two, orjson keeps the last)."""
-_ESCAPE = re.compile(rb"\\u00[5-7]")
-"""An escape of ``_`` or a lower-case letter: the only way a checked name is spelled otherwise."""
+_ESCAPE = re.compile(rb"u00[5-7]")
+"""Part of an escape of ``_`` or a lower-case letter (``\\u005f``): the only way a checked name is
+spelled otherwise (searched without its backslash: faster, and a match only costs a closer look)."""
 _ESCAPED_NAME = re.compile(rb'"(?:[a-z_]|\\u[0-9a-fA-F]{4})*\\u[0-9a-fA-F]{4}(?:[a-z_]|\\u[0-9a-fA-F]{4})*"')
 """A string of letters and ``_`` with at least one ``\\u`` escape (a checked name spelled so)."""
 
