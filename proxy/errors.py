@@ -220,8 +220,8 @@ class ForeignObject(RequestError):
     status = 404
     code = ErrorCode.OBJECT_NOT_FOUND
 
-    def __init__(self, kind: str, object_id: str, *, param: str | None = None) -> None:
-        super().__init__(f"No {kind} object with id '{object_id}' found.", param=param)
+    def __init__(self, noun: str, object_id: str, *, param: str | None = None) -> None:
+        super().__init__(f"No {noun} with id '{object_id}' found.", param=param)
 
 
 class NotShared(RequestError):

@@ -49,6 +49,7 @@ __all__ = [
     "OwnerVerdict",
     "created_id",
     "member_string",
+    "noun",
     "object_route",
     "parsed_ids",
     "read_request",
@@ -445,6 +446,21 @@ _COLLECTIONS: tuple[tuple[tuple[str, ...], ObjectKind], ...] = (
 )
 """``/v1/<these>``: collections of stored objects an app creates (``POST``), lists (``GET``) and
 names (``/v1/<these>/{id}...``)."""
+_NOUNS = {
+    ObjectKind.CONVERSATIONS: "conversation",
+    ObjectKind.ITEMS: "item",
+    ObjectKind.FILES: "file",
+    ObjectKind.VECTOR_STORES: "vector store",
+    ObjectKind.CHAT_COMPLETIONS: "chat completion",
+    ObjectKind.BATCHES: "batch",
+    ObjectKind.CONTAINERS: "container",
+    ObjectKind.UPLOADS: "upload",
+}
+
+
+def noun(kind: ObjectKind) -> str:
+    """One object of ``kind``, in words (``vector store``)."""
+    return _NOUNS[kind]
 
 
 @dataclass(frozen=True, slots=True)

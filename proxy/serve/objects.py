@@ -20,7 +20,7 @@ from urllib.parse import unquote_plus
 
 from aiohttp import web
 
-from proxy.core.owners import object_route
+from proxy.core.owners import noun, object_route
 from proxy.errors import ForeignObject, NotShared
 from proxy.serve.handlers import Services
 from proxy.serve.identity import Identity, request_identity
@@ -65,7 +65,7 @@ async def guard(svc: Services, request: web.Request) -> Options | None:
     digests = owner_digests(svc, request, identity)
     if route.object_id is not None:
         if not await svc.owners.allows(digests[0], route.object_id, *digests[1:]):
-            raise ForeignObject(route.kind, route.object_id)
+            raise ForeignObject(noun(route.kind), route.object_id)
         return None
     if route.lists and svc.owners.strict:
         raise NotShared(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from proxy.core.owners import NamedIds, OwnerRegistry
+from proxy.core.owners import NamedIds, OwnerRegistry, noun
 from proxy.core.reasons import ObjectKind, OwnerVerdict
 from proxy.errors import ForeignObject, ForeignResponse, NotShared
 
@@ -82,7 +82,7 @@ class OwnerBook:
         conversation = named.conversation
         if conversation is not None and ObjectKind.CONVERSATIONS not in self.shared:
             if not await self.allows(identity, conversation):
-                raise ForeignObject("conversation", conversation, param="conversation")
+                raise ForeignObject(noun(ObjectKind.CONVERSATIONS), conversation, param="conversation")
         for kind, ids, param in (
             (ObjectKind.FILES, named.files, "input"),
             (ObjectKind.VECTOR_STORES, named.vector_stores, "tools"),
@@ -90,7 +90,7 @@ class OwnerBook:
             if kind not in self.shared:
                 for object_id in ids:
                     if not await self.allows(identity, object_id):
-                        raise ForeignObject(kind, object_id, param=param)
+                        raise ForeignObject(noun(kind), object_id, param=param)
         if named.items and self.strict and ObjectKind.ITEMS not in self.shared:
             raise NotShared(
                 "Behind the sidecar's injected key an item_reference could name any tenant's item;"

@@ -51,7 +51,7 @@ def forwarded(emulator: Emulator) -> int:
 
 def assert_not_found(reply: Reply, kind: str, object_id: str) -> None:
     error = assert_openai_error(reply, 404, "object_not_found")
-    assert error["message"] == f"No {kind} object with id '{object_id}' found.", error
+    assert error["message"] == f"No {kind} with id '{object_id}' found.", error
     assert "x-upshift-mode" not in reply.headers and SECRET.encode() not in reply.raw
 
 
@@ -67,7 +67,7 @@ async def test_another_tenants_conversation_is_neither_read_nor_continued(
     # Bob: the route naming it, with and without a query string; a body naming it (both forms);
     # a relay frame naming it.
     for path in (f"/v1/conversations/{conv}", f"/v1/conversations/{conv}?limit=1"):
-        assert_not_found(await call(http, "GET", api, path, BOB), "conversations", conv)
+        assert_not_found(await call(http, "GET", api, path, BOB), "conversation", conv)
     for named in (conv, {"id": conv}):
         body = {"model": MODEL, "conversation": named, "input": [user("what did alice say?")]}
         reply = await post(http, api + "/v1", body, key=BOB)
@@ -101,8 +101,8 @@ async def test_files_lists_and_item_references_are_the_creators_or_refused(
         file_id = (await resp.json())["id"]
     before = forwarded(emulator)
     for path in (f"/v1/files/{file_id}", f"/v1/files/{file_id}/content"):
-        assert_not_found(await call(http, "GET", api, path, BOB), "files", file_id)
-    assert_not_found(await call(http, "DELETE", api, f"/v1/files/{file_id}", BOB), "files", file_id)
+        assert_not_found(await call(http, "GET", api, path, BOB), "file", file_id)
+    assert_not_found(await call(http, "DELETE", api, f"/v1/files/{file_id}", BOB), "file", file_id)
     # Lists of every tenant's objects: refused for anyone, naming the setting that opens them.
     for path, kind in (
         ("/v1/files", "files"),
