@@ -14,7 +14,7 @@ import ssl
 import time
 from functools import partial
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 
@@ -61,14 +61,19 @@ async def _route(request: web.Request, arrival: Arrival) -> web.StreamResponse |
 
 
 def path_fault(raw_path: str) -> str | None:
-    """Why an app's ``/v1`` path (as sent, still percent-encoded) is not canonical, or ``None``.
+    """Why an app's ``/v1`` path (the request target as sent, still percent-encoded) is not
+    canonical, or ``None``.
 
     A path is routed, checked and forwarded only in its one spelling: with an empty segment
     (``/v1//responses/ID``), a ``;`` parameter (``/v1/files/..;/responses/ID``), an encoded or
     back slash, or a dot segment, a front end or the upstream could resolve it to a route other
-    than the one the sidecar matched and checked. Paths outside ``/v1`` are not the upstream's.
+    than the one the sidecar matched and checked; an absolute-form target (``GET http://host/v1/…``)
+    is routed by its path but relayed by its whole text. Paths outside ``/v1`` are not the
+    upstream's.
     """
     path = raw_path.partition("?")[0]
+    if not path.startswith("/"):  # absolute-form (a proxy's request line): never an app's
+        return "an absolute-form target" if urlsplit(path).path.startswith("/v1") else None
     if not path.startswith("/v1"):
         return None
     lowered = path.lower()

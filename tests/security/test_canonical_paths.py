@@ -20,6 +20,7 @@ from yarl import URL
 from proxy.emulator import Emulator
 from tests.clients.support import Capture
 from tests.reliability.helpers import Reply, assert_openai_error, auth
+from tests.security.ingress import answer, hostport, openai_error, raw_request
 from tests.security.support import ALICE, BOB, MODEL, Tenant, injected_env, start_process
 from tests.sidecar import SidecarProcess
 
@@ -119,3 +120,22 @@ async def test_the_owner_resumes_its_background_stream_with_the_sdk(
     # A query string of Bob's own invention does not make Alice's id his either.
     reply = await raw_get(http, sidecar.api, f"/v1/responses/{rid}?stream=false&x={MODEL}", BOB)
     assert_openai_error(reply, 404)
+
+
+async def test_an_absolute_form_target_is_refused(sidecar: SidecarProcess, http: aiohttp.ClientSession) -> None:
+    # "GET http://host/v1/responses/ID" is routed by its path, but was relayed by its whole text.
+    alice = Tenant(ALICE, http)
+    rid = await background(alice, sidecar.api)
+    name, port = hostport(sidecar)
+    for key in (BOB, ALICE):
+        reader, writer = await raw_request(
+            name, port, f"{name}:{port}", method="GET", path=f"{sidecar.api}/v1/responses/{rid}", key=key
+        )
+        try:
+            status, headers, data = await answer(reader)
+        finally:
+            writer.close()
+        assert status == 400 and "x-upshift-mode" not in headers, (status, headers, data[:200])
+        error = openai_error(data, "invalid_request_error")
+        assert error["message"].endswith("the path has an absolute-form target."), error
+        assert SECRET.encode() not in data
