@@ -40,7 +40,6 @@ from proxy.core.request import _loads as loads_body
 from proxy.errors import InvalidRequest
 
 __all__ = [
-    "NOTHING",
     "PARSE_INLINE",
     "SNIFF_LIMIT",
     "NamedIds",
@@ -286,9 +285,6 @@ class NamedIds:
         object.__setattr__(self, "stream_id", stream_id)
         object.__setattr__(self, "files", files)
         object.__setattr__(self, "vector_stores", vector_stores)
-
-
-NOTHING = NamedIds()
 
 
 def read_request(raw: bytes) -> NamedIds:
