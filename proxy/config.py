@@ -24,7 +24,7 @@ from urllib.parse import unquote_plus, urlsplit
 
 import yaml
 
-from proxy.core.reasons import Tolerance
+from proxy.core.reasons import ObjectKind, Tolerance
 from proxy.errors import ConfigError
 from proxy.redact import redact_url, redact_urls
 
@@ -87,6 +87,12 @@ class IdentitySettings:
     header (per-turn metadata such as ``x-codex-turn-metadata``) never splits an identity and
     is not sent on the upgrade. A gateway with its own key header adds it here
     (``x-litellm-api-key``). ``OpenAI-Beta`` falls back to ``pool.openai_beta``."""
+    shared_objects: tuple[str, ...] = ()
+    """Behind an injected key, stored objects every tenant may reach (``conversations``,
+    ``items``, ``files``, ``vector_stores``, ``chat_completions``, ``batches``, ``containers``,
+    ``uploads``): their list routes are answered and their ids are not checked. Not listed (the
+    default): each object is its creator's, a list route is refused (403 ``not_shared``) and so is
+    an ``item_reference`` input."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,6 +635,11 @@ def _check_list(key: str, values: tuple[str, ...]) -> None:
             if value.lower() in seen:
                 raise ValueError(f"header {value!r} is listed twice")
             seen.add(value.lower())
+    elif key == "identity.shared_objects":
+        kinds = [k.value for k in ObjectKind]
+        for value in values:
+            if value not in kinds:
+                raise ValueError(f"expected a list of {', '.join(kinds)}; got {value!r}{_suggest(value, kinds)}")
     elif key == "listener.allowed_origins":
         for value in values:
             parts = urlsplit(value)

@@ -213,6 +213,25 @@ class ForeignResponseRoute(RequestError):
         return body
 
 
+class ForeignObject(RequestError):
+    """A route or body names a stored object (a conversation, a file, ...) that is not the
+    caller's: a 404 as for an unknown id, so nothing about the other tenant is revealed."""
+
+    status = 404
+    code = ErrorCode.OBJECT_NOT_FOUND
+
+    def __init__(self, noun: str, object_id: str, *, param: str | None = None) -> None:
+        super().__init__(f"No {noun} with id '{object_id}' found.", param=param)
+
+
+class NotShared(RequestError):
+    """Behind an injected key, what would reach every tenant's objects (a list route, an
+    ``item_reference``) and ``identity.shared_objects`` does not open."""
+
+    status = 403
+    code = ErrorCode.NOT_SHARED
+
+
 class MemoryRefused(ProxyError):
     """A request the memory budget cannot take (nothing was read or forwarded; issue 12,
     :mod:`proxy.serve.memory`)."""

@@ -29,9 +29,9 @@ from proxy.core.conversation import HeadTable
 from proxy.core.explainer import MissExplainer
 from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Mode, Route
-from proxy.errors import invalid_url_body
+from proxy.errors import RequestError, invalid_url_body
 from proxy.ingress.browsers import browser_guard
-from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, post_responses
+from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, canonical_paths, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.ingress.owners import install as install_owner_routes
 from proxy.loop import loop_name
@@ -39,9 +39,10 @@ from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import BUILD_INFO, ERRORS
-from proxy.serve.handlers import SERVICES, Services
+from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import MemoryGate, effective_settings, tune_allocator
+from proxy.serve.objects import guard as object_guard
 from proxy.serve.record import Record
 from proxy.serve.relay import relay_websocket
 from proxy.serve.streaming import json_body, new_request_id
@@ -93,12 +94,20 @@ async def _get_responses(request: web.Request) -> web.StreamResponse:
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     rec = Record(new_request_id(), route=Route.OTHER, mode=Mode.PASSTHROUGH)
+    svc = request.app[SERVICES]
     try:
-        fwd = await request.app[SERVICES].passthrough.forward(
+        try:  # the stored objects the path names are the caller's, or the route is refused
+            options = await object_guard(svc, request)
+        except RequestError as exc:
+            response = refuse(exc, {"x-request-id": rec.request_id}, rec, started)
+            rec.status = response.status
+            return response
+        fwd = await svc.passthrough.forward(
             request,
             headers={"x-request-id": rec.request_id, "x-upshift-mode": "passthrough"},
             body=None,
             started=started,
+            options=options,
         )
         rec.status, rec.bytes_sent = fwd.status, fwd.bytes_sent
         rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
@@ -141,7 +150,8 @@ def build_app(services: Services, ingress: Ingress | None = None) -> web.Applica
     # answer its own 413 shape, so it is set above ours.
     app = web.Application(
         client_max_size=services.settings.limits.max_body_bytes + 1,
-        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings)],  # issue 21: no web pages
+        # No web pages; one spelling of every /v1 path (what is routed and checked is what is forwarded).
+        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings), canonical_paths],
     )
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)

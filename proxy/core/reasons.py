@@ -22,6 +22,7 @@ __all__ = [
     "MemoryRefusal",
     "MissReason",
     "Mode",
+    "ObjectKind",
     "OwnerVerdict",
     "PassthroughReason",
     "Reason",
@@ -68,6 +69,21 @@ class MissReason(enum.StrEnum):
     """The app sets its own ``previous_response_id``."""
     POOL_FULL = "pool_full"
     """No lane could be had within the limits and the wait bound: sent over HTTP."""
+
+
+class ObjectKind(enum.StrEnum):
+    """Stored objects other than responses an app may create, each owned by its tenant behind an
+    injected key unless ``identity.shared_objects`` lists it."""
+
+    CONVERSATIONS = "conversations"
+    ITEMS = "items"
+    """``item_reference`` inputs (refused behind an injected key unless shared)."""
+    FILES = "files"
+    VECTOR_STORES = "vector_stores"
+    CHAT_COMPLETIONS = "chat_completions"
+    BATCHES = "batches"
+    CONTAINERS = "containers"
+    UPLOADS = "uploads"
 
 
 class Tolerance(enum.StrEnum):
@@ -141,6 +157,12 @@ class ErrorCode(enum.StrEnum):
     """A browser request (``Origin``) from an origin not in ``listener.allowed_origins``: 403."""
     HOST_NOT_ALLOWED = "host_not_allowed"
     """A ``Host`` this listener does not answer to (DNS rebinding): 403."""
+    OBJECT_NOT_FOUND = "object_not_found"
+    """A route or body named a stored object (a conversation, file, ...) of another identity (or,
+    behind an injected key, of no known identity): answered 404 as for an unknown id."""
+    NOT_SHARED = "not_shared"
+    """Behind an injected key, a list of every tenant's objects or an ``item_reference`` that
+    ``identity.shared_objects`` does not open: 403."""
 
 
 class BodyAbort(enum.StrEnum):

@@ -15,6 +15,7 @@ from . import errors
 from .appkeys import FAULTS, OWNER, REGISTRY, STATE
 from .engine import Execution, Turn, execute, finish, new_id, prepare
 from .errors import ApiError
+from .events import build_events, stamp
 from .faults import Fault
 from .oracle import Segment
 from .runner import CUT_KINDS, Hold, Outcome, play
@@ -256,9 +257,28 @@ def _stored(request: web.Request) -> ResponseRecord:
 
 
 @routes.get("/v1/responses/{response_id}")
-async def retrieve(request: web.Request) -> web.Response:
-    """A stored response (404 unless ``store`` was true)."""
-    return json_response(_stored(request).response)
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    """A stored response (404 unless ``store`` was true). ``?stream=true`` replays a background
+    response's events as SSE, those after ``starting_after`` only (how an SDK resumes)."""
+    record = _stored(request)
+    if request.query.get("stream") != "true":
+        return json_response(record.response)
+    if not record.response.get("background"):
+        raise ApiError(400, "Only background responses can be streamed.", param="stream")
+    final = record.response
+    status = str(final.get("status"))
+    terminal = f"response.{status}" if status in ("completed", "failed", "incomplete") else "response.completed"
+    shell = {**final, "status": "in_progress", "output": [], "usage": None}
+    events = build_events(shell, final, terminal, request.app[STATE].config.delta_chars)
+    after = int(request.query.get("starting_after", "-1"))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    sink = SseSink(request, response, False)
+    for sequence, event in enumerate(events):
+        if sequence > after:
+            await sink.send(stamp(event.payload, sequence, None))
+    await response.write_eof()
+    return response
 
 
 @routes.delete("/v1/responses/{response_id}")

@@ -11,20 +11,35 @@ body, identity, record. The handler imports nothing of the cluster, the handoff 
 from __future__ import annotations
 
 import ssl
+import time
 from functools import partial
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 
 from proxy.config import Settings, parse_hostport
-from proxy.errors import ConfigError
+from proxy.core.reasons import Mode, Route
+from proxy.errors import ConfigError, InvalidRequest
 from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.ingress.handoff import Receiver
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
 from proxy.ingress.peerauth import PROOF_PATH
 from proxy.ingress.reception import Reception
-from proxy.serve.handlers import SERVICES, Arrival, serve
+from proxy.serve.handlers import SERVICES, Arrival, refuse, serve
+from proxy.serve.record import Record
+from proxy.serve.streaming import new_request_id
 
-__all__ = ["CLUSTER", "Cluster", "Ingress", "Resolver", "WorkerPlacement", "post_responses"]
+__all__ = [
+    "CLUSTER",
+    "Cluster",
+    "Ingress",
+    "Resolver",
+    "WorkerPlacement",
+    "canonical_paths",
+    "path_fault",
+    "post_responses",
+]
 
 CLUSTER = web.AppKey("upshift_cluster", Cluster)
 """Conversation affinity: forwards a request to the process owning it (absent: serve here)."""
@@ -43,6 +58,54 @@ async def _route(request: web.Request, arrival: Arrival) -> web.StreamResponse |
     if cluster is None:
         return None
     return await cluster.maybe_forward(request, arrival.body, arrival.identity, arrival.rec)
+
+
+def path_fault(raw_path: str) -> str | None:
+    """Why an app's ``/v1`` path (the request target as sent, still percent-encoded) is not
+    canonical, or ``None``.
+
+    A path is routed, checked and forwarded only in its one spelling: with an empty segment
+    (``/v1//responses/ID``), a ``;`` parameter (``/v1/files/..;/responses/ID``), an encoded or
+    back slash, or a dot segment, a front end or the upstream could resolve it to a route other
+    than the one the sidecar matched and checked; an absolute-form target (``GET http://host/v1/…``)
+    is routed by its path but relayed by its whole text. Paths outside ``/v1`` are not the
+    upstream's.
+    """
+    path = raw_path.partition("?")[0]
+    if not path.startswith("/"):  # absolute-form (a proxy's request line): never an app's
+        return "an absolute-form target" if urlsplit(path).path.startswith("/v1") else None
+    if not path.startswith("/v1"):
+        return None
+    lowered = path.lower()
+    if ";" in path or "%3b" in lowered:
+        return "a ';' parameter"
+    if "%2f" in lowered or "%5c" in lowered or "\\" in path:
+        return "an encoded or back slash"
+    segments = path.split("/")[1:]
+    if "" in segments:
+        return "an empty segment"
+    if any(unquote(segment) in (".", "..") for segment in segments):
+        return "a dot segment"
+    return None
+
+
+@web.middleware
+async def canonical_paths(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse a ``/v1`` path that is not canonical (:func:`path_fault`) before it is routed:
+    what is matched, checked and forwarded is then one and the same path."""
+    fault = path_fault(request.raw_path)
+    if fault is None:
+        response: web.StreamResponse = await handler(request)
+        return response
+    path = request.raw_path.partition("?")[0]
+    rec = Record(new_request_id(), route=Route.OTHER, mode=Mode.PASSTHROUGH)
+    try:
+        exc = InvalidRequest(f"Invalid URL ({request.method} {path}): the path has {fault}.")
+        response = refuse(exc, {"x-request-id": rec.request_id}, rec, time.perf_counter())
+        rec.status = response.status
+        return response
+    finally:
+        rec.finish()
 
 
 class Ingress:

@@ -35,11 +35,12 @@ from proxy.core.answer import Answer, Attempt, Kept, decide, kept
 from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
 from proxy.core.explainer import MissExplainer
+from proxy.core.owners import parsed_ids
 from proxy.core.planner import Plan, PlanKind
 from proxy.core.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
-from proxy.errors import ForeignResponse, ProxyError, RequestError, UpstreamError
+from proxy.errors import ProxyError, RequestError, UpstreamError
 from proxy.ops.metrics import UPSTREAM_DURATION
 from proxy.serve.identity import Identity, request_identity
 from proxy.serve.inflight import Streams
@@ -78,7 +79,8 @@ class Services:
     """Who created each response id, and who may name it (issue 22; proxy/serve/owners.py)."""
 
     def __post_init__(self) -> None:
-        self.owners = OwnerBook(self.pool.owners, strict=self.keys.injects)
+        shared = self.settings.identity.shared_objects
+        self.owners = OwnerBook(self.pool.owners, strict=self.keys.injects, shared=shared)
 
     @property
     def relay_sessions(self) -> Counter[str]:
@@ -174,11 +176,10 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
 async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     """The fast parse (skips the history prefix this identity's previous turn already sent);
     another tenant's ``previous_response_id`` (or, behind an injected key, one no process knows)
-    is refused: the upstream's store is shared behind one key and would serve it (issue 22)."""
+    is refused: the upstream's store is shared behind one key and would serve it (issue 22).
+    The ids are read from this parse (:func:`~proxy.core.owners.parsed_ids`), never from a second one."""
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
-    rid = req.previous_response_id
-    if rid is not None and not await svc.owners.allows(arrival.identity.digest, str(rid)):
-        raise ForeignResponse(str(rid))
+    await svc.owners.check(arrival.identity.digest, parsed_ids(req))
     await warm_keys(req)
     arrival.rec.items_in = req.n_items
     return req

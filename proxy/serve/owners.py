@@ -9,10 +9,12 @@ fails closed: an id no process knows is refused, as the upstream refuses an unkn
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
-from proxy.core.owners import OwnerRegistry
-from proxy.core.reasons import OwnerVerdict
+from proxy.core.owners import NamedIds, OwnerRegistry, noun
+from proxy.core.reasons import ObjectKind, OwnerVerdict
+from proxy.errors import ForeignObject, ForeignResponse, NotShared
 
 __all__ = ["OwnerBook", "RemoteOwners"]
 
@@ -31,11 +33,14 @@ class OwnerBook:
     Args:
         registry: This process's owners (``Pool.owners``).
         strict: Refuse ids of unknown owner (an injected key: the upstream's store is shared).
+        shared: ``identity.shared_objects``.
     """
 
-    def __init__(self, registry: OwnerRegistry, *, strict: bool) -> None:
+    def __init__(self, registry: OwnerRegistry, *, strict: bool, shared: Iterable[str] = ()) -> None:
         self.registry = registry
         self.strict = strict
+        self.shared = frozenset(shared)
+        """``identity.shared_objects``: kinds of stored objects every tenant may name."""
         self.remote: RemoteOwners | None = None
         """Set by the composition root when there are other processes to ask."""
 
@@ -50,7 +55,45 @@ class OwnerBook:
             found = await self.remote.verdict(identity, response_id)
         return found
 
-    async def allows(self, identity: str, response_id: str) -> bool:
-        """Whether ``identity`` may name ``response_id`` (its own; unknown only when not strict)."""
-        found = await self.verdict(identity, response_id)
-        return found is OwnerVerdict.OWN or (found is OwnerVerdict.UNKNOWN and not self.strict)
+    async def allows(self, identity: str, response_id: str, *also: str) -> bool:
+        """Whether ``identity`` may name ``response_id`` (its own; unknown only when not strict).
+
+        ``also``: other digests the same caller's ids are recorded under (the caller's identity
+        without its query string: ``GET /v1/responses/{id}?stream=true`` is the creator's own)."""
+        verdicts = {await self.verdict(who, response_id) for who in (identity, *also)}
+        if OwnerVerdict.OWN in verdicts:
+            return True
+        return verdicts == {OwnerVerdict.UNKNOWN} and not self.strict
+
+    async def check(self, identity: str, named: NamedIds) -> None:
+        """Refuse a request naming what ``identity`` may not name (the ids
+        :func:`~proxy.core.owners.request_ids` read from it).
+
+        Raises:
+            ForeignResponse: its ``previous_response_id`` is not ``identity``'s.
+            ForeignObject: its ``conversation``, a ``file_id`` of its input or a
+                ``vector_store_ids`` entry of its tools is not ``identity``'s.
+            NotShared: behind an injected key, an ``item_reference`` input (items have no
+                recorded owner) unless ``items`` are shared.
+        """
+        rid = named.previous_response_id
+        if rid is not None and not await self.allows(identity, rid):
+            raise ForeignResponse(rid)
+        conversation = named.conversation
+        if conversation is not None and ObjectKind.CONVERSATIONS not in self.shared:
+            if not await self.allows(identity, conversation):
+                raise ForeignObject(noun(ObjectKind.CONVERSATIONS), conversation, param="conversation")
+        for kind, ids, param in (
+            (ObjectKind.FILES, named.files, "input"),
+            (ObjectKind.VECTOR_STORES, named.vector_stores, "tools"),
+        ):
+            if kind not in self.shared:
+                for object_id in ids:
+                    if not await self.allows(identity, object_id):
+                        raise ForeignObject(noun(kind), object_id, param=param)
+        if named.items and self.strict and ObjectKind.ITEMS not in self.shared:
+            raise NotShared(
+                "Behind the sidecar's injected key an item_reference could name any tenant's item;"
+                " an operator allows it with identity.shared_objects: [items].",
+                param="input",
+            )

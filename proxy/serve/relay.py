@@ -12,8 +12,10 @@ larger: close 1009, refused from the frame header, never read), each relayed mes
 a memory lease while it is sent (refused: an ``error`` event, the message goes nowhere), and a
 session counts as one upstream socket against ``pool.max_sockets_per_identity`` and
 ``pool.max_sockets_total`` (beyond them: close 1013 saying which limit, no upstream socket).
-A frame naming a ``previous_response_id`` must name the identity's own response
-(:mod:`proxy.serve.owners`), else it gets the upstream's ``previous_response_not_found`` event;
+Every app frame is read as one JSON object (what does not parse, or repeats a key naming an id,
+gets an ``invalid_request_error`` event and goes nowhere); one naming a ``previous_response_id``
+must name the identity's own response (:mod:`proxy.serve.owners`), else it gets the upstream's
+``previous_response_not_found`` event;
 every ``response.created`` the upstream sends is recorded as the identity's.
 """
 
@@ -29,9 +31,9 @@ from aiohttp import WSMsgType, web
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
-from proxy.core.owners import chained_ids, created_id
+from proxy.core.owners import PARSE_INLINE, created_id, read_request
 from proxy.core.reasons import Mode, RequestOutcome, Route
-from proxy.errors import ForeignResponse, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
+from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
 from proxy.ops.metrics import ERRORS, INFLIGHT
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.identity import Identity
@@ -52,8 +54,6 @@ RELAY_REFUSED_CODE = 1013
 _MAX_REASON = 123
 """A close frame's reason is at most 123 bytes."""
 _NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
-_PARSE_INLINE = 256 * 1024
-"""An app frame naming a response id is parsed on the loop up to this size, else in a thread."""
 
 
 def sendable_code(code: int | None) -> int:
@@ -215,21 +215,23 @@ async def _send_error(ws: web.WebSocketResponse, exc: ProxyError, status: int, s
 
 
 async def _may_send(ws: web.WebSocketResponse, data: bytes | str, owners: OwnerBook, identity: str) -> bool:
-    """Whether the app's frame may go upstream: a ``previous_response_id`` (``response.create``,
-    ``response.steer``) must name the identity's own response; otherwise the app gets the
-    upstream's own ``previous_response_not_found`` error event and the frame goes nowhere."""
+    """Whether the app's frame may go upstream. It is read as the upstream reads it
+    (:func:`~proxy.core.owners.read_request`): a frame that is not one JSON object, or repeats a
+    key naming an id, gets an ``invalid_request_error`` event; a ``previous_response_id``
+    (``response.create``, ``response.steer``) must name the identity's own response, else the
+    upstream's own ``previous_response_not_found``. A refused frame goes nowhere."""
     raw = data.encode() if isinstance(data, str) else data
     try:
-        named = chained_ids(raw) if len(raw) <= _PARSE_INLINE else await asyncio.to_thread(chained_ids, raw)
-    except ValueError:
-        return True  # not JSON: the upstream answers it; it names nobody's response
-    if named is None:
-        return True
-    rid, stream_id = named
-    if await owners.allows(identity, rid):
-        return True
-    await _send_error(ws, ForeignResponse(rid), 400, stream_id)
-    return False
+        named = read_request(raw) if len(raw) <= PARSE_INLINE else await asyncio.to_thread(read_request, raw)
+    except InvalidRequest as exc:
+        await _send_error(ws, exc, exc.status, None)
+        return False
+    try:
+        await owners.check(identity, named)
+    except RequestError as exc:
+        await _send_error(ws, exc, exc.status, named.stream_id)
+        return False
+    return True
 
 
 async def _upstream_to_app(r: _Relay) -> None:

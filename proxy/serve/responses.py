@@ -3,7 +3,9 @@
 under ``/v1/responses/{id}/``), plus the other ``POST /v1/responses/...`` routes whose body may
 carry a ``previous_response_id`` (``/compact``, ``/input_tokens``).
 
-Each asks the owner book (:mod:`proxy.serve.owners`) before anything is forwarded: a response
+Each asks the owner book (:mod:`proxy.serve.owners`) before anything is forwarded (a body is
+read as one JSON object by :func:`~proxy.core.owners.read_request`: one that does not parse, or
+repeats a key naming an id, gets a 400 and is not forwarded): a response
 id another identity created is answered with the upstream's own 404 for an unknown id (a
 ``previous_response_id`` with its 400 ``previous_response_not_found``), and behind an injected
 key so is an id no process of the sidecar knows. Everything allowed is relayed unchanged over
@@ -12,14 +14,16 @@ HTTP, as before (:mod:`proxy.upstream.passthrough`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-import orjson
 from aiohttp import web
 
+from proxy.core.owners import PARSE_INLINE, NamedIds, read_request
 from proxy.core.reasons import Mode, Route
-from proxy.errors import ForeignResponse, ForeignResponseRoute, RequestError
+from proxy.errors import ForeignResponseRoute, RequestError
 from proxy.serve.handlers import SERVICES, refuse
+from proxy.serve.objects import owner_digests
 from proxy.serve.record import Record
 from proxy.serve.streaming import new_request_id, read_body
 
@@ -49,10 +53,8 @@ async def _named(request: web.Request) -> web.StreamResponse:
             identity = svc.identity(request)
             if request.method == "POST" and "tail" not in request.match_info and rid in _NOT_IDS:
                 body = await read_body(request, svc.settings.limits.max_body_bytes)
-                chained = _previous_response_id(body)
-                if chained is not None and not await svc.owners.allows(identity.digest, chained):
-                    raise ForeignResponse(chained)
-            elif not await svc.owners.allows(identity.digest, rid):
+                await svc.owners.check(identity.digest, await _read(body))
+            elif not await svc.owners.allows(identity.digest, rid, *owner_digests(svc, request, identity)[1:]):
                 raise ForeignResponseRoute(rid)
         except RequestError as exc:
             response = refuse(exc, headers, rec, started)
@@ -67,13 +69,6 @@ async def _named(request: web.Request) -> web.StreamResponse:
         rec.finish()
 
 
-def _previous_response_id(body: bytes) -> str | None:
-    """The ``previous_response_id`` of a JSON object body, if it names one."""
-    if b'"previous_response_id"' not in body:
-        return None
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None  # the upstream gives the proper error; nothing of another tenant is named
-    found = value.get("previous_response_id") if isinstance(value, dict) else None
-    return found if isinstance(found, str) else None
+async def _read(body: bytes) -> NamedIds:
+    """The ids ``body`` names, read as the upstream reads it (in a thread when it is large)."""
+    return read_request(body) if len(body) <= PARSE_INLINE else await asyncio.to_thread(read_request, body)

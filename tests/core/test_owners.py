@@ -5,8 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.core.owners import OwnerRegistry, chained_ids, created_id, member_string
+from proxy.core.owners import NamedIds, OwnerRegistry, created_id, member_string, read_request, request_ids
 from proxy.core.reasons import OwnerVerdict
+from proxy.errors import InvalidRequest
 from proxy.upstream.sniff import IdSniffer
 
 
@@ -82,8 +83,53 @@ def test_relay_frames() -> None:
     assert created_id(created) == "resp_1"
     assert created_id(orjson.dumps({"type": "response.output_text.delta", "delta": "id"}).decode()) is None
     frame = orjson.dumps({"type": "response.create", "previous_response_id": "resp_9", "stream_id": "s"})
-    assert chained_ids(frame) == ("resp_9", "s")
-    assert chained_ids(b'{"type": "response.create", "input": []}') is None
-    assert chained_ids(b'{"type": "response.create", "previous_response_id": null}') is None
+    assert read_request(frame) == NamedIds(previous_response_id="resp_9", stream_id="s")
+    assert read_request(b'{"type": "response.create", "input": []}') == NamedIds()
+    assert read_request(b'{"type": "response.create", "previous_response_id": null}') == NamedIds()
     with pytest.raises(ValueError):
-        chained_ids(b'"previous_response_id"')
+        read_request(b'"previous_response_id"')
+
+
+def test_ids_are_read_as_any_parser_reads_them() -> None:
+    escaped = b'{"previous\\u005fresponse_id": "resp_A", "conversation": {"id": "conv_1"},'
+    escaped += b' "input": [{"type": "item\\u005freference", "id": "msg_1"}, {"type": "message", "id": "msg_2"}]}'
+    assert read_request(escaped) == NamedIds("resp_A", "conv_1", ("msg_1",))
+    for repeated in (
+        b'{"previous_response_id": "resp_A", "previous\\u005fresponse_id": "resp_B"}',
+        b'{"conversation": {"id": "conv_1", "\\u0069d": "conv_2"}}',
+        b'{"input": [{"type": "message", "content": "x", "type": "item_reference", "id": "msg_1"}]}',
+    ):
+        with pytest.raises(InvalidRequest, match="repeats the key"):
+            read_request(repeated)
+    # A repeated key no id is read from is the upstream's to judge.
+    assert read_request(b'{"metadata": {"a": "1", "a": "2"}, "store": true, "store": false}') == NamedIds()
+
+
+def test_after_a_fast_parse_only_the_new_bytes_are_searched_and_a_repeat_across_them_is_found() -> None:
+    prefix = b'{"previous_response_id": "resp_A", "input": [{"role": "user", "content": "hi"}'
+    fields = {"previous_response_id": "resp_A", "input": [], "store": False}
+    assert request_ids(fields, [], prefix + b'], "store": false}', len(prefix)).previous_response_id == "resp_A"
+    again = prefix + b'], "previous_response_id": "resp_B"}'
+    with pytest.raises(InvalidRequest, match="previous_response_id"):
+        request_ids({"previous_response_id": "resp_B", "input": []}, [], again, len(prefix))
+    new = b', {"type": "item_reference", "id": "msg_1", "id": "msg_2"}]}'
+    with pytest.raises(InvalidRequest, match="'id'"):
+        request_ids(fields, [{"type": "item_reference", "id": "msg_2"}], prefix + new, len(prefix))
+
+
+def test_files_and_vector_stores_named_in_a_body_are_read_and_their_keys_not_repeated() -> None:
+    body = {
+        "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}],
+        "tools": [{"type": "file_search", "vector_store_ids": ["vs_1", "vs_2"]}],
+    }
+    named = read_request(orjson.dumps(body))
+    assert (named.files, named.vector_stores) == (("file-1",), ("vs_1", "vs_2"))
+    escaped = b'{"input": [{"role": "user", "content": [{"type": "input_file", "file\\u005fid": "file-2"}]}]}'
+    assert read_request(escaped).files == ("file-2",)
+    for repeated in (
+        b'{"input": [{"role": "user", "content": [{"file_id": "file-1", "file_id": "file-2"}]}]}',
+        b'{"input": [{"role": "user", "content": [{"file_id": "file-1"}], "content": "hi"}]}',
+        b'{"tools": [{"vector_store_ids": ["vs_1"]}], "tools": []}',
+    ):
+        with pytest.raises(InvalidRequest, match="repeats the key"):
+            read_request(repeated)
