@@ -12,6 +12,10 @@ larger: close 1009, refused from the frame header, never read), each relayed mes
 a memory lease while it is sent (refused: an ``error`` event, the message goes nowhere), and a
 session counts as one upstream socket against ``pool.max_sockets_per_identity`` and
 ``pool.max_sockets_total`` (beyond them: close 1013 saying which limit, no upstream socket).
+The per-credential quota is the tenant's (:attr:`Identity.tenant`: the app's credential,
+whatever query string or optional headers it adds), and a session with no message in either
+direction for ``pool.idle_close_seconds`` is closed (1001), as an idle pooled socket is: a
+tenant cannot keep slots it does not use.
 A frame naming a ``previous_response_id`` must name the identity's own response
 (:mod:`proxy.serve.owners`), else it gets the upstream's ``previous_response_not_found`` event;
 every ``response.created`` the upstream sends is recorded as the identity's.
@@ -29,6 +33,7 @@ from aiohttp import WSMsgType, web
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from proxy.core.fair import tenant_of
 from proxy.core.owners import chained_ids, created_id
 from proxy.core.reasons import Mode, RequestOutcome, Route
 from proxy.errors import ForeignResponse, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
@@ -123,7 +128,8 @@ async def _session(
     rec.status = 101
     svc.relays.add(ws)
     try:
-        await _relay(_Relay(ws, upstream, svc.owners, identity.digest, svc.memory))
+        idle = svc.settings.pool.idle_close_seconds
+        await _relay(_Relay(ws, upstream, svc.owners, identity.digest, svc.memory, idle, asyncio.get_running_loop()))
     finally:
         svc.relays.discard(ws)
     return ws
@@ -133,7 +139,9 @@ def _over_socket_limits(svc: Services, identity: Identity) -> str | None:
     """Why a new relay session would exceed ``pool.max_sockets_per_identity`` or
     ``pool.max_sockets_total`` (the pool's sockets and the open relays together), or ``None``."""
     p = svc.settings.pool
-    mine = svc.pool.count(identity=identity) + svc.relay_sessions[identity.digest]
+    tenant = identity.tenant
+    relays = sum(n for digest, n in svc.relay_sessions.items() if tenant_of(digest) == tenant)
+    mine = svc.pool.count(tenant=tenant) + relays
     if mine >= p.max_sockets_per_identity:
         limit = p.max_sockets_per_identity
         return f"too many upstream sockets for this credential (pool.max_sockets_per_identity = {limit})"
@@ -160,16 +168,23 @@ class _Relay:
     owners: OwnerBook
     identity: str
     memory: MemoryGate | None
+    idle: float
+    """Close the session after this long without a message either way (``pool.idle_close_seconds``)."""
+    loop: asyncio.AbstractEventLoop
+    last: float = 0.0
+    """Loop time of the last message either way."""
 
 
 async def _relay(r: _Relay) -> None:
     ws, upstream = r.ws, r.upstream
-    loop = asyncio.get_running_loop()
-    tasks = {loop.create_task(_app_to_upstream(r)), loop.create_task(_upstream_to_app(r))}
+    loop = r.loop
+    r.last = loop.time()
+    pair = {loop.create_task(_app_to_upstream(r)), loop.create_task(_upstream_to_app(r))}
+    tasks = {*pair, loop.create_task(_close_when_idle(r))} if r.idle > 0 else pair
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         # One side closed and told the other; give that close a moment to finish.
-        await asyncio.wait(tasks, timeout=5.0)
+        await asyncio.wait(pair, timeout=5.0)
     finally:
         for task in tasks:
             task.cancel()
@@ -180,10 +195,22 @@ async def _relay(r: _Relay) -> None:
             await ws.close(code=1001)
 
 
+async def _close_when_idle(r: _Relay) -> None:
+    """Close both sides once no message went either way for ``r.idle`` seconds."""
+    while (due := r.last + r.idle) > r.loop.time():
+        await asyncio.sleep(due - r.loop.time())
+    log.info("closed a WebSocket relay session idle for %g s", r.idle)
+    reason = f"upshift: relay session idle for {r.idle:g} s (pool.idle_close_seconds)"
+    await r.ws.close(code=1001, message=reason.encode()[:_MAX_REASON])
+    with contextlib.suppress(Exception):
+        await r.upstream.close(1001)
+
+
 async def _app_to_upstream(r: _Relay) -> None:
     ws, upstream = r.ws, r.upstream
     try:
         async for msg in ws:
+            r.last = r.loop.time()
             if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                 if msg.type is WSMsgType.ERROR:
                     break
@@ -236,6 +263,7 @@ async def _upstream_to_app(r: _Relay) -> None:
     ws, upstream = r.ws, r.upstream
     try:
         async for message in upstream:
+            r.last = r.loop.time()
             rid = created_id(message)
             if rid is not None:
                 r.owners.note(r.identity, rid)  # before the app can see (and name) it
