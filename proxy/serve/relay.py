@@ -8,8 +8,11 @@ Frames go through unchanged in both directions; close codes propagate both ways.
 
 Inside the sidecar's limits (issue 22): an app message may be as large as the upstream's own
 frame budget (``limits.ws_frame_budget_bytes``) and a request body (``limits.max_body_bytes``;
-larger: close 1009, refused from the frame header, never read), each relayed message holds
-a memory lease while it is sent (refused: an ``error`` event, the message goes nowhere), and a
+larger: close 1009, refused from the frame header, never read), a session's messages are paid
+for in the memory budget as their bytes are read, before aiohttp assembles them
+(:class:`~proxy.serve.memory.MessageMeter`: reading pauses while the budget is taken; after
+``limits.memory_wait_seconds`` the app gets the budget's ``error`` event and the session closes
+1013, nothing of the message sent), and a
 session counts as one upstream socket against ``pool.max_sockets_per_identity`` and
 ``pool.max_sockets_total`` (beyond them: close 1013 saying which limit, no upstream socket).
 The per-credential quota is the tenant's (:attr:`Identity.tenant`: the app's credential,
@@ -28,6 +31,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import WSMsgType, web
 from websockets.asyncio.client import ClientConnection
@@ -40,7 +44,7 @@ from proxy.errors import ForeignResponse, ProxyError, RequestError, UpstreamRefu
 from proxy.ops.metrics import ERRORS, INFLIGHT
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.identity import Identity
-from proxy.serve.memory import MemoryGate, MemoryRefused
+from proxy.serve.memory import MemoryRefused, MessageMeter
 from proxy.serve.owners import OwnerBook
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body, new_request_id
@@ -56,7 +60,6 @@ RELAY_REFUSED_CODE = 1013
 """Close code of a relay session refused at the socket limits (RFC 6455 "Try Again Later")."""
 _MAX_REASON = 123
 """A close frame's reason is at most 123 bytes."""
-_NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
 _PARSE_INLINE = 256 * 1024
 """An app frame naming a response id is parsed on the loop up to this size, else in a thread."""
 
@@ -103,6 +106,33 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
 async def _session(
     request: web.Request, svc: Services, identity: Identity, headers: dict[str, str], rec: Record, started: float
 ) -> web.StreamResponse:
+    # The session's messages are paid as their bytes arrive, from its first step on (a session
+    # the budget cannot take is refused before any upstream socket is opened).
+    limits = svc.settings.limits
+    largest = min(limits.ws_frame_budget_bytes, limits.max_body_bytes or limits.ws_frame_budget_bytes)
+    memory = svc.memory
+    meter = MessageMeter(memory, largest, key=identity.tenant, keyless=identity.keyless) if memory else None
+    try:
+        if meter is not None:
+            try:
+                await meter.open()
+            except MemoryRefused as exc:
+                return refuse(exc, exc.headers(rec.request_id), rec, started)
+        return await _upgraded(request, svc, identity, headers, rec, started, meter)
+    finally:
+        if meter is not None:
+            meter.close()
+
+
+async def _upgraded(
+    request: web.Request,
+    svc: Services,
+    identity: Identity,
+    headers: dict[str, str],
+    rec: Record,
+    started: float,
+    meter: MessageMeter | None,
+) -> web.StreamResponse:
     try:
         upstream = await open_websocket(identity.ws_url, identity.headers, svc.settings)
     except UpstreamRefused as exc:
@@ -127,9 +157,12 @@ async def _session(
         raise
     rec.status = 101
     svc.relays.add(ws)
+    loop = asyncio.get_running_loop()
+    r = _Relay(ws, upstream, svc.owners, identity.digest, meter, svc.settings.pool.idle_close_seconds, loop)
+    if meter is not None:
+        _meter_reads(request, r, meter)
     try:
-        idle = svc.settings.pool.idle_close_seconds
-        await _relay(_Relay(ws, upstream, svc.owners, identity.digest, svc.memory, idle, asyncio.get_running_loop()))
+        await _relay(r)
     finally:
         svc.relays.discard(ws)
     return ws
@@ -167,12 +200,65 @@ class _Relay:
     upstream: ClientConnection
     owners: OwnerBook
     identity: str
-    memory: MemoryGate | None
+    meter: MessageMeter | None
     idle: float
     """Close the session after this long without a message either way (``pool.idle_close_seconds``)."""
     loop: asyncio.AbstractEventLoop
     last: float = 0.0
     """Loop time of the last message either way."""
+
+
+_FRAME_HEAD = 14
+"""Most bytes of a WebSocket frame's header (what a message costs beyond its payload)."""
+
+
+class _MeteredParser:
+    """Stands in for the session's WebSocket parser: counts the bytes read before they are
+    parsed into a message, and pauses reading while the session's memory does not cover them
+    (resumed once the budget grants the next step; refused: the session closes 1013)."""
+
+    __slots__ = ("growing", "parser", "protocol", "relay")
+
+    def __init__(self, parser: Any, protocol: Any, relay: _Relay) -> None:
+        self.parser = parser
+        self.protocol = protocol
+        self.relay = relay
+        self.growing: asyncio.Task[None] | None = None
+
+    def feed_data(self, data: bytes) -> Any:
+        meter = self.relay.meter
+        if meter is not None and meter.arrived(len(data)) and self.growing is None:
+            self.protocol.pause_reading()
+            self.growing = self.relay.loop.create_task(self._grow(meter))
+        return self.parser.feed_data(data)
+
+    async def _grow(self, meter: MessageMeter) -> None:
+        try:
+            await meter.grow()
+        except MemoryRefused as exc:
+            # The message cannot be skipped unread: the app gets the budget's error event, and
+            # the session closes (try again later); nothing of the message went upstream.
+            ws = self.relay.ws
+            with contextlib.suppress(ConnectionError):
+                await _send_error(ws, exc, exc.status, None)
+            why = "upshift: the memory budget stayed taken; retry later"
+            await ws.close(code=RELAY_REFUSED_CODE, message=why.encode()[:_MAX_REASON])
+            return
+        finally:
+            self.growing = None
+        self.protocol.resume_reading()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parser, name)
+
+
+def _meter_reads(request: web.Request, r: _Relay, meter: MessageMeter) -> None:
+    """Count the session's incoming bytes as the server reads them (before aiohttp assembles a
+    message out of them), so a message is paid for before it is in memory."""
+    protocol = request.protocol
+    parser = getattr(protocol, "_payload_parser", None)
+    if parser is not None:
+        protocol._payload_parser = _MeteredParser(parser, protocol, r)
 
 
 async def _relay(r: _Relay) -> None:
@@ -212,18 +298,20 @@ async def _app_to_upstream(r: _Relay) -> None:
         async for msg in ws:
             r.last = r.loop.time()
             if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                if r.meter is not None:
+                    r.meter.done(_FRAME_HEAD + (len(msg.data) if isinstance(msg.data, bytes) else 0))
                 if msg.type is WSMsgType.ERROR:
                     break
                 continue
-            if not await _may_send(ws, msg.data, r.owners, r.identity):
-                continue  # names another tenant's response: answered here, nothing forwarded
-            # issue 22: each relayed message holds a memory lease while it is framed and sent.
             try:
-                async with r.memory.lease(len(msg.data)) if r.memory is not None else _NO_LEASE:
-                    # decode_text=False: the UTF-8 bytes go on as a text frame, never decoded.
-                    await upstream.send(msg.data, text=msg.type is WSMsgType.TEXT)
-            except MemoryRefused as exc:
-                await _send_error(ws, exc, exc.status, None)
+                if not await _may_send(ws, msg.data, r.owners, r.identity):
+                    continue  # names another tenant's response: answered here, nothing forwarded
+                # decode_text=False: the UTF-8 bytes go on as a text frame, never decoded. The
+                # message was paid for as its bytes arrived (the session's MessageMeter).
+                await upstream.send(msg.data, text=msg.type is WSMsgType.TEXT)
+            finally:
+                if r.meter is not None:
+                    r.meter.done(len(msg.data) + _FRAME_HEAD)
             del msg
     except ConnectionClosed:
         return  # the upstream went first; the other direction closes the app's side
