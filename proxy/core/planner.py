@@ -588,8 +588,11 @@ class Planner:
             return False
         mine = self._by_identity.get(identity, {})
         held = self._tenant_sockets()  # the quota is the tenant's: query strings split no credential
+        own = None
         if held[tenant_of(identity)] >= lim.max_sockets_per_identity:
-            return False
+            own = self._own_idle(identity)  # at its quota a tenant gives up one of its own
+            if own is None:
+                return False
         connecting = sum(1 for s in mine.values() if s.state is SocketState.CONNECTING)
         if connecting >= max(_SLOW_START, len(mine) - connecting):
             self._slow_start = True  # a moment's wait, not a limit: no head is evicted for it
@@ -600,6 +603,10 @@ class Planner:
                 if now < cap.probe_at or connecting:
                     return False  # above the learned cap: one probe at a time, now and then
                 cap.probe_at = now + lim.cap_probe_seconds
+        if own is not None:
+            self._forget(own, SocketEvent.CLOSE)
+            close.append(own.id)
+            return True
         if len(self._sockets) + sum(self.outside.values()) < lim.max_sockets_total:
             return True
         idle = [s for s in self._sockets.values() if s.active == 0 and s.state is SocketState.OPEN]
@@ -618,6 +625,19 @@ class Planner:
         self._forget(oldest, SocketEvent.CLOSE)
         close.append(oldest.id)
         return True
+
+    def _own_idle(self, identity: str) -> Socket | None:
+        """The least recently used idle socket of another identity of ``identity``'s tenant."""
+        tenant = tenant_of(identity)
+        own = [
+            s
+            for s in self._sockets.values()
+            if s.identity != identity
+            and tenant_of(s.identity) == tenant
+            and s.active == 0
+            and s.state is SocketState.OPEN
+        ]
+        return min(own, key=lambda s: s.used_at) if own else None
 
     def _tenant_sockets(self) -> Counter[str]:
         """Upstream sockets by tenant (:func:`~proxy.core.fair.tenant_of`), relays included."""

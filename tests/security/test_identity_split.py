@@ -107,6 +107,28 @@ async def test_one_key_split_into_40_identities_leaves_another_tenants_relay_and
     assert modes == ["continuation"] * 4, modes
 
 
+async def test_40_identities_of_one_key_make_no_other_tenant_the_heaviest(
+    emulator: Emulator, spawn: Callable[..., SidecarProcess], http: aiohttp.ClientSession
+) -> None:
+    # The heads alone (no relay): at matching.max_heads and pool.max_sockets_total the heaviest
+    # tenant gives up its heads and sockets first; 40 query strings of one key are one tenant.
+    proc = await start_process(spawn, emulator.base_url, env=SMALL)
+    convs = [await _first_turn(http, proc.api, VICTIM, f"victim conversation {i}") for i in range(4)]
+    attacker = [await _first_turn(http, proc.api, ATTACKER, f"attacker {i}", f"?split={i}") for i in range(40)]
+    modes = []
+    for history in convs:
+        body = {"model": MODEL, "input": [*history, user("next")], "store": False}
+        async with http.post(proc.api + "/v1/responses", headers=_auth(VICTIM), json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            modes.append(resp.headers["x-upshift-mode"])
+    assert modes == ["continuation"] * 4, modes
+    # The control: the attacker's most recent conversation (its own identity) still continues.
+    body = {"model": MODEL, "input": [*attacker[-1], user("next")], "store": False}
+    async with http.post(proc.api + "/v1/responses?split=39", headers=_auth(ATTACKER), json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-upshift-mode"] == "continuation"
+
+
 async def test_one_key_alone_still_gets_its_full_quota_and_an_idle_relay_is_closed(
     emulator: Emulator, spawn: Callable[..., SidecarProcess], http: aiohttp.ClientSession
 ) -> None:
