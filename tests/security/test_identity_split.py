@@ -16,8 +16,11 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from multidict import CIMultiDict
 
+from proxy.core.fair import FairShares
 from proxy.emulator import Emulator
+from proxy.serve.identity import Identity, identify
 from proxy.serve.relay import RELAY_REFUSED_CODE
 from tests.reliability.helpers import user
 from tests.security.support import MODEL, start_process
@@ -157,3 +160,34 @@ async def test_one_key_alone_still_gets_its_full_quota_and_an_idle_relay_is_clos
     assert not isinstance(again, str)
     for ws in (busy, again):
         await ws.close()
+
+
+def test_the_tenant_is_the_credential_alone_and_the_identity_still_partitions() -> None:
+    upstream = "http://127.0.0.1:9/v1"
+
+    def ident(headers: dict[str, str], query: str = "") -> Identity:
+        key = headers.get("Authorization")
+        return identify(CIMultiDict(headers), upstream=upstream, authorization=key, query=query)
+
+    base = ident(_auth(ATTACKER))
+    variants = [
+        ident(_auth(ATTACKER), "split=1"),
+        ident({**_auth(ATTACKER), "OpenAI-Project": "proj_2"}),
+        ident({**_auth(ATTACKER), "OpenAI-Beta": "responses=v9", "OpenAI-Organization": "org_3"}),
+    ]
+    # Partitions apart (sockets and heads never shared), one tenant (one quota, one share).
+    assert len({base.digest, *(v.digest for v in variants)}) == 4
+    assert {v.tenant for v in variants} == {base.tenant} and not base.keyless
+    assert ident(_auth(VICTIM)).tenant != base.tenant
+    assert ident({"api-key": ATTACKER}).tenant != base.tenant  # another header, another credential
+    # No credential at all: one keyless tenant, whatever else is sent.
+    keyless = [ident({}), ident({}, "x=1"), ident({"OpenAI-Project": "p"})]
+    assert all(k.keyless for k in keyless) and len({k.tenant for k in keyless}) == 1
+    # Fair shares group by tenant: 40 split identities are one group, the heaviest.
+    fair = FairShares()
+    for n in range(4):
+        fair.add(ident(_auth(VICTIM)).digest, f"victim-{n}")
+    for n in range(40):
+        fair.add(ident(_auth(ATTACKER), f"split={n}").digest, f"attacker-{n}")
+    assert fair.victim() == "attacker-0"
+    assert fair.total(base.digest) == 40
