@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from proxy.emulator import Emulator
+from tests.exposition import metric, scrape
 from tests.security.support import MODEL, injected_env, start_process
 from tests.sidecar import SidecarProcess
 
@@ -73,6 +74,7 @@ async def test_sixteen_relay_sessions_with_two_large_messages_stay_within_the_bu
         url = proc.api.replace("http://", "ws://") + "/v1/responses"
         outcomes = await asyncio.gather(*(_session(http, url, i, size) for i in range(SESSIONS)))
         peak = _status(pid, "VmHWM")
+        text = await scrape(proc.admin)
         with contextlib.suppress(Exception):
             async with http.get(proc.admin + "/readyz") as r:
                 assert r.status == 200
@@ -82,6 +84,9 @@ async def test_sixteen_relay_sessions_with_two_large_messages_stay_within_the_bu
         f"({peak / BUDGET:.2f} x the budget); served {served}; {sorted(set(outcomes))}"
     )
     assert peak <= BUDGET * 1.1, (peak / MIB, outcomes)
-    # Every session was answered one way or the other (served, or told the budget was taken).
-    assert all(o.startswith(("response.completed", "error 429", "close 1013")) for o in outcomes), outcomes
-    assert served >= 1, outcomes
+    # Every session was served, or refused because the budget stayed taken (on a busy machine a
+    # session may wait its turn longer than limits.memory_wait_seconds: the app gets the error
+    # event and the session closes while the app may still be sending, a reset on its side).
+    refused = metric(text, "upshift_memory_refusals_total", reason="wait_timeout")
+    assert SESSIONS - served <= refused, (outcomes, refused)
+    assert served >= SESSIONS // 2, outcomes
