@@ -126,7 +126,9 @@ class PoolSettings:
     """Upstream WebSocket pool."""
 
     max_sockets_per_identity: int = 32
-    """Upstream sockets per credential (real per-key limits are low: tens)."""
+    """Upstream sockets per credential, relay sessions included (real per-key limits are low:
+    tens); counted by tenant (the app's credential), whatever query string or optional headers
+    split its identities."""
     max_sockets_total: int = 256
     """Sockets across all credentials; at the limit the least recently used idle one is closed."""
     lanes_per_socket: int = 32
@@ -153,7 +155,8 @@ class PoolSettings:
     their lanes (a burst of new conversations), the wait counts from when that stops, at most
     ``timeouts.connect_seconds`` later."""
     idle_close_seconds: float = 900.0
-    """Close a socket unused for this long (its conversation head goes with it)."""
+    """Close a socket unused for this long (its conversation head goes with it), and a WebSocket
+    relay session with no message either way for as long."""
     rotate_after_seconds: float = 3300.0
     """Retire a socket this old (55 min, before the 60-minute limit), only while idle."""
     ping_interval_seconds: float = 20.0

@@ -113,6 +113,22 @@ def send_headers_with_first_write(response: web.StreamResponse) -> None:
     response._send_headers_immediately = False
 
 
+def wrap_upgraded_reader(request: web.BaseRequest, wrap: Any) -> None:
+    """Route every byte an upgraded (WebSocket) connection reads through ``wrap(reader)`` before
+    aiohttp's WebSocket reader parses it; called after ``WebSocketResponse.prepare``.
+
+    Reads ``RequestHandler._payload_parser`` (set by the upgrade to the connection's WebSocket
+    reader, whose ``feed_data(data)`` gets the bytes as they are read) and sets it to what
+    ``wrap`` returns: an object with the same ``feed_data`` that hands the bytes on. The relay
+    counts a message's bytes this way before aiohttp assembles it (no public hook sees them).
+    """
+    protocol = request.protocol
+    reader = getattr(protocol, "_payload_parser", None)
+    if not callable(getattr(reader, "feed_data", None)):
+        raise ContractBroken("aiohttp: RequestHandler._payload_parser (an upgraded connection's reader) is gone")
+    protocol._payload_parser = wrap(reader)
+
+
 class CheckedUnixConnector(UnixConnector):
     """``UnixConnector`` that checks who listens on the socket before a byte is sent.
 

@@ -252,5 +252,45 @@ def test_websockets_parser_error_is_exposed() -> None:
     assert proxy.contracts.ws_parser_error(protocol) is not None, "websockets: Protocol.parser_exc is not set"
 
 
+async def test_an_upgraded_connections_reader_can_be_wrapped() -> None:
+    """The relay counts a WebSocket message's bytes before aiohttp assembles it."""
+    seen: list[int] = []
+
+    class Counting:
+        def __init__(self, reader: Any) -> None:
+            self.reader = reader
+
+        def feed_data(self, data: bytes) -> Any:
+            seen.append(len(data))
+            return self.reader.feed_data(data)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.reader, name)
+
+    async def echo(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        contracts.wrap_upgraded_reader(request, Counting)
+        async for msg in ws:
+            await ws.send_bytes(msg.data)
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/", echo)
+    ws_runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await ws_runner.setup()
+    site = web.TCPSite(ws_runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(a for a in ws_runner.addresses if isinstance(a, tuple))[1]
+    try:
+        async with aiohttp.ClientSession() as session, session.ws_connect(f"http://127.0.0.1:{port}/") as ws:
+            await ws.send_bytes(b"x" * 100_000)
+            echoed = await ws.receive_bytes(timeout=10)
+    finally:
+        await ws_runner.cleanup()
+    assert echoed == b"x" * 100_000
+    assert sum(seen) >= 100_000, f"{AIOHTTP}: the wrapped reader did not see the message's bytes ({seen})"
+
+
 def test_module_imports() -> None:
     assert proxy.contracts.__doc__

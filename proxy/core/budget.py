@@ -18,11 +18,20 @@ TCP backpressure). Waiters are admitted in a fair order, round-robin over their 
 caller's identity), first come first within a key, growths of bodies already being read
 before new requests, and **any waiter that fits is granted**: a large one never holds up small
 ones behind it. A body larger than one step is admitted only while it and every body being read
-could all grow to their declared needs at once: those promises are counted against each other
+could all grow to what they promise at once: those promises are counted against each other
 (so bodies paying as they arrive never deadlock, each able to complete once the small requests
 drain), never reserved (small requests and growths use the memory until the bytes arrive), and
 a promise that is not kept is closed by the body deadline (:mod:`proxy.ingress.front`). One that could not fit even if
 nothing else were in flight and no body kept is refused at once (:attr:`Verdict.TOO_LARGE`).
+
+A promise is backed by evidence: a body being read promises its declared need only as far as
+its observed rate can deliver it before its deadline (:meth:`Budget.observe`: the caller
+measures), so a trickle declaring the body limit promises what it can send in time, a few MiB,
+not the limit. Bodies without a credential (``keyless``) share one small quota,
+:data:`KEYLESS_SHARE` of the capacity: beyond it a keyless body waits (unless it is the only
+one), and their promises together never count for more than what is left of it. A growth of a
+body whose observed rate cannot finish it in time waits behind new requests: a large body of a
+tenant sending at full speed is admitted ahead of a trickle.
 The budget never takes memory back from a ticket already granted: nothing that is streaming is
 cut for memory.
 
@@ -42,6 +51,7 @@ __all__ = [
     "DEFAULT_MEMORY_BYTES",
     "HEAD_COST",
     "HEADER_ROOM",
+    "KEYLESS_SHARE",
     "MIN_RESERVATION",
     "STEP",
     "Budget",
@@ -68,6 +78,11 @@ pays for before the bytes are read, and the unit it grows by."""
 
 HEADER_ROOM = 64 * 1024
 """Left free by the derived body limit for the request's headers, which count too."""
+
+KEYLESS_SHARE = 8
+"""Requests without a credential share ``1 / KEYLESS_SHARE`` of the capacity: what they hold and
+what their bodies still promise together (one keyless body alone may take more: an app behind an
+injected key that sends no placeholder still gets its large bodies through)."""
 
 HEAD_COST = 24 * 1024
 """Bytes per conversation head, its upstream socket included (bench: ~23 KB)."""
@@ -123,6 +138,14 @@ class Ticket:
     granted step by step, see :meth:`Budget.ask`)."""
     more: int = 0
     """A growth waiting in the queue (a granted ticket whose next step did not fit)."""
+    promise: int = -1
+    """What a body being read may still grow by as far as its observed rate shows
+    (:meth:`Budget.observe`); -1: not observed yet, its declared ``need``."""
+    slow: bool = False
+    """Its observed rate cannot deliver the rest of its body before its deadline: its growths
+    wait behind new requests."""
+    keyless: bool = False
+    """Sent without a credential: shares the keyless quota (:data:`KEYLESS_SHARE`)."""
 
     def __init__(
         self,
@@ -133,6 +156,7 @@ class Ticket:
         key: Hashable = None,
         need: int = 0,
         more: int = 0,
+        keyless: bool = False,
     ) -> None:
         self.want = want
         self.held = held
@@ -141,6 +165,9 @@ class Ticket:
         self.key = key
         self.need = need
         self.more = more
+        self.promise = -1
+        self.slow = False
+        self.keyless = keyless
 
 
 @dataclass(slots=True, init=False)
@@ -194,6 +221,10 @@ class Budget:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.keyless_share = capacity // KEYLESS_SHARE
+        """What requests without a credential may hold and promise together."""
+        self.keyless = 0
+        """Bytes held by keyless tickets (part of :attr:`in_flight`)."""
         self.in_flight = 0
         self.kept = 0
         self.heads = 0
@@ -232,7 +263,25 @@ class Budget:
 
     # -- requests --------------------------------------------------------------------------
 
-    def ask(self, want: int, buffered: int = 0, *, key: Hashable = None, need: int = 0) -> tuple[Ticket, Effects]:
+    @property
+    def reading(self) -> list[Ticket]:
+        """The granted tickets whose body is still arriving (to :meth:`observe`)."""
+        return list(self._reading)
+
+    def observe(self, ticket: Ticket, promise: int, *, slow: bool = False) -> None:
+        """The evidence of a body being read: it may still grow by ``promise`` bytes as far as
+        its observed rate shows, and whether that rate is too ``slow`` to finish it in time.
+        Nothing is granted here: :meth:`recheck` does, once every body is observed."""
+        ticket.promise = max(promise, 0)
+        ticket.slow = slow
+
+    def recheck(self) -> Effects:
+        """Grant the waiters that fit now (after :meth:`observe` changed the promises)."""
+        return self._admit()
+
+    def ask(
+        self, want: int, buffered: int = 0, *, key: Hashable = None, need: int = 0, keyless: bool = False
+    ) -> tuple[Ticket, Effects]:
         """Reserve ``want`` bytes: granted now (maybe evicting kept bodies), queued, or refused
         because it could not fit even into an empty budget.
 
@@ -243,9 +292,10 @@ class Budget:
         ``need`` (above ``want``): the ticket is a body still arriving that will grow up to
         ``need`` (:meth:`grow`, :meth:`ask_more`) until :meth:`done_reading`; it is admitted only
         while every body being read can still complete (see the module docstring).
-        ``key``: whose request it is (fair admission).
+        ``key``: whose request it is (fair admission). ``keyless``: sent without a credential
+        (the keyless quota).
         """
-        ticket = Ticket(max(want, 0), key=key)
+        ticket = Ticket(max(want, 0), key=key, keyless=keyless)
         ticket.need = max(need, ticket.want)
         out = Effects()
         if ticket.need > self.capacity - self.heads:
@@ -255,8 +305,7 @@ class Budget:
             self._grant(ticket)
             return ticket, out
         ticket.waited = True
-        ticket.held = min(max(buffered, 0), ticket.want)
-        self.in_flight += ticket.held
+        self._count(ticket, min(max(buffered, 0), ticket.want))
         self._enqueue(ticket)
         return ticket, out
 
@@ -302,8 +351,8 @@ class Budget:
         if ticket.verdict is not Verdict.GRANTED or hold >= ticket.want:
             return Effects()
         self._reading.pop(ticket, None)
-        self.in_flight -= ticket.want - max(hold, 0)
-        ticket.want = ticket.held = ticket.need = max(hold, 0)
+        self._count(ticket, max(hold, 0) - ticket.held)
+        ticket.want = ticket.need = ticket.held
         return self._admit()
 
     def release(self, ticket: Ticket) -> Effects:
@@ -313,13 +362,13 @@ class Budget:
                 self._dequeue(ticket)
                 ticket.more = 0
             self._reading.pop(ticket, None)
-            self.in_flight -= ticket.held
+            self._count(ticket, -ticket.held)
             self.tickets -= 1
-            ticket.held, ticket.verdict = 0, Verdict.RELEASED
+            ticket.verdict = Verdict.RELEASED
             return self._admit()
         if ticket.verdict is Verdict.WAITING:
-            self.in_flight -= ticket.held
-            ticket.held, ticket.verdict = 0, Verdict.CANCELLED
+            self._count(ticket, -ticket.held)
+            ticket.verdict = Verdict.CANCELLED
             self._dequeue(ticket)
             return self._admit()
         return Effects()
@@ -359,20 +408,49 @@ class Budget:
             raise ValueError("merge of tickets not both granted")
         ticket.want += extra.want
         ticket.held += extra.held
+        if extra.keyless != ticket.keyless:
+            self.keyless += extra.held if ticket.keyless else -extra.held
         ticket.need = max(ticket.need, ticket.held)
         extra.want = extra.held = 0
         extra.verdict = Verdict.RELEASED
         self.tickets -= 1
 
+    def _count(self, ticket: Ticket, delta: int) -> None:
+        """``ticket`` holds ``delta`` bytes more (or fewer)."""
+        ticket.held += delta
+        self.in_flight += delta
+        if ticket.keyless:
+            self.keyless += delta
+
     def _promised(self) -> int:
-        """What the bodies being read may still grow by (their declared needs, not held)."""
-        return sum(t.need - t.held for t in self._reading)
+        """What the bodies being read may still grow by: their declared needs as far as their
+        observed rates can deliver them, not held; the keyless ones together at most what is
+        left of their quota."""
+        keyed = keyless = 0
+        for t in self._reading:
+            left = t.need - t.held
+            if t.promise >= 0:
+                left = min(left, t.promise)
+            if t.keyless:
+                keyless += left
+            else:
+                keyed += left
+        if keyless:
+            keyed += min(keyless, max(self.keyless_share - self.keyless, 0))
+        return keyed
+
+    def _over_keyless_share(self, ticket: Ticket, more: int) -> bool:
+        """A keyless ticket would take the keyless tickets past their quota (and is not the only
+        one holding anything)."""
+        return ticket.keyless and self.keyless - ticket.held > 0 and self.keyless + more > self.keyless_share
 
     def _admissible(self, ticket: Ticket, out: Effects) -> bool:
         """A new ticket may be granted now (evicting kept bodies if that makes it fit). A body
         still to arrive is admitted only while it and every body being read could all grow to
-        their needs at once; its promise is counted against other such bodies only, never
+        what they promise at once; its promise is counted against other such bodies only, never
         reserved: small requests and growths use the memory until the bytes arrive."""
+        if self._over_keyless_share(ticket, ticket.want - ticket.held):
+            return False
         if ticket.need > ticket.want:
             rest = ticket.need - ticket.held + self._promised()
             if rest > self.free + self.kept:
@@ -382,12 +460,13 @@ class Budget:
     def _growable(self, ticket: Ticket, more: int, out: Effects) -> bool:
         if ticket in self._reading:
             ticket.need = max(ticket.need, ticket.held + more)
+        if self._over_keyless_share(ticket, more):
+            return False
         return self._fits(more, out)
 
     def _add(self, ticket: Ticket, more: int) -> None:
         ticket.want += more
-        ticket.held += more
-        self.in_flight += more
+        self._count(ticket, more)
 
     def _fits(self, want: int, out: Effects) -> bool:
         """Whether ``want`` fits, evicting kept bodies (oldest first) if that makes it fit."""
@@ -403,8 +482,7 @@ class Budget:
 
     def _grant(self, ticket: Ticket) -> None:
         ticket.verdict = Verdict.GRANTED
-        self.in_flight += ticket.want - ticket.held
-        ticket.held = ticket.want
+        self._count(ticket, ticket.want - ticket.held)
         self.tickets += 1
         if ticket.need > ticket.held:
             self._reading[ticket] = None
@@ -440,13 +518,15 @@ class Budget:
         if not self._waiting:
             return out
         order = self._fair_order()
-        # Growths first: they complete bodies already being read (and free memory soonest).
-        for ticket in [t for t in order if t.more] + [t for t in order if not t.more]:
+        # Growths first: they complete bodies already being read (and free memory soonest);
+        # those of bodies too slow to finish in time after new requests.
+        growths = [t for t in order if t.more and not t.slow]
+        for ticket in growths + [t for t in order if not t.more] + [t for t in order if t.more and t.slow]:
             if ticket.verdict is Verdict.WAITING:
                 if ticket.need > self.capacity - self.heads:
                     self._dequeue(ticket)
-                    self.in_flight -= ticket.held
-                    ticket.held, ticket.verdict = 0, Verdict.TOO_LARGE
+                    self._count(ticket, -ticket.held)
+                    ticket.verdict = Verdict.TOO_LARGE
                     out.granted.append(ticket)  # woken to be refused
                     continue
                 if not self._admissible(ticket, out):

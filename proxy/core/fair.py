@@ -1,9 +1,11 @@
 """Fair shares: which item to give up when a shared bound is reached (issue 22).
 
-Items (conversation heads, kept bodies) belong to a group (an identity) and weigh something (1
-for a head, its size for a kept body). When the bound is reached, the victim is the least
-recently used item of the *heaviest* group: a tenant that opens ten times its share evicts its
-own heads and bodies, never another tenant's while it holds more than that one.
+Items (conversation heads, kept bodies) belong to a group (an identity's tenant) and weigh
+something (1 for a head, its size for a kept body). When the bound is reached, the victim is the
+least recently used item of the *heaviest* group: a tenant that opens ten times its share evicts
+its own heads and bodies, never another tenant's while it holds more than that one. A group is
+the tenant of the identity it is given (:func:`tenant_of`): a caller that splits one credential
+into many identities (query strings, optional headers) is still one group.
 
 Pure and O(log groups) per change (a lazy max-heap of group totals).
 """
@@ -14,7 +16,16 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
 
-__all__ = ["FairShares"]
+__all__ = ["TENANT_CHARS", "FairShares", "tenant_of"]
+
+TENANT_CHARS = 16
+"""An identity digest starts with its tenant's: this many hex characters of the sha256 of the
+app's credential (:mod:`proxy.serve.identity`)."""
+
+
+def tenant_of(identity: str) -> str:
+    """The tenant of an identity digest: whose quota and whose share it counts against."""
+    return identity[:TENANT_CHARS]
 
 
 class FairShares:
@@ -30,11 +41,13 @@ class FairShares:
         return len(self._group_of)
 
     def total(self, group: str) -> int:
-        """The weight ``group`` holds."""
-        return self._totals.get(group, 0)
+        """The weight ``group`` (an identity's tenant) holds."""
+        return self._totals.get(tenant_of(group), 0)
 
     def add(self, group: str, item: Hashable, weight: int = 1) -> None:
-        """``item`` of ``group`` now weighs ``weight`` and is the group's most recent."""
+        """``item`` of ``group`` (an identity: its tenant is the group) now weighs ``weight``
+        and is the group's most recent."""
+        group = tenant_of(group)
         if self._group_of.get(item, group) != group:
             self.remove(item)
         self._group_of[item] = group

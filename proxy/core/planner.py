@@ -52,6 +52,7 @@ from typing import Any
 
 from proxy.core.conversation import Head, HeadTable
 from proxy.core.demux import LaneSignal
+from proxy.core.fair import tenant_of
 from proxy.core.lanes import (
     Lane,
     LaneEvent,
@@ -586,8 +587,12 @@ class Planner:
         if self.held_off(identity, now):
             return False
         mine = self._by_identity.get(identity, {})
-        if len(mine) + self.outside[identity] >= lim.max_sockets_per_identity:
-            return False
+        held = self._tenant_sockets()  # the quota is the tenant's: query strings split no credential
+        own = None
+        if held[tenant_of(identity)] >= lim.max_sockets_per_identity:
+            own = self._own_idle(identity)  # at its quota a tenant gives up one of its own
+            if own is None:
+                return False
         connecting = sum(1 for s in mine.values() if s.state is SocketState.CONNECTING)
         if connecting >= max(_SLOW_START, len(mine) - connecting):
             self._slow_start = True  # a moment's wait, not a limit: no head is evicted for it
@@ -598,21 +603,50 @@ class Planner:
                 if now < cap.probe_at or connecting:
                     return False  # above the learned cap: one probe at a time, now and then
                 cap.probe_at = now + lim.cap_probe_seconds
+        if own is not None:
+            self._forget(own, SocketEvent.CLOSE)
+            close.append(own.id)
+            return True
         if len(self._sockets) + sum(self.outside.values()) < lim.max_sockets_total:
             return True
         idle = [s for s in self._sockets.values() if s.active == 0 and s.state is SocketState.OPEN]
         if not idle:
             return False
 
-        # issue 22: the least recently used idle socket of the identity holding the most,
+        # issue 22: the least recently used idle socket of the tenant holding the most,
         # counting the one asked for (at equal shares the asker gives up one of its own).
+        mine_tenant = tenant_of(identity)
+
         def share(s: Socket) -> tuple[int, float]:
-            return -(len(self._by_identity.get(s.identity, ())) + (s.identity == identity)), s.used_at
+            tenant = tenant_of(s.identity)
+            return -(held[tenant] + (tenant == mine_tenant)), s.used_at
 
         oldest = min(idle, key=share)
         self._forget(oldest, SocketEvent.CLOSE)
         close.append(oldest.id)
         return True
+
+    def _own_idle(self, identity: str) -> Socket | None:
+        """The least recently used idle socket of another identity of ``identity``'s tenant."""
+        tenant = tenant_of(identity)
+        own = [
+            s
+            for s in self._sockets.values()
+            if s.identity != identity
+            and tenant_of(s.identity) == tenant
+            and s.active == 0
+            and s.state is SocketState.OPEN
+        ]
+        return min(own, key=lambda s: s.used_at) if own else None
+
+    def _tenant_sockets(self) -> Counter[str]:
+        """Upstream sockets by tenant (:func:`~proxy.core.fair.tenant_of`), relays included."""
+        held: Counter[str] = Counter()
+        for ident, socks in self._by_identity.items():
+            held[tenant_of(ident)] += len(socks)
+        for ident, n in self.outside.items():
+            held[tenant_of(ident)] += n
+        return held
 
     def _open(self, identity: str, now: float, *, reserve: bool = True) -> Lane:
         """A new CONNECTING socket; with ``reserve`` its default lane is the one returned, else the

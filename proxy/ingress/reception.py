@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from aiohttp import web
 
@@ -103,7 +104,16 @@ class Reception:
         memory, request = self.svc.memory, self.request
         if memory is None:
             return _NO_LEASE
-        return memory.lease(length, key=identity.digest, headers=_head_size(request), deadline=self.clock.deadline)
+        # Admitted fairly by tenant (what the caller cannot vary for free); the body's promise
+        # counts only as far as what the app actually sent can deliver it in time.
+        return memory.lease(
+            length,
+            key=identity.tenant,
+            headers=_head_size(request),
+            deadline=self.clock.deadline,
+            keyless=identity.keyless,
+            progress=partial(_sent, request),
+        )
 
     async def _leased(self, identity: Identity, mem: Lease | None, route: Route, serve: Serve) -> web.StreamResponse:
         """Under the lease: read the body, then the owner's answer, else this process's."""
@@ -158,6 +168,11 @@ class Reception:
             await response.write_eof()
         self.request.protocol.force_close()  # the rest of the body is not waited for (no lingering)
         return response
+
+
+def _sent(request: web.Request) -> int:
+    """Bytes of the body the app sent so far (received from the socket, read or not)."""
+    return int(request.content.total_raw_bytes)
 
 
 def _head_size(request: web.Request) -> int:

@@ -7,6 +7,16 @@ app's credential headers (``identity.headers``: by default ``Authorization``, ``
 used (a configured key), the upstream URL and the app's query string (Azure's ``api-version``:
 it is part of the upgrade URL). With an injected key the app's own headers still count, so
 tenants behind one key stay apart. Any other header (per-turn metadata) never splits an identity.
+
+The identity partitions; its *tenant* accounts. Everything that shares a bound between callers
+(memory admission, relay and socket quotas, "evict from the heaviest") is keyed by the tenant:
+the app's credential alone (``Authorization``, ``api-key``, the injected key's header and any
+other configured credential header: behind an injected key, the app's placeholder), never the
+query string or the optional ``OpenAI-Beta``/``OpenAI-Project``/``OpenAI-Organization`` values,
+which a caller varies for free. Requests that carry no credential at all are one tenant
+(:attr:`Identity.keyless`). The tenant is the digest's first
+:data:`~proxy.core.fair.TENANT_CHARS` characters, so every module keyed by the digest can
+account by tenant with :func:`~proxy.core.fair.tenant_of`, no lookup.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from proxy.config import DEFAULT_IDENTITY_HEADERS, Settings, upstream_ws_url
+from proxy.core.fair import TENANT_CHARS, tenant_of
 from proxy.errors import InvalidRequest
 from proxy.serve.keys import KeySource
 
@@ -44,7 +55,9 @@ class Identity:
     """
 
     digest: str
-    """sha256 hex of every part that makes the partition."""
+    """The tenant (:attr:`tenant`: sha256 hex of the app's credential, cut to
+    :data:`~proxy.core.fair.TENANT_CHARS`) followed by sha256 hex of every part that makes the
+    partition (64 characters in all)."""
     headers: tuple[tuple[str, str], ...] = field(compare=False, repr=False)
     """Upgrade headers for the upstream socket: the credential headers (``identity.headers``)
     the app sent, with an injected key in place of the app's own."""
@@ -52,6 +65,13 @@ class Identity:
     """The upstream WebSocket URL of this identity's sockets: the upstream base URL's path
     prefix and query string, plus the app's own query string (``api-version``). Part of the
     digest, so sockets opened for one query string never serve another."""
+    keyless: bool = field(default=False, compare=False)
+    """The app sent no credential (the keyless tenant, which shares one small quota)."""
+
+    @property
+    def tenant(self) -> str:
+        """Whose quota: the app's credential, without the query string or optional headers."""
+        return tenant_of(self.digest)
 
     def __repr__(self) -> str:
         return f"Identity({self.digest[:12]})"
@@ -61,6 +81,9 @@ _cache: dict[tuple[object, ...], Identity] = {}
 
 _KEY_HEADERS = frozenset({"authorization", "api-key"})
 """Headers that carry an app's own key: replaced (not forwarded) when the sidecar injects one."""
+_OPTIONAL_HEADERS = frozenset({"openai-beta", "openai-project", "openai-organization"})
+"""Credential headers a caller may vary for free with one key: part of the partition, never of
+the tenant."""
 
 
 def _bare_key(authorization: str) -> str:
@@ -103,12 +126,14 @@ def identify(
     found = _cache.get(parts)
     if found is not None:
         return found
-    hasher = hashlib.sha256()
-    hasher.update(str(len(names)).encode() + b";")
-    for part in parts:
-        # A length prefix keeps ("ab", "c") and ("a", "bc") apart; -1 marks an absent header.
-        data = b"" if part is None else part.encode("utf-8", "surrogateescape")
-        hasher.update(str(-1 if part is None else len(data)).encode() + b":" + data)
+    partition = _hashed(str(len(names)), parts)
+    # The tenant: the app's own credential values (not the upstream credential: behind an
+    # injected key it is everyone's), nothing optional, nothing from the URL.
+    # (The configuration refuses an api_key.header that is not one of identity.headers.)
+    owned = [(name, app_headers.get(name)) for name in names if name.lower() not in _OPTIONAL_HEADERS]
+    credential = tuple(value or None for _, value in owned)
+    keyless = not any(credential)
+    tenant = _hashed("tenant", () if keyless else (*(name.lower() for name, _ in owned), *credential))
     replaced = _KEY_HEADERS | {key_header.lower()} if key_header else frozenset()
     headers: list[tuple[str, str]] = []
     for name, value in zip(names, values, strict=True):
@@ -122,11 +147,22 @@ def identify(
     if key_header and authorization:
         is_bearer = key_header.lower() == "authorization"
         headers.append((key_header, authorization if is_bearer else _bare_key(authorization)))
-    identity = Identity(hasher.hexdigest(), tuple(headers), upstream_ws_url(upstream, query))
+    digest = tenant[:TENANT_CHARS] + partition[: 64 - TENANT_CHARS]
+    identity = Identity(digest, tuple(headers), upstream_ws_url(upstream, query), keyless)
     if len(_cache) >= _CACHE_MAX:
         _cache.clear()  # cheap bound; a miss only costs one hash
     _cache[parts] = identity
     return identity
+
+
+def _hashed(label: str, parts: Sequence[str | None]) -> str:
+    hasher = hashlib.sha256()
+    hasher.update(label.encode() + b";")
+    for part in parts:
+        # A length prefix keeps ("ab", "c") and ("a", "bc") apart; -1 marks an absent header.
+        data = b"" if part is None else part.encode("utf-8", "surrogateescape")
+        hasher.update(str(-1 if part is None else len(data)).encode() + b":" + data)
+    return hasher.hexdigest()
 
 
 def request_identity(app_headers: Mapping[str, str], query: str, settings: Settings, keys: KeySource) -> Identity:

@@ -16,6 +16,14 @@ into an empty budget is answered 503 with ``retry-after`` at once. Kept bodies (
 byte-comparison copies) give way first. Once the frame is handed to the upstream socket the
 lease shrinks to the body itself (needed for a replay and for the next turn's prefix check).
 
+A body being read promises its declared length only as far as its observed rate (bytes the app
+sent since its head, time waiting for memory not counted) can deliver it before its deadline:
+the gate measures every body being read when a large body asks, and every
+:data:`RECHECK_SECONDS` while anyone waits, so a trickle declaring the body limit holds back no
+other tenant's large body. Requests without a credential share one small quota
+(:data:`~proxy.core.budget.KEYLESS_SHARE`), and the growth of a body too slow to finish in time
+waits behind new requests.
+
 When the last lease ends, the gate asks glibc to hand freed memory back to the OS
 (``malloc_trim``), so RSS after a burst falls back towards idle. At startup it also pins glibc's
 mmap threshold, so large buffers (bodies, frames) are mapped and unmapped on their own instead
@@ -34,8 +42,9 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import math
 import os
-from collections.abc import Hashable, Sized
+from collections.abc import Callable, Hashable, Sized
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -68,6 +77,7 @@ __all__ = [
     "MemoryGate",
     "MemoryRefused",
     "MemoryTooLarge",
+    "MessageMeter",
     "cgroup_memory_limit",
     "effective_settings",
     "process_rss",
@@ -84,6 +94,11 @@ listener's aiohttp read buffer is 16 KiB, proxy/server.py; measured: a connectio
 a 4 MB body adds ~124 KiB of RSS, 756 KiB with aiohttp's default 64 KiB buffer)."""
 _TRIM_DELAY = 0.25
 """Seconds the gate must stay idle before memory is handed back to the OS."""
+RECHECK_SECONDS = 0.5
+"""While requests wait for memory, the bodies being read are measured again this often (their
+promises shrink as their deadlines near; a waiter may fit then)."""
+_RATE_WINDOW = 0.25
+"""A body's rate is measured over at least this long (its first chunk arrives with its head)."""
 
 
 # -- the budget's size ---------------------------------------------------------------------------
@@ -302,6 +317,10 @@ class MemoryGate:
         self.heads = heads
         self.wait_seconds = wait_seconds
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
+        self._reading: dict[Ticket, Lease] = {}
+        """Leases whose body is still arriving (their promises are measured)."""
+        self._recheck: asyncio.TimerHandle | None = None
+        self._turns: asyncio.Semaphore | None = None
         self._trim: asyncio.TimerHandle | None = None
         self._idle_since = 0.0
         """Loop time the gate last went idle (a request released its lease)."""
@@ -317,19 +336,37 @@ class MemoryGate:
         return f"<MemoryGate {self.budget!r}>"
 
     def lease(
-        self, length: int | None, *, key: Hashable = None, headers: int = 0, deadline: float | None = None
+        self,
+        length: int | None,
+        *,
+        key: Hashable = None,
+        headers: int = 0,
+        deadline: float | None = None,
+        keyless: bool = False,
+        progress: Callable[[], int] | None = None,
     ) -> Lease:
         """A lease for one request whose body declares ``length`` bytes (``None``: chunked or
         encoded, its size known only once read).
 
         Args:
-            key: Whose request it is (the identity's digest): waiters are admitted fairly by key.
+            key: Whose request it is (the caller's tenant): waiters are admitted fairly by key.
             headers: Bytes of the request's head (they count against the budget too).
             deadline: Loop time by which the body must be complete (an admission wait ends there).
+            keyless: Sent without a credential (the keyless quota).
+            progress: Bytes of the body the app sent so far (its rate's evidence; without it,
+                the bytes read).
         """
         if length is not None and self.max_body_bytes and length > self.max_body_bytes:
             length = 0  # a 413, answered before anything is read
-        return Lease(self, length, key=key, headers=headers, deadline=deadline)
+        return Lease(self, length, key=key, headers=headers, deadline=deadline, keyless=keyless, progress=progress)
+
+    def message_turns(self, largest: int) -> asyncio.Semaphore:
+        """The turns of WebSocket sessions receiving a large message (:class:`MessageMeter`): as
+        many as messages of ``largest`` bytes fit the capacity, at least one."""
+        if self._turns is None:
+            cost = MESSAGE_AMPLIFICATION * max(largest, 1) + MIN_RESERVATION
+            self._turns = asyncio.Semaphore(max(self.budget.capacity // cost, 1))
+        return self._turns
 
     @property
     def body_limit(self) -> int:
@@ -348,12 +385,45 @@ class MemoryGate:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _observe(self) -> None:
+        """Measure every body being read: what it may still grow by is what its observed rate
+        can deliver before its deadline."""
+        if not self._reading:
+            return
+        now = asyncio.get_running_loop().time()
+        for ticket, lease in self._reading.items():
+            promise, slow = lease.evidence(now)
+            self.budget.observe(ticket, promise, slow=slow)
+
+    def _arm_recheck(self) -> None:
+        if self._recheck is None:
+            with contextlib.suppress(RuntimeError):
+                loop = asyncio.get_running_loop()
+                self._recheck = loop.call_at(loop.time() + RECHECK_SECONDS, self._rechecked)
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        if not self.budget.waiting:
+            return
+        self._observe()
+        self._apply(self.budget.recheck())
+        self._arm_recheck()
+
     async def _acquire(
-        self, want: int, buffered: int = 0, *, key: Hashable = None, need: int = 0, deadline: float | None = None
+        self,
+        want: int,
+        buffered: int = 0,
+        *,
+        key: Hashable = None,
+        need: int = 0,
+        deadline: float | None = None,
+        keyless: bool = False,
     ) -> Ticket:
         if self.heads is not None:
             self._apply(self.budget.set_heads(len(self.heads) * HEAD_COST))
-        ticket, out = self.budget.ask(want, buffered, key=key, need=need)
+        if need > want:  # a body larger than its first step: the promises it meets are measured
+            self._observe()
+        ticket, out = self.budget.ask(want, buffered, key=key, need=need, keyless=keyless)
         self._apply(out)
         if ticket.verdict is Verdict.TOO_LARGE:
             MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
@@ -405,6 +475,7 @@ class MemoryGate:
 
     async def _wait(self, ticket: Ticket, seconds: float) -> None:
         MEMORY_WAITS.inc()
+        self._arm_recheck()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = future
         try:
@@ -483,10 +554,17 @@ class Lease:
         key: Hashable = None,
         headers: int = 0,
         deadline: float | None = None,
+        keyless: bool = False,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         self.gate = gate
         self.length = length
         self.key = key
+        self.keyless = keyless
+        self.progress = progress
+        self.began = asyncio.get_running_loop().time()
+        """Loop time the head arrived (the body's rate is measured from here)."""
+        self._waiting_since: float | None = None
         self.base = MIN_RESERVATION + max(headers, 0)
         """Held whatever the body: the connection's buffers and objects, and the head."""
         self.deadline = deadline
@@ -513,11 +591,19 @@ class Lease:
         buffered = min(self.length if self.length is not None else _BUFFERED, _BUFFERED) + MIN_RESERVATION
         loop = asyncio.get_running_loop()
         started = loop.time()
-        self._ticket = await self.gate._acquire(
-            AMPLIFICATION * first + self.base, buffered, key=self.key, need=need, deadline=self.deadline
+        ticket = await self.gate._acquire(
+            AMPLIFICATION * first + self.base,
+            buffered,
+            key=self.key,
+            need=need,
+            deadline=self.deadline,
+            keyless=self.keyless,
         )
+        self._ticket = ticket
         self.waited += loop.time() - started
         self.covered = first
+        if ticket.need > ticket.want:
+            self.gate._reading[ticket] = self
         return self
 
     async def __aexit__(
@@ -525,7 +611,21 @@ class Lease:
     ) -> None:
         if self._ticket is not None:
             ticket, self._ticket = self._ticket, None
+            self.gate._reading.pop(ticket, None)
             self.gate._apply(self.gate.budget.release(ticket))
+
+    def evidence(self, now: float) -> tuple[int, bool]:
+        """What this body may still grow by (budget bytes) as far as its observed rate can
+        deliver it before its deadline, and whether that rate is too slow to finish it in time
+        (only a declared length can be judged so)."""
+        sent = self.progress() if self.progress is not None else self.body
+        paused = self.waited + (now - self._waiting_since if self._waiting_since is not None else 0.0)
+        rate = sent / max(now - self.began - paused, _RATE_WINDOW)
+        left = max(self.deadline - now, 0.0) if self.deadline is not None else math.inf
+        deliverable = rate * left if rate > 0 else 0.0
+        rest = max(self._limit - self.covered, 0)
+        promise = AMPLIFICATION * int(min(rest, deliverable))
+        return promise, self.length is not None and sent + deliverable < self._limit
 
     async def arrived(self, size: int) -> None:
         """``size`` bytes of body are read: pay for the next step before more is read, waiting
@@ -545,9 +645,12 @@ class Lease:
         if more <= 0:
             return
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        await self.gate._more(ticket, more)
-        self.waited += loop.time() - started
+        started = self._waiting_since = loop.time()
+        try:
+            await self.gate._more(ticket, more)
+        finally:
+            self._waiting_since = None
+            self.waited += loop.time() - started
         self.covered = target
 
     def read(self, size: int) -> None:
@@ -558,6 +661,7 @@ class Lease:
         if ticket is None:
             return
         budget = self.gate.budget
+        self.gate._reading.pop(ticket, None)
         self.gate._apply(budget.done_reading(ticket))
         if self.covered > size:
             self.gate._apply(budget.settle(ticket, AMPLIFICATION * size + self.base))
@@ -581,3 +685,99 @@ class Lease:
         """The frame went to the upstream socket: from now on the request holds its body only."""
         if self._ticket is not None:
             self.gate._apply(self.gate.budget.settle(self._ticket, self.body + self.base))
+
+
+IDLE_COVER = 64 * 1024
+"""Message bytes a WebSocket session's :class:`MessageMeter` pays for ahead while it waits for
+the next message (about one read from its socket; more pauses it)."""
+MESSAGE_AMPLIFICATION = 3
+"""Bytes a relayed message holds per byte read: assembled by the server (and copied once out of
+its buffer as it completes), then masked into a frame by the upstream client (measured ~2.5x
+for a 15 MiB frame, see :meth:`Lease.whole_frame`)."""
+
+
+class MessageMeter:
+    """Memory for the messages a downstream WebSocket session receives, paid as their bytes
+    arrive (the frames' bytes are counted as the server reads them, before a message is
+    assembled): the session holds :data:`MESSAGE_AMPLIFICATION` × what it read and has not
+    finished with, plus :data:`IDLE_COVER` ahead; when bytes arrive beyond that, reading pauses
+    (the app's TCP connection backs up) until the budget grants the next step, for at most
+    ``limits.memory_wait_seconds`` (then :class:`MemoryBusy`). A message is finished once sent
+    on (:meth:`done`), and the session shrinks back. Sessions receiving a message larger than
+    the idle step take turns: at most as many at once as messages of ``largest`` bytes fit the
+    capacity (at least one), so partly read messages never hold each other up.
+
+    Args:
+        gate: The memory gate.
+        largest: The largest message a session may receive.
+        key: Whose session it is (the caller's tenant).
+        keyless: Opened without a credential (the keyless quota).
+    """
+
+    def __init__(self, gate: MemoryGate, largest: int, *, key: Hashable = None, keyless: bool = False) -> None:
+        self.gate = gate
+        self.key = key
+        self.keyless = keyless
+        self.read = 0
+        """Bytes read and not yet finished with (the message being assembled, queued or sent)."""
+        self.covered = 0
+        """Bytes the session's ticket pays for."""
+        self._ticket: Ticket | None = None
+        self._turns = gate.message_turns(largest)
+        self._turn = False
+
+    @property
+    def held(self) -> int:
+        """Bytes the session holds in the budget now."""
+        return self._ticket.want if self._ticket is not None else 0
+
+    async def open(self) -> None:
+        """Take the session's first step (waiting for memory like a request)."""
+        self._ticket = await self.gate._acquire(
+            MESSAGE_AMPLIFICATION * IDLE_COVER + MIN_RESERVATION, key=self.key, keyless=self.keyless
+        )
+        self.covered = IDLE_COVER
+
+    def arrived(self, size: int) -> bool:
+        """``size`` bytes were read; whether the session must pause (they go past what it paid)."""
+        self.read += size
+        return self.read > self.covered
+
+    async def grow(self) -> None:
+        """Pay for what was read and one step more (waits, unread; raises :class:`MemoryBusy`)."""
+        ticket = self._ticket
+        assert ticket is not None, "grow outside an open meter"
+        if not self._turn:
+            try:
+                await asyncio.wait_for(self._turns.acquire(), self.gate.wait_seconds)
+            except TimeoutError:
+                MEMORY_REFUSALS.labels(MemoryRefusal.WAIT_TIMEOUT).inc()
+                raise MemoryBusy(
+                    f"The sidecar's memory budget stayed taken for {self.gate.wait_seconds:g} s; retry."
+                ) from None
+            self._turn = True
+        while self.read > self.covered:
+            target = self.read + STEP
+            await self.gate._more(ticket, MESSAGE_AMPLIFICATION * (target - self.covered))
+            self.covered = target
+
+    def done(self, size: int) -> None:
+        """A ``size``-byte message (frame headers included) was sent on or dropped."""
+        self.read = max(self.read - size, 0)
+        ticket = self._ticket
+        if ticket is not None and self.covered > self.read + IDLE_COVER:
+            self.covered = max(self.read, IDLE_COVER)
+            hold = MESSAGE_AMPLIFICATION * self.covered + MIN_RESERVATION
+            self.gate._apply(self.gate.budget.settle(ticket, hold))
+        if self._turn and self.read <= IDLE_COVER:
+            self._turn = False
+            self._turns.release()
+
+    def close(self) -> None:
+        """The session is over: everything it held returns."""
+        if self._turn:
+            self._turn = False
+            self._turns.release()
+        if self._ticket is not None:
+            ticket, self._ticket = self._ticket, None
+            self.gate._apply(self.gate.budget.release(ticket))

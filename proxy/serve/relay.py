@@ -8,10 +8,17 @@ Frames go through unchanged in both directions; close codes propagate both ways.
 
 Inside the sidecar's limits (issue 22): an app message may be as large as the upstream's own
 frame budget (``limits.ws_frame_budget_bytes``) and a request body (``limits.max_body_bytes``;
-larger: close 1009, refused from the frame header, never read), each relayed message holds
-a memory lease while it is sent (refused: an ``error`` event, the message goes nowhere), and a
+larger: close 1009, refused from the frame header, never read), a session's messages are paid
+for in the memory budget as their bytes are read, before aiohttp assembles them
+(:class:`~proxy.serve.memory.MessageMeter`: reading pauses while the budget is taken; after
+``limits.memory_wait_seconds`` the app gets the budget's ``error`` event and the session closes
+1013, nothing of the message sent), and a
 session counts as one upstream socket against ``pool.max_sockets_per_identity`` and
 ``pool.max_sockets_total`` (beyond them: close 1013 saying which limit, no upstream socket).
+The per-credential quota is the tenant's (:attr:`Identity.tenant`: the app's credential,
+whatever query string or optional headers it adds), and a session with no message in either
+direction for ``pool.idle_close_seconds`` is closed (1001), as an idle pooled socket is: a
+tenant cannot keep slots it does not use.
 Every app frame is read as one JSON object (what does not parse, or repeats a key naming an id,
 gets an ``invalid_request_error`` event and goes nowhere); one naming a ``previous_response_id``
 must name the identity's own response (:mod:`proxy.serve.owners`), else it gets the upstream's
@@ -26,18 +33,21 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import WSMsgType, web
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from proxy import contracts
+from proxy.core.fair import tenant_of
 from proxy.core.owners import PARSE_INLINE, created_id, read_request
 from proxy.core.reasons import Mode, RequestOutcome, Route
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
 from proxy.ops.metrics import ERRORS, INFLIGHT
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.identity import Identity
-from proxy.serve.memory import MemoryGate, MemoryRefused
+from proxy.serve.memory import MemoryRefused, MessageMeter
 from proxy.serve.owners import OwnerBook
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body, new_request_id
@@ -98,6 +108,33 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
 async def _session(
     request: web.Request, svc: Services, identity: Identity, headers: dict[str, str], rec: Record, started: float
 ) -> web.StreamResponse:
+    # The session's messages are paid as their bytes arrive, from its first step on (a session
+    # the budget cannot take is refused before any upstream socket is opened).
+    limits = svc.settings.limits
+    largest = min(limits.ws_frame_budget_bytes, limits.max_body_bytes or limits.ws_frame_budget_bytes)
+    memory = svc.memory
+    meter = MessageMeter(memory, largest, key=identity.tenant, keyless=identity.keyless) if memory else None
+    try:
+        if meter is not None:
+            try:
+                await meter.open()
+            except MemoryRefused as exc:
+                return refuse(exc, exc.headers(rec.request_id), rec, started)
+        return await _upgraded(request, svc, identity, headers, rec, started, meter)
+    finally:
+        if meter is not None:
+            meter.close()
+
+
+async def _upgraded(
+    request: web.Request,
+    svc: Services,
+    identity: Identity,
+    headers: dict[str, str],
+    rec: Record,
+    started: float,
+    meter: MessageMeter | None,
+) -> web.StreamResponse:
     try:
         upstream = await open_websocket(identity.ws_url, identity.headers, svc.settings)
     except UpstreamRefused as exc:
@@ -122,8 +159,12 @@ async def _session(
         raise
     rec.status = 101
     svc.relays.add(ws)
+    loop = asyncio.get_running_loop()
+    r = _Relay(ws, upstream, svc.owners, identity.digest, meter, svc.settings.pool.idle_close_seconds, loop)
+    if meter is not None:
+        _meter_reads(request, r, meter)
     try:
-        await _relay(_Relay(ws, upstream, svc.owners, identity.digest, svc.memory))
+        await _relay(r)
     finally:
         svc.relays.discard(ws)
     return ws
@@ -133,7 +174,9 @@ def _over_socket_limits(svc: Services, identity: Identity) -> str | None:
     """Why a new relay session would exceed ``pool.max_sockets_per_identity`` or
     ``pool.max_sockets_total`` (the pool's sockets and the open relays together), or ``None``."""
     p = svc.settings.pool
-    mine = svc.pool.count(identity=identity) + svc.relay_sessions[identity.digest]
+    tenant = identity.tenant
+    relays = sum(n for digest, n in svc.relay_sessions.items() if tenant_of(digest) == tenant)
+    mine = svc.pool.count(tenant=tenant) + relays
     if mine >= p.max_sockets_per_identity:
         limit = p.max_sockets_per_identity
         return f"too many upstream sockets for this credential (pool.max_sockets_per_identity = {limit})"
@@ -159,17 +202,75 @@ class _Relay:
     upstream: ClientConnection
     owners: OwnerBook
     identity: str
-    memory: MemoryGate | None
+    meter: MessageMeter | None
+    idle: float
+    """Close the session after this long without a message either way (``pool.idle_close_seconds``)."""
+    loop: asyncio.AbstractEventLoop
+    last: float = 0.0
+    """Loop time of the last message either way."""
+
+
+_FRAME_HEAD = 14
+"""Most bytes of a WebSocket frame's header (what a message costs beyond its payload)."""
+
+
+class _MeteredParser:
+    """Stands in for the session's WebSocket parser: counts the bytes read before they are
+    parsed into a message, and pauses reading while the session's memory does not cover them
+    (resumed once the budget grants the next step; refused: the session closes 1013)."""
+
+    __slots__ = ("growing", "parser", "protocol", "relay")
+
+    def __init__(self, parser: Any, protocol: Any, relay: _Relay) -> None:
+        self.parser = parser
+        self.protocol = protocol
+        self.relay = relay
+        self.growing: asyncio.Task[None] | None = None
+
+    def feed_data(self, data: bytes) -> Any:
+        meter = self.relay.meter
+        if meter is not None and meter.arrived(len(data)) and self.growing is None:
+            self.protocol.pause_reading()
+            self.growing = self.relay.loop.create_task(self._grow(meter))
+        return self.parser.feed_data(data)
+
+    async def _grow(self, meter: MessageMeter) -> None:
+        try:
+            await meter.grow()
+        except MemoryRefused as exc:
+            # The message cannot be skipped unread: the app gets the budget's error event, and
+            # the session closes (try again later); nothing of the message went upstream.
+            ws = self.relay.ws
+            with contextlib.suppress(ConnectionError):
+                await _send_error(ws, exc, exc.status, None)
+            why = "upshift: the memory budget stayed taken; retry later"
+            await ws.close(code=RELAY_REFUSED_CODE, message=why.encode()[:_MAX_REASON])
+            return
+        finally:
+            self.growing = None
+        self.protocol.resume_reading()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parser, name)
+
+
+def _meter_reads(request: web.Request, r: _Relay, meter: MessageMeter) -> None:
+    """Count the session's incoming bytes as the server reads them (before aiohttp assembles a
+    message out of them), so a message is paid for before it is in memory."""
+    protocol = request.protocol
+    contracts.wrap_upgraded_reader(request, lambda reader: _MeteredParser(reader, protocol, r))
 
 
 async def _relay(r: _Relay) -> None:
     ws, upstream = r.ws, r.upstream
-    loop = asyncio.get_running_loop()
-    tasks = {loop.create_task(_app_to_upstream(r)), loop.create_task(_upstream_to_app(r))}
+    loop = r.loop
+    r.last = loop.time()
+    pair = {loop.create_task(_app_to_upstream(r)), loop.create_task(_upstream_to_app(r))}
+    tasks = {*pair, loop.create_task(_close_when_idle(r))} if r.idle > 0 else pair
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         # One side closed and told the other; give that close a moment to finish.
-        await asyncio.wait(tasks, timeout=5.0)
+        await asyncio.wait(pair, timeout=5.0)
     finally:
         for task in tasks:
             task.cancel()
@@ -180,23 +281,37 @@ async def _relay(r: _Relay) -> None:
             await ws.close(code=1001)
 
 
+async def _close_when_idle(r: _Relay) -> None:
+    """Close both sides once no message went either way for ``r.idle`` seconds."""
+    while (due := r.last + r.idle) > r.loop.time():
+        await asyncio.sleep(due - r.loop.time())
+    log.info("closed a WebSocket relay session idle for %g s", r.idle)
+    reason = f"upshift: relay session idle for {r.idle:g} s (pool.idle_close_seconds)"
+    await r.ws.close(code=1001, message=reason.encode()[:_MAX_REASON])
+    with contextlib.suppress(Exception):
+        await r.upstream.close(1001)
+
+
 async def _app_to_upstream(r: _Relay) -> None:
     ws, upstream = r.ws, r.upstream
     try:
         async for msg in ws:
+            r.last = r.loop.time()
             if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                if r.meter is not None:
+                    r.meter.done(_FRAME_HEAD + (len(msg.data) if isinstance(msg.data, bytes) else 0))
                 if msg.type is WSMsgType.ERROR:
                     break
                 continue
-            if not await _may_send(ws, msg.data, r.owners, r.identity):
-                continue  # names another tenant's response: answered here, nothing forwarded
-            # issue 22: each relayed message holds a memory lease while it is framed and sent.
             try:
-                async with r.memory.lease(len(msg.data)) if r.memory is not None else _NO_LEASE:
-                    # decode_text=False: the UTF-8 bytes go on as a text frame, never decoded.
-                    await upstream.send(msg.data, text=msg.type is WSMsgType.TEXT)
-            except MemoryRefused as exc:
-                await _send_error(ws, exc, exc.status, None)
+                if not await _may_send(ws, msg.data, r.owners, r.identity):
+                    continue  # names another tenant's response: answered here, nothing forwarded
+                # decode_text=False: the UTF-8 bytes go on as a text frame, never decoded. The
+                # message was paid for as its bytes arrived (the session's MessageMeter).
+                await upstream.send(msg.data, text=msg.type is WSMsgType.TEXT)
+            finally:
+                if r.meter is not None:
+                    r.meter.done(len(msg.data) + _FRAME_HEAD)
             del msg
     except ConnectionClosed:
         return  # the upstream went first; the other direction closes the app's side
@@ -238,6 +353,7 @@ async def _upstream_to_app(r: _Relay) -> None:
     ws, upstream = r.ws, r.upstream
     try:
         async for message in upstream:
+            r.last = r.loop.time()
             rid = created_id(message)
             if rid is not None:
                 r.owners.note(r.identity, rid)  # before the app can see (and name) it

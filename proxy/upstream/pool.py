@@ -31,6 +31,7 @@ import orjson
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.demux import LaneSignal
+from proxy.core.fair import tenant_of
 from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.owners import OwnerRegistry
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
@@ -247,10 +248,15 @@ class Pool:
             f"{c[LaneState.IDLE]} idle, {c[LaneState.DRAINING]} draining]>"
         )
 
-    def count(self, state: SocketUse | None = None, identity: Identity | None = None) -> int:
-        """Sockets in ``state`` (all if ``None``), of ``identity`` (all if ``None``)."""
+    def count(
+        self, state: SocketUse | None = None, identity: Identity | None = None, *, tenant: str | None = None
+    ) -> int:
+        """Sockets in ``state`` (all if ``None``), of ``identity`` (all if ``None``), of every
+        identity of ``tenant`` (:attr:`Identity.tenant`; all if ``None``)."""
         total = 0
         for sock in self.planner.sockets(identity.digest if identity is not None else None):
+            if tenant is not None and tenant_of(sock.identity) != tenant:
+                continue
             if sock.state is SocketState.CONNECTING:
                 mine = SocketUse.CONNECTING
             else:

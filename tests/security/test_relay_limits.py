@@ -137,8 +137,9 @@ async def test_a_relayed_message_waits_for_memory_and_is_refused_with_an_error_e
     emulator: Emulator, spawn: Callable[..., SidecarProcess], http: aiohttp.ClientSession
 ) -> None:
     # A request whose body is still coming holds what arrived (× 4); a relayed
-    # message that does not fit beside it waits limits.memory_wait_seconds, then the app gets
-    # the budget's 429 as an error event; nothing went upstream and the session goes on.
+    # message that does not fit beside it waits (unread) limits.memory_wait_seconds, then the app
+    # gets the budget's 429 as an error event and the session closes 1013 (a message cannot be
+    # skipped unread); nothing went upstream, and a new session is served once memory is free.
     env = {"UPSHIFT_LIMITS_MEMORY_BYTES": str(BUDGET), "UPSHIFT_LIMITS_MEMORY_WAIT_SECONDS": "1"}
     proc = await start_process(spawn, emulator.base_url, env=env)
     async with http.get(proc.admin + "/metrics") as resp:
@@ -168,8 +169,11 @@ async def test_a_relayed_message_waits_for_memory_and_is_refused_with_an_error_e
             assert event["type"] == "error" and event["status"] == 429, event
             assert event["error"]["code"] == "memory_busy", event
             assert emulator.stats.ws_frames_received == frames
-            writer.close()  # Bob gives up: his memory is free again
-            await asyncio.sleep(0.3)
+            closing = await ws.receive(timeout=15)
+            assert closing.type is aiohttp.WSMsgType.CLOSE and closing.data == RELAY_REFUSED_CODE, closing
+        writer.close()  # Bob gives up: his memory is free again
+        await asyncio.sleep(0.3)
+        async with http.ws_connect(url, headers={"Authorization": f"Bearer {ALICE}"}) as ws:
             await ws.send_str(orjson.dumps(create("y" * alice)).decode())
             while (event := orjson.loads((await ws.receive(timeout=15)).data))["type"] != "response.completed":
                 assert event["type"] != "error", event
