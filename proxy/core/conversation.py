@@ -37,6 +37,7 @@ Two classes, one job each:
 
 from __future__ import annotations
 
+import hashlib
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -98,6 +99,8 @@ class Head:
     """8 bytes per input item (:func:`~proxy.core.explain.item_digests`), to explain misses."""
     echo: tuple[EchoFields, ...] = ()
     """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
+    compactions: tuple[bytes, ...] = ()
+    """Digests of the ``encrypted_content`` of the ``compaction`` items of its output."""
 
     def __init__(
         self,
@@ -126,6 +129,7 @@ class Head:
         self.chained = chained
         self.items = items
         self.echo = echo
+        self.compactions = ()
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -400,6 +404,9 @@ class HeadTable:
         self._by_response: dict[str, Hashable] = {}
         self._fair_heads = FairShares()
         """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes (issue 22)."""
+        self._compactions: dict[str, dict[bytes, Hashable]] = {}
+        """identity → digest of a ``compaction`` item's ``encrypted_content`` in a head's output →
+        that head's anchor (a history pruned at that item continues it: :meth:`_pruned`)."""
         self.listener: Listener | None = None
         """Told of each head recorded from a full history, with its request (the miss
         explainer, :class:`proxy.core.explainer.MissExplainer`, which attaches itself)."""
@@ -447,11 +454,12 @@ class HeadTable:
         """
         if req.previous_response_id is not None:
             return Lookup(None, MissReason.APP_CHAINED)
+        current = current_turn(req)
         if req.base is not None and req.tail is not None:
             # A fast parse knows its head: try it first; on a miss the search below decides.
             head = self._heads.get(req.base.anchor)
             if head is not None and head.identity == identity and head.settings == req.settings_digest:
-                found = self._try(head, req.tail, 0, req.base.count, usable)
+                found = self._try(head, req.tail, 0, req.base.count, usable, current)
                 if isinstance(found, Lookup):
                     return found
         bucket = self._buckets.get((identity, req.settings_digest))
@@ -464,30 +472,78 @@ class HeadTable:
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
                     items, at, skipped = req.items_from(n)  # the fast parse's tail when it suffices
-                    tried = self._try(self._heads[anchor], items, at, skipped, usable)
+                    tried = self._try(self._heads[anchor], items, at, skipped, usable, current)
                     if isinstance(tried, Lookup):
                         return tried
                     why, dropped = tried
                     if why in (MissReason.DROPPED_REASONING, MissReason.DROPPED_PHASE):
                         dropped_seen = dropped
                     reason = _stronger(reason, why)
+        if reason in (MissReason.NO_HEAD, MissReason.DIVERGED) and self._compactions.get(identity):
+            pruned = self._pruned(identity, req, usable, current)
+            if isinstance(pruned, Lookup):
+                return pruned
+            if pruned is not None:
+                reason = pruned
         if reason == MissReason.NO_HEAD and self._matches_other_settings(identity, req):
             reason = MissReason.SETTINGS_CHANGED
         return Lookup(None, reason, *dropped_seen)
 
+    def _pruned(
+        self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool], current: bool
+    ) -> Lookup | MissReason | None:
+        """A history pruned at a compaction item (its first item): the head whose output holds
+        that item continues it when the request echoes that output from the compaction item on.
+
+        The model reads a context from its latest compaction item on (protocol.md §7: the item
+        stands for everything before it), so the pruned history and the head's chain plus the new
+        items are the same context exactly when that echo matches (docs/fidelity.md). ``None``:
+        the request does not start with a compaction item.
+        """
+        items, at, skipped = req.items_from(0)
+        first = items[at] if at < len(items) else None
+        if not isinstance(first, dict) or first.get("type") != "compaction":
+            return None
+        content = first.get("encrypted_content")
+        anchor = self._compactions[identity].get(digest_of(content)) if isinstance(content, str) else None
+        head = self._heads.get(anchor) if anchor is not None else None
+        if head is None or head.settings != req.settings_digest:
+            return MissReason.PRUNED_AT_COMPACTION
+        start = next((i for i, fp in enumerate(head.output) if fp.kind == "compaction"), None)
+        if start is None:
+            return MissReason.PRUNED_AT_COMPACTION
+        tried = self._try(head, items, at, skipped, usable, current, start)
+        if isinstance(tried, Lookup):
+            return tried
+        why = tried[0]
+        return why if why in (MissReason.HEAD_BUSY, MissReason.DROPPED_REASONING) else MissReason.PRUNED_AT_COMPACTION
+
     def _try(
-        self, head: Head, items: Sequence[Any], n: int, skipped: int, usable: Callable[[Head], bool]
+        self,
+        head: Head,
+        items: Sequence[Any],
+        n: int,
+        skipped: int,
+        usable: Callable[[Head], bool],
+        current: bool = False,
+        start: int = 0,
     ) -> Lookup | tuple[MissReason, tuple[int, int]]:
         """Continue ``head`` with ``items[n:]`` if its echo matches and the planner can use it.
 
-        ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix).
+        ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix);
+        ``start``: the echo starts at this item of the head's output (a pruned history).
+        ``current``: the request's ``reasoning.context`` is ``current_turn``, under which the
+        model does not read reasoning of earlier user turns: left-out reasoning of the head's
+        output continues when a user message follows the echo (a new user turn begins).
         Returns the continuation, or ``(the miss reason, (reasoning items left out, phases
         left out))``.
         """
-        found = self._continue(head, items, n)
+        found = self._continue(head, items, n, start)
         if isinstance(found, MissReason):
             return found, (0, 0)
         consumed, reasoning, phases = found
+        if reasoning and current and _user_turn(items, n + consumed):
+            reasoning = 0  # not read under current_turn: no difference, no tolerance
         drops = (reasoning, phases)
         if reasoning and Tolerance.REASONING not in self.tolerate:
             return MissReason.DROPPED_REASONING, drops
@@ -506,7 +562,7 @@ class HeadTable:
             self._heads.move_to_end(anchor)
             self._fair_heads.touch(anchor)
 
-    def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int, int] | MissReason:
+    def _continue(self, head: Head, items: Sequence[Any], n: int, start: int = 0) -> tuple[int, int, int] | MissReason:
         """Match the echo of ``head.output`` at ``items[n:]``.
 
         Returns ``(items consumed by the echo, reasoning items left out, messages whose
@@ -516,7 +572,7 @@ class HeadTable:
             return MissReason.RETRY
         position = n
         dropped = phases = 0
-        for fp in head.output:
+        for fp in head.output[start:] if start else head.output:
             if position < len(items) and echo_matches(fp, items[position]):
                 position += 1
             elif position < len(items) and phase_dropped(fp, items[position]):
@@ -644,6 +700,10 @@ class HeadTable:
             raw = raw_prefix(req, prefix_state)
             prefix = _Prefix(identity, raw, req.n_items, state) if raw is not None else None
         head.store = req.store
+        if not chained:
+            for item in items:
+                if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
+                    head.compactions += (digest_of(item["encrypted_content"]),)
         self._insert(head, now, prefix)
         return head
 
@@ -653,6 +713,8 @@ class HeadTable:
         self._heads[anchor] = head
         self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
+        for key in head.compactions:
+            self._compactions.setdefault(head.identity, {})[key] = anchor
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket_key = (head.identity, head.settings)
@@ -673,6 +735,13 @@ class HeadTable:
         self._fair_heads.remove(anchor)
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
+        if head.compactions:
+            known = self._compactions.get(head.identity, {})
+            for key in head.compactions:
+                if known.get(key) == anchor:
+                    del known[key]
+            if not known:
+                self._compactions.pop(head.identity, None)
         if head.chained:
             return
         if self.listener is not None:
@@ -712,6 +781,27 @@ class HeadTable:
         return (head.identity, head.settings, head.n_input, head.input_digest)
 
 
+def current_turn(req: ParsedRequest) -> bool:
+    """Whether ``req`` asks for ``reasoning.context: current_turn`` (``auto`` or absent: read as
+    ``all_turns``, the stricter rule, since what ``auto`` means depends on the model)."""
+    reasoning = req.fields.get("reasoning")
+    return isinstance(reasoning, dict) and reasoning.get("context") == "current_turn"
+
+
+def _user_turn(items: Sequence[Any], start: int) -> bool:
+    """Whether a user message is among ``items[start:]`` (a new user turn begins there)."""
+    for index in range(start, len(items)):
+        item = items[index]
+        if isinstance(item, dict) and item.get("role") == "user" and item.get("type", "message") == "message":
+            return True
+    return False
+
+
+def digest_of(value: str) -> bytes:
+    """A 16-byte digest of a string (a compaction item's ``encrypted_content``)."""
+    return hashlib.sha256(value.encode()).digest()[:16]
+
+
 _STRENGTH: dict[MissReason, int] = {
     MissReason.NO_HEAD: 0,
     MissReason.DIVERGED: 1,
@@ -720,6 +810,7 @@ _STRENGTH: dict[MissReason, int] = {
     MissReason.DROPPED_REASONING: 4,
     MissReason.DROPPED_PHASE: 4,
     MissReason.HEAD_BUSY: 5,
+    MissReason.PRUNED_AT_COMPACTION: 1,
 }
 
 

@@ -66,6 +66,9 @@ class MissReason(enum.StrEnum):
     """The echo is there but nothing new follows it."""
     APP_CHAINED = "app_chained"
     """The app sets its own ``previous_response_id``."""
+    PRUNED_AT_COMPACTION = "pruned_at_compaction"
+    """The history starts at a ``compaction`` item (pruned after compaction) that no known head
+    produced, or the echo after it differs from that head's output."""
     POOL_FULL = "pool_full"
     """No lane could be had within the limits and the wait bound: sent over HTTP."""
 
