@@ -713,8 +713,8 @@ class HeadTable:
         self._heads[anchor] = head
         self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
-        for key in head.compactions:
-            self._compactions.setdefault(head.identity, {})[key] = anchor
+        for held in head.compactions:
+            self._compactions.setdefault(head.identity, {})[held] = anchor
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket_key = (head.identity, head.settings)
@@ -737,9 +737,9 @@ class HeadTable:
             del self._by_response[head.response_id]
         if head.compactions:
             known = self._compactions.get(head.identity, {})
-            for key in head.compactions:
-                if known.get(key) == anchor:
-                    del known[key]
+            for held in head.compactions:
+                if known.get(held) == anchor:
+                    del known[held]
             if not known:
                 self._compactions.pop(head.identity, None)
         if head.chained:

@@ -111,8 +111,7 @@ def input_view(item: Any) -> Any:
         parts = _message_parts(value)
         if isinstance(parts, list):
             value["content"] = [
-                {k: v for k, v in p.items() if k not in _UNREAD_PART_KEYS} if isinstance(p, dict) else p
-                for p in parts
+                {k: v for k, v in p.items() if k not in _UNREAD_PART_KEYS} if isinstance(p, dict) else p for p in parts
             ]
     return value
 

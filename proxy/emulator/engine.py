@@ -52,6 +52,7 @@ def _materialise(result: Plan, include_encrypted: bool) -> list[JSON]:
     items: list[JSON] = []
     program_call = ""
     for planned in result.items:
+        item: dict[str, JSON]
         if planned.kind == "program":
             program_call = new_id("call", 12)
             fingerprint = hashlib.sha256(planned.text.encode()).hexdigest()[:32]
@@ -71,7 +72,7 @@ def _materialise(result: Plan, include_encrypted: bool) -> list[JSON]:
                 "status": "completed",
             }
         elif planned.kind == "reasoning":
-            item: dict[str, JSON] = {
+            item = {
                 "id": new_id("rs"),
                 "type": "reasoning",
                 "summary": [{"type": "summary_text", "text": planned.text}],

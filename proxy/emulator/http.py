@@ -16,11 +16,11 @@ from .appkeys import FAULTS, OWNER, REGISTRY, STATE
 from .engine import Execution, Turn, compaction_item, execute, finish, new_id, prepare
 from .errors import ApiError
 from .faults import Fault
+from .objects import usage
 from .oracle import Segment
 from .runner import CUT_KINDS, Hold, Outcome, play
 from .sinks import NullSink, SseSink, wants_obfuscation
 from .state import Conversation, EmulatorState, ResponseRecord
-from .objects import usage
 from .validation import HTTP_FIELDS, validate_body
 from .ws import WsConnection
 
@@ -353,7 +353,8 @@ async def compact(request: web.Request) -> web.Response:
         turn = await _compact_turn(request, _COMPACT_FIELDS)
         body = orjson.loads(await request.read())
         if not isinstance(body.get("model"), str) or not body["model"]:
-            raise ApiError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+            message = "Missing required parameter: 'model'."
+            raise ApiError(400, message, param="model", code="missing_required_parameter")
     except ApiError as error:
         return error_response(error)
     read = turn.read.to_list()

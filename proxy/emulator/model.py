@@ -251,9 +251,9 @@ def _decide(request: ModelRequest, seed: bytes) -> list[PlannedItem]:
         last_text = last if isinstance(last, str) else orjson.dumps(last).decode()
         head = f"[{tag}] Done after {calls_made} tool call(s). Last output: {_quote(last_text)}"
         answer = [PlannedItem("message", head, phase=final)]
-        program = next((item for item in reversed(tail) if item.get("type") == "program"), None)
-        if program is not None:
-            result = PlannedItem("program_output", _quote(last_text), call_id=str(program.get("call_id", "")))
+        issued = next((item for item in reversed(tail) if item.get("type") == "program"), None)
+        if issued is not None:
+            result = PlannedItem("program_output", _quote(last_text), call_id=str(issued.get("call_id", "")))
             answer.insert(0, result)
         return answer
     head = f"[{tag}] Echo: {_quote(user_text)!r}"

@@ -89,7 +89,8 @@ async def play(
 ) -> Outcome:
     """Send the events with pacing; a ``fail``/``drop``/``close`` fault fires after ``events_before``.
 
-    A safeguard review pauses ``execution.safeguard_s`` before ``execution.safeguard_at``. ``hold`` pauses before event ``hold.fault.events_before``; ``interrupt`` (steering) may end the
+    A safeguard review pauses ``execution.safeguard_s`` before ``execution.safeguard_at``.
+    ``hold`` pauses before event ``hold.fault.events_before``; ``interrupt`` (steering) may end the
     response with ``response.incomplete`` (``steered``) at an item boundary. ``settle`` gets the
     final response object right before its terminal event is sent, so that whatever the caller
     records (the oracle record, the store) is there when a client sees the response end.
