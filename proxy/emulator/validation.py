@@ -155,12 +155,15 @@ def _check_service_tier(tier: JSON) -> None:
 
 
 def _check_new_items(items: list[JSON]) -> None:
-    """protocol.md §7: ``compaction_trigger`` must be the final input item; a content block's
+    """protocol.md §7: ``compaction_trigger`` must be the final input item (or, in a history, be
+    followed by the ``compaction`` item it produced); a content block's
     ``prompt_cache_breakpoint`` is ``{"mode": "explicit", "ttl"?: "30m" | "12h"}``."""
     for index, item in enumerate(items):
         if not isinstance(item, dict):
             continue
-        if item.get("type") == "compaction_trigger" and index != len(items) - 1:
+        served = index + 1 < len(items) and isinstance(items[index + 1], dict)
+        served = served and items[index + 1].get("type") == "compaction"  # history: a trigger already answered
+        if item.get("type") == "compaction_trigger" and index != len(items) - 1 and not served:
             raise ApiError(
                 400,
                 "Invalid 'input': a 'compaction_trigger' item must be the final input item.",
