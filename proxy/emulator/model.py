@@ -123,11 +123,11 @@ def _int(pattern: re.Pattern[str], text: str) -> int | None:
 
 
 def _seed(context: Segment) -> bytes:
-    """A digest of the context that ignores call ids (they are random per run)."""
+    """A digest of the context that ignores call ids and ``caller`` links (random per run)."""
     hasher = hashlib.sha256()
     for item in context.to_list():
-        if isinstance(item, dict) and "call_id" in item:
-            item = {k: v for k, v in item.items() if k != "call_id"}
+        if isinstance(item, dict) and ("call_id" in item or "caller" in item):
+            item = {k: v for k, v in item.items() if k not in ("call_id", "caller")}
         hasher.update(orjson.dumps(item, option=orjson.OPT_SORT_KEYS))
     return hasher.digest()
 
