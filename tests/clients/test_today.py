@@ -12,12 +12,14 @@ are continued (measured and asserted; the figures are in docs/fidelity.md).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import pytest
+import websockets
 from openai import AsyncOpenAI
 
 from proxy.emulator import Emulator
@@ -358,3 +360,29 @@ async def make_emulator_today() -> Any:
         await sidecar.stop()
         await emu.stop()
     await asyncio.sleep(0)
+
+
+# -- both response.create envelopes through the downstream WebSocket relay -------------------------
+
+
+async def test_both_create_envelopes_relayed_unchanged(emulator: Emulator, sidecar: Sidecar) -> None:
+    recording = emulator.state.start_recording()
+    body = {"model": MODEL, "input": "relay me", "store": False}
+    frames = [
+        json.dumps({"type": "response.create", "response": body}, separators=(",", ":")),
+        json.dumps({"type": "response.create", **body}, separators=(",", ":")),
+    ]
+    ws_url = sidecar.base_url.replace("http://", "ws://") + "/responses"
+    answers = []
+    async with websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {KEY}"}) as conn:
+        for frame in frames:
+            await conn.send(frame)
+            while True:
+                event = json.loads(await asyncio.wait_for(conn.recv(), 5))
+                if event["type"] in ("response.completed", "error"):
+                    answers.append(event)
+                    break
+    assert [r["body"] for r in recording] == [json.loads(f) for f in frames]  # unchanged, both shapes
+    assert [a["type"] for a in answers] == ["response.completed"] * 2
+    first, second = (record(emulator, a["response"]["id"]) for a in answers)
+    assert first["context_digest"] == second["context_digest"] == context_digest([user("relay me")])
