@@ -262,3 +262,28 @@ class ListenerClose(enum.StrEnum):
 
 Reason: TypeAlias = Hit | MissReason | PassthroughReason | ReplayCause | ForwardReason
 """Everything the access log's ``reason`` may say (``""`` when there is nothing to say)."""
+
+
+class ServiceTier(enum.StrEnum):
+    """``service_tier`` as a bounded label (``upshift_service_tiers_total``, the access line): the
+    tiers the API documents, anything else ``other``; ``none`` when the field is absent."""
+
+    AUTO = "auto"
+    DEFAULT = "default"
+    FLEX = "flex"
+    SCALE = "scale"
+    PRIORITY = "priority"
+    FAST = "fast"
+    ULTRAFAST = "ultrafast"
+    OTHER = "other"
+    NONE = "none"
+
+    @classmethod
+    def of(cls, value: object) -> ServiceTier:
+        """The label of a ``service_tier`` value as the app or the upstream sent it."""
+        if value is None:
+            return cls.NONE
+        try:
+            return cls(value) if isinstance(value, str) and value not in ("other", "none") else cls.OTHER
+        except ValueError:
+            return cls.OTHER

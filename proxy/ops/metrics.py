@@ -113,6 +113,14 @@ ECHO_TOLERANCES = Counter(
 )
 """tolerance: reasoning | phase (proxy.core.reasons.Tolerance); accepted: true | false."""
 
+SERVICE_TIERS = Counter(
+    "upshift_service_tiers",
+    "Responses by the service tier the app asked for and the tier the upstream served.",
+    ["requested", "served"],
+    registry=REGISTRY,
+)
+"""requested, served: :class:`ServiceTier` (``ultrafast`` asked and ``default`` served is a fallback)."""
+
 REPLAYS = Counter(
     "upshift_replays",
     "Turns replayed with full input before any byte reached the app, by cause.",

@@ -231,7 +231,7 @@ async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamErr
                 await x.down.settle(channel)  # the app's answer before the lane records its head
     except UpstreamError as exc:
         failure = exc
-    x.rec.pumped(sent, x.down.upstream_wait)
+    x.rec.pumped(sent, x.down.upstream_wait, x.req.fields.get("service_tier"), channel.response)
     return channel, failure
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import websockets
 from openai import AsyncOpenAI
@@ -26,7 +27,7 @@ from proxy.emulator import Emulator
 from proxy.emulator.oracle import context_digest
 from tests.sidecar import Sidecar
 
-from .support import KEY, MODEL, TOOLS, Capture, app_items, post, record
+from .support import KEY, MODEL, TOOLS, Capture, app_items, delta, metrics, post, record
 
 pytestmark = pytest.mark.timeout(90)
 JSON = Any
@@ -235,6 +236,7 @@ async def test_standalone_compact_then_new_chain(emulator: Emulator, sidecar: Si
 
 async def test_ultrafast_with_fallback(make_emulator_today: Any) -> None:
     emulator, sidecar = await make_emulator_today(ultrafast_fallback_every=4)
+    before = await metrics(sidecar.admin_url)
     capture = Capture()
     client = capture.async_client(sidecar.base_url)
     ids: list[str] = []
@@ -253,6 +255,31 @@ async def test_ultrafast_with_fallback(make_emulator_today: Any) -> None:
     assert served.count("ultrafast") == tiers["ultrafast->ultrafast"]
     later = [rid for index, rid in enumerate(ids) if index % TURNS]
     assert share(continued(emulator, later)) >= 0.75
+    after = await metrics(sidecar.admin_url)  # the requested and the served tier, as bounded labels
+    fallbacks = delta(before, after, "upshift_service_tiers_total", requested="ultrafast", served="default")
+    assert fallbacks == tiers["ultrafast->default"]
+    served_fast = delta(before, after, "upshift_service_tiers_total", requested="ultrafast", served="ultrafast")
+    assert served_fast == tiers["ultrafast->ultrafast"]
+
+
+async def test_ultrafast_429_is_its_own_limit(make_emulator_today: Any) -> None:
+    """An Ultrafast 429 reaches the app as the upstream sent it; it teaches nothing about the
+    identity's sockets (the learned caps come from refused upgrades, which carry no tier), so the
+    Standard tier's next turn continues on the same socket."""
+    emulator, sidecar = await make_emulator_today(ultrafast_rate_limit=2)
+    capture = Capture()
+    client = capture.async_client(sidecar.base_url)
+    history: list[JSON] = [user("fast one")]
+    for _ in range(2):
+        reply = await client.responses.create(model=MODEL, input=history, service_tier="ultrafast")
+        history += [*dump(reply.output), user("fast again")]
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.responses.create(model=MODEL, input=history, service_tier="ultrafast")
+    assert "ultrafast" in info.value.message and info.value.response.headers["retry-after"] == "60"
+    standard = await client.responses.create(model=MODEL, input=history)  # another tier: not limited
+    assert standard.service_tier == "default"
+    assert not sidecar.pool.planner.caps
+    assert emulator.stats.ws_connections["opened"] == 1  # no socket given up, none held off
 
 
 # -- a safeguard pause mid-stream ----------------------------------------------------------------
