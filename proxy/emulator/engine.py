@@ -177,8 +177,8 @@ def compaction_triggered(turn: Turn) -> bool:
 def compaction_due(turn: Turn) -> bool:
     """Server-side compaction trigger [C]: ``context_management: [{"type": "compaction",
     "compact_threshold": N}]`` and the request's input tokens reach N. The response's output then starts
-    with a ``compaction`` item, announced by ``response.compaction.compacting``. The emulator does not
-    shrink the context: the item is an opaque marker the model's context keeps, like any output."""
+    with a ``compaction`` item, announced by ``response.compaction.compacting``. The chain keeps every
+    item; the model reads it from its latest compaction item on (:func:`~.oracle.visible`)."""
     entries = turn.body.get("context_management")
     if not isinstance(entries, list):
         return False
