@@ -66,6 +66,7 @@ __all__ = [
     "REGISTRY",
     "REPLAYS",
     "REQUESTS",
+    "SERVICE_TIERS",
     "REQUEST_BYTES",
     "RESEEDS",
     "SOCKETS",
