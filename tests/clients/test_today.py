@@ -23,8 +23,11 @@ import pytest
 import websockets
 from openai import AsyncOpenAI
 
+from proxy.core.reasons import MissReason
 from proxy.emulator import Emulator
 from proxy.emulator.oracle import context_digest
+from proxy.ops.explain_cmd import _describe as describe
+from proxy.ops.explain_cmd import explain_files
 from tests.sidecar import Sidecar
 
 from .support import KEY, MODEL, TOOLS, Capture, app_items, delta, metrics, post, record
@@ -413,3 +416,21 @@ async def test_both_create_envelopes_relayed_unchanged(emulator: Emulator, sidec
     assert [a["type"] for a in answers] == ["response.completed"] * 2
     first, second = (record(emulator, a["response"]["id"]) for a in answers)
     assert first["context_digest"] == second["context_digest"] == context_digest([user("relay me")])
+
+
+async def test_explain_a_pruned_history(emulator: Emulator) -> None:
+    """``upshift explain`` on a history pruned at a compaction item: the one the previous output
+    held continues; an edited echo after it is ``pruned_at_compaction``, in words."""
+    previous = {"model": MODEL, "input": [user("long task"), {"type": "compaction_trigger"}], "store": False}
+    async with aiohttp.ClientSession() as session:
+        response = (await post(session, emulator.base_url, previous)).body
+    compaction, answer = response["output"]
+    good = {**previous, "input": [compaction, answer, user("go on")]}
+    edited = {**previous, "input": [compaction, {**answer, "content": [{"type": "output_text", "text": "x"}]}]}
+    edited["input"].append(user("go on"))
+    raw = json.dumps(previous).encode()
+    kept = explain_files(raw, response, json.dumps(good).encode(), tolerate=())
+    assert kept[0] == "continuation" and kept[1] == 1
+    verdict, explanation = explain_files(raw, response, json.dumps(edited).encode(), tolerate=())
+    assert verdict == "miss" and explanation.reason == MissReason.PRUNED_AT_COMPACTION
+    assert "starts at a compaction item" in "\n".join(describe(explanation, "completed"))
