@@ -28,6 +28,7 @@ from proxy.core.reasons import (
     ReplayCause,
     RequestOutcome,
     Route,
+    ServiceTier,
     Tolerance,
 )
 
@@ -66,9 +67,9 @@ __all__ = [
     "REGISTRY",
     "REPLAYS",
     "REQUESTS",
-    "SERVICE_TIERS",
     "REQUEST_BYTES",
     "RESEEDS",
+    "SERVICE_TIERS",
     "SOCKETS",
     "SOCKET_AGE_AT_ROTATION",
     "SOCKET_CAP",
@@ -453,6 +454,8 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "build": _values(Build),
     "version": frozenset(),
     "python": frozenset(),
+    "requested": _values(ServiceTier),  # upshift_service_tiers_total
+    "served": _values(ServiceTier),
 }
 """Every value each label of the sidecar's own metrics may take (``version`` and ``python`` of
 ``upshift_build_info`` are free: checked by shape). The ingress layer's
