@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from proxy.emulator import Emulator
 from proxy.emulator.oracle import context_digest
 from proxy.ops.explain_cmd import _describe as describe
 from proxy.ops.explain_cmd import explain_files
+from proxy.ops.log import ACCESS_LOGGER
 from tests.sidecar import Sidecar
 
 from .support import KEY, MODEL, TOOLS, Capture, app_items, delta, metrics, post, record
@@ -207,7 +209,9 @@ async def test_compaction_then_pruned_history(emulator: Emulator, sidecar: Sidec
 # -- a standalone /compact, then the next turns --------------------------------------------------
 
 
-async def test_standalone_compact_then_new_chain(emulator: Emulator, sidecar: Sidecar) -> None:
+async def test_standalone_compact_then_new_chain(
+    emulator: Emulator, sidecar: Sidecar, access_lines: list[dict[str, Any]]
+) -> None:
     capture = Capture()
     client = capture.async_client(sidecar.base_url)
     history: list[JSON] = [user("plan the migration")]
@@ -232,12 +236,15 @@ async def test_standalone_compact_then_new_chain(emulator: Emulator, sidecar: Si
     flags = continued(emulator, ids)
     assert flags[0] is False and share(flags[1:]) >= 0.75, flags  # a new chain, then continued
     assert emulator.stats.other_requests["compact"] == 1 and len(bodies) == 2 + TURNS
+    compact_line = next(line for line in access_lines if line.get("route") == "other")
+    sent = json.dumps({"model": MODEL, "input": history}, separators=(",", ":")).encode()  # the SDK's bytes
+    assert compact_line["bytes_in"] == len(sent)
 
 
 # -- Ultrafast with tier fallback ----------------------------------------------------------------
 
 
-async def test_ultrafast_with_fallback(make_emulator_today: Any) -> None:
+async def test_ultrafast_with_fallback(make_emulator_today: Any, access_lines: list[dict[str, Any]]) -> None:
     emulator, sidecar = await make_emulator_today(ultrafast_fallback_every=4)
     before = await metrics(sidecar.admin_url)
     capture = Capture()
@@ -263,6 +270,8 @@ async def test_ultrafast_with_fallback(make_emulator_today: Any) -> None:
     assert fallbacks == tiers["ultrafast->default"]
     served_fast = delta(before, after, "upshift_service_tiers_total", requested="ultrafast", served="ultrafast")
     assert served_fast == tiers["ultrafast->ultrafast"]
+    logged = [(line["tier_requested"], line["tier_served"]) for line in access_lines if "tier_served" in line]
+    assert logged == [("ultrafast", tier) for tier in served]
 
 
 async def test_ultrafast_429_is_its_own_limit(make_emulator_today: Any) -> None:
@@ -370,6 +379,28 @@ async def test_programmatic_tool_calls(emulator: Emulator, sidecar: Sidecar, ech
         assert share(flags) >= 0.75, flags
     else:
         assert not any(flags[::3]), flags  # the echo of a call without its caller is another context
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(dict(vars(record)))  # the line's fields are the record's extras
+
+
+@pytest.fixture
+def access_lines() -> Any:
+    """The sidecar's access lines as dicts (the logger's own records)."""
+    handler = _Lines()
+    logger = logging.getLogger(ACCESS_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler.records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.fixture
