@@ -101,6 +101,9 @@ class Head:
     """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
     compactions: tuple[bytes, ...] = ()
     """Digests of the ``encrypted_content`` of the ``compaction`` items of its output."""
+    bare: tuple[int, Any] | None = None
+    """Under ``reasoning.context: current_turn``: its input's items other than reasoning, counted,
+    and the SHA-256 state over their keys (:meth:`HeadTable._bare_lookup`)."""
 
     def __init__(
         self,
@@ -130,6 +133,7 @@ class Head:
         self.items = items
         self.echo = echo
         self.compactions = ()
+        self.bare = None
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -407,6 +411,9 @@ class HeadTable:
         self._compactions: dict[str, dict[bytes, Hashable]] = {}
         """identity → digest of a ``compaction`` item's ``encrypted_content`` in a head's output →
         that head's anchor (a history pruned at that item continues it: :meth:`_pruned`)."""
+        self._bare: dict[tuple[str, bytes], dict[tuple[int, bytes], list[Hashable]]] = {}
+        """(identity, settings) → (input items other than reasoning, their digest) → anchors, for
+        the heads of ``current_turn`` requests (:meth:`_bare_lookup`)."""
         self.listener: Listener | None = None
         """Told of each head recorded from a full history, with its request (the miss
         explainer, :class:`proxy.core.explainer.MissExplainer`, which attaches itself)."""
@@ -485,9 +492,41 @@ class HeadTable:
                 return pruned
             if pruned is not None:
                 reason = pruned
+        if current and reason in _BARE_AFTER and self._bare.get((identity, req.settings_digest)):
+            bare = self._bare_lookup(identity, req, usable)
+            if bare is not None:
+                return bare
         if reason == MissReason.NO_HEAD and self._matches_other_settings(identity, req):
             reason = MissReason.SETTINGS_CHANGED
         return Lookup(None, reason, *dropped_seen)
+
+    def _bare_lookup(self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool]) -> Lookup | None:
+        """Under ``current_turn``: a head whose input equals the request's but for reasoning items,
+        continued when a user message follows the echo of its output.
+
+        The model reads no reasoning before the last user message under ``current_turn``, so
+        reasoning items the app left out of (or kept in) that part of its history change nothing it
+        reads: the request and the head's chain plus the new items read the same (docs/fidelity.md).
+        """
+        table = self._bare[(identity, req.settings_digest)]
+        lengths = {n for n, _ in table}
+        items = req.all_items()
+        keys = req.item_keys()
+        state = hashlib.sha256()
+        count = 0
+        found: list[tuple[int, Hashable]] = []
+        for index, (item, key) in enumerate(zip(items, keys, strict=True)):
+            if _is_reasoning(item):
+                continue
+            state.update(key)
+            count += 1
+            if count in lengths:
+                found += [(index + 1, anchor) for anchor in table.get((count, state.digest()[:16]), ())]
+        for n, anchor in reversed(found):  # the longest (latest) first
+            tried = self._try(self._heads[anchor], items, n, 0, usable, True, need_user=True)
+            if isinstance(tried, Lookup):
+                return tried
+        return None
 
     def _pruned(
         self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool], current: bool
@@ -527,6 +566,7 @@ class HeadTable:
         usable: Callable[[Head], bool],
         current: bool = False,
         start: int = 0,
+        need_user: bool = False,
     ) -> Lookup | tuple[MissReason, tuple[int, int]]:
         """Continue ``head`` with ``items[n:]`` if its echo matches and the planner can use it.
 
@@ -535,6 +575,7 @@ class HeadTable:
         ``current``: the request's ``reasoning.context`` is ``current_turn``, under which the
         model does not read reasoning of earlier user turns: left-out reasoning of the head's
         output continues when a user message follows the echo (a new user turn begins).
+        ``need_user``: continue only then (the input matched but for its reasoning items).
         Returns the continuation, or ``(the miss reason, (reasoning items left out, phases
         left out))``.
         """
@@ -542,6 +583,8 @@ class HeadTable:
         if isinstance(found, MissReason):
             return found, (0, 0)
         consumed, reasoning, phases = found
+        if need_user and not _user_turn(items, n + consumed):
+            return MissReason.DIVERGED, (0, 0)
         if reasoning and current and _user_turn(items, n + consumed):
             reasoning = 0  # not read under current_turn: no difference, no tolerance
         drops = (reasoning, phases)
@@ -607,6 +650,31 @@ class HeadTable:
             return None
         return anchor
 
+    def _bare_of(self, req: ParsedRequest) -> tuple[int, Any]:
+        """:attr:`Head.bare` for ``req``: extended from the head a fast parse skipped, else counted
+        over the whole input."""
+        if req.base is not None and req.tail is not None:
+            base = self._heads.get(req.base.anchor)
+            if (
+                base is not None
+                and base.bare is not None
+                and base.n_input == req.base.count
+                and base.input_digest == req.base.input_state.digest()[:16]
+            ):
+                count, state = base.bare[0], base.bare[1].copy()
+                for item, key in zip(req.tail, req.tail_keys(), strict=True):
+                    if not _is_reasoning(item):
+                        state.update(key)
+                        count += 1
+                return count, state
+        state = hashlib.sha256()
+        count = 0
+        for item, key in zip(req.all_items(), req.item_keys(), strict=True):
+            if not _is_reasoning(item):
+                state.update(key)
+                count += 1
+        return count, state
+
     def _item_digests(self, req: ParsedRequest) -> bytes | None:
         """The per-item digests of ``req`` for its head (8 bytes an item), cheaply.
 
@@ -669,6 +737,7 @@ class HeadTable:
         when the caller computed it off the event loop.
         """
         digests = self._item_digests(req)  # before discard: a fast parse extends this head's
+        bare = self._bare_of(req) if req.previous_response_id is None and current_turn(req) else None
         self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
@@ -700,6 +769,7 @@ class HeadTable:
             raw = raw_prefix(req, prefix_state)
             prefix = _Prefix(identity, raw, req.n_items, state) if raw is not None else None
         head.store = req.store
+        head.bare = bare
         if not chained:
             for item in items:
                 if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
@@ -715,6 +785,9 @@ class HeadTable:
         self._by_response[head.response_id] = anchor
         for held in head.compactions:
             self._compactions.setdefault(head.identity, {})[held] = anchor
+        if head.bare is not None:
+            key = (head.bare[0], head.bare[1].digest()[:16])
+            self._bare.setdefault((head.identity, head.settings), {}).setdefault(key, []).append(anchor)
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket_key = (head.identity, head.settings)
@@ -742,6 +815,8 @@ class HeadTable:
                     del known[held]
             if not known:
                 self._compactions.pop(head.identity, None)
+        if head.bare is not None:
+            self._unbare(head, anchor)
         if head.chained:
             return
         if self.listener is not None:
@@ -762,6 +837,18 @@ class HeadTable:
             del bucket.lengths[head.n_input]
         if not bucket.lengths:
             del self._buckets[bucket_key]
+
+    def _unbare(self, head: Head, anchor: Hashable) -> None:
+        assert head.bare is not None
+        table = self._bare.get((head.identity, head.settings), {})
+        key = (head.bare[0], head.bare[1].digest()[:16])
+        anchors = table.get(key)
+        if anchors is not None and anchor in anchors:
+            anchors.remove(anchor)
+            if not anchors:
+                del table[key]
+        if not table:
+            self._bare.pop((head.identity, head.settings), None)
 
     def expire(self, now: float) -> list[Hashable]:
         """Drop heads unused for ``ttl_seconds`` and bodies older than the cache's
@@ -786,6 +873,14 @@ def current_turn(req: ParsedRequest) -> bool:
     ``all_turns``, the stricter rule, since what ``auto`` means depends on the model)."""
     reasoning = req.fields.get("reasoning")
     return isinstance(reasoning, dict) and reasoning.get("context") == "current_turn"
+
+
+_BARE_AFTER = frozenset({MissReason.NO_HEAD, MissReason.DIVERGED, MissReason.DROPPED_REASONING})
+"""Misses after which a ``current_turn`` request tries the heads whose input differs only in reasoning."""
+
+
+def _is_reasoning(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "reasoning"
 
 
 def _user_turn(items: Sequence[Any], start: int) -> bool:
