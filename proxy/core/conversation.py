@@ -37,6 +37,7 @@ Two classes, one job each:
 
 from __future__ import annotations
 
+import hashlib
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -98,6 +99,11 @@ class Head:
     """8 bytes per input item (:func:`~proxy.core.explain.item_digests`), to explain misses."""
     echo: tuple[EchoFields, ...] = ()
     """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
+    compactions: tuple[bytes, ...] = ()
+    """Digests of the ``encrypted_content`` of the ``compaction`` items of its output."""
+    bare: tuple[int, Any] | None = None
+    """Under ``reasoning.context: current_turn``: its input's items other than reasoning, counted,
+    and the SHA-256 state over their keys (:meth:`HeadTable._bare_lookup`)."""
 
     def __init__(
         self,
@@ -126,6 +132,8 @@ class Head:
         self.chained = chained
         self.items = items
         self.echo = echo
+        self.compactions = ()
+        self.bare = None
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -400,6 +408,12 @@ class HeadTable:
         self._by_response: dict[str, Hashable] = {}
         self._fair_heads = FairShares()
         """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes (issue 22)."""
+        self._compactions: dict[str, dict[bytes, Hashable]] = {}
+        """identity → digest of a ``compaction`` item's ``encrypted_content`` in a head's output →
+        that head's anchor (a history pruned at that item continues it: :meth:`_pruned`)."""
+        self._bare: dict[tuple[str, bytes], dict[tuple[int, bytes], list[Hashable]]] = {}
+        """(identity, settings) → (input items other than reasoning, their digest) → anchors, for
+        the heads of ``current_turn`` requests (:meth:`_bare_lookup`)."""
         self.listener: Listener | None = None
         """Told of each head recorded from a full history, with its request (the miss
         explainer, :class:`proxy.core.explainer.MissExplainer`, which attaches itself)."""
@@ -447,11 +461,12 @@ class HeadTable:
         """
         if req.previous_response_id is not None:
             return Lookup(None, MissReason.APP_CHAINED)
+        current = current_turn(req)
         if req.base is not None and req.tail is not None:
             # A fast parse knows its head: try it first; on a miss the search below decides.
             head = self._heads.get(req.base.anchor)
             if head is not None and head.identity == identity and head.settings == req.settings_digest:
-                found = self._try(head, req.tail, 0, req.base.count, usable)
+                found = self._try(head, req.tail, 0, req.base.count, usable, current)
                 if isinstance(found, Lookup):
                     return found
         bucket = self._buckets.get((identity, req.settings_digest))
@@ -464,30 +479,114 @@ class HeadTable:
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
                     items, at, skipped = req.items_from(n)  # the fast parse's tail when it suffices
-                    tried = self._try(self._heads[anchor], items, at, skipped, usable)
+                    tried = self._try(self._heads[anchor], items, at, skipped, usable, current)
                     if isinstance(tried, Lookup):
                         return tried
                     why, dropped = tried
                     if why in (MissReason.DROPPED_REASONING, MissReason.DROPPED_PHASE):
                         dropped_seen = dropped
                     reason = _stronger(reason, why)
+        if reason in (MissReason.NO_HEAD, MissReason.DIVERGED) and self._compactions.get(identity):
+            pruned = self._pruned(identity, req, usable, current)
+            if isinstance(pruned, Lookup):
+                return pruned
+            if pruned is not None:
+                reason = pruned
+        if current and reason in _BARE_AFTER and self._bare.get((identity, req.settings_digest)):
+            bare = self._bare_lookup(identity, req, usable)
+            if bare is not None:
+                return bare
         if reason == MissReason.NO_HEAD and self._matches_other_settings(identity, req):
             reason = MissReason.SETTINGS_CHANGED
         return Lookup(None, reason, *dropped_seen)
 
+    def _bare_lookup(self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool]) -> Lookup | None:
+        """Under ``current_turn``: a head whose input equals the request's but for reasoning items,
+        continued when a user message follows the echo of its output.
+
+        The model reads no reasoning before the last user message under ``current_turn``, so
+        reasoning items the app left out of (or kept in) that part of its history change nothing it
+        reads: the request and the head's chain plus the new items read the same (docs/fidelity.md).
+        """
+        table = self._bare[(identity, req.settings_digest)]
+        lengths = {n for n, _ in table}
+        items = req.all_items()
+        keys = req.item_keys()
+        state = hashlib.sha256()
+        count = 0
+        found: list[tuple[int, Hashable]] = []
+        for index, (item, key) in enumerate(zip(items, keys, strict=True)):
+            if _is_reasoning(item):
+                continue
+            state.update(key)
+            count += 1
+            if count in lengths:
+                found += [(index + 1, anchor) for anchor in table.get((count, state.digest()[:16]), ())]
+        for n, anchor in reversed(found):  # the longest (latest) first
+            tried = self._try(self._heads[anchor], items, n, 0, usable, True, need_user=True)
+            if isinstance(tried, Lookup):
+                return tried
+        return None
+
+    def _pruned(
+        self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool], current: bool
+    ) -> Lookup | MissReason | None:
+        """A history pruned at a compaction item (its first item): the head whose output holds
+        that item continues it when the request echoes that output from the compaction item on.
+
+        The model reads a context from its latest compaction item on (protocol.md §7: the item
+        stands for everything before it), so the pruned history and the head's chain plus the new
+        items are the same context exactly when that echo matches (docs/fidelity.md). ``None``:
+        the request does not start with a compaction item.
+        """
+        items, at, skipped = req.items_from(0)
+        first = items[at] if at < len(items) else None
+        if not isinstance(first, dict) or first.get("type") != "compaction":
+            return None
+        content = first.get("encrypted_content")
+        anchor = self._compactions[identity].get(digest_of(content)) if isinstance(content, str) else None
+        head = self._heads.get(anchor) if anchor is not None else None
+        if head is None or head.settings != req.settings_digest:
+            return MissReason.PRUNED_AT_COMPACTION
+        start = next((i for i, fp in enumerate(head.output) if fp.kind == "compaction"), None)
+        if start is None:
+            return MissReason.PRUNED_AT_COMPACTION
+        tried = self._try(head, items, at, skipped, usable, current, start)
+        if isinstance(tried, Lookup):
+            return tried
+        why = tried[0]
+        return why if why in (MissReason.HEAD_BUSY, MissReason.DROPPED_REASONING) else MissReason.PRUNED_AT_COMPACTION
+
     def _try(
-        self, head: Head, items: Sequence[Any], n: int, skipped: int, usable: Callable[[Head], bool]
+        self,
+        head: Head,
+        items: Sequence[Any],
+        n: int,
+        skipped: int,
+        usable: Callable[[Head], bool],
+        current: bool = False,
+        start: int = 0,
+        need_user: bool = False,
     ) -> Lookup | tuple[MissReason, tuple[int, int]]:
         """Continue ``head`` with ``items[n:]`` if its echo matches and the planner can use it.
 
-        ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix).
+        ``skipped`` input items precede ``items`` (a fast parse's byte-identical prefix);
+        ``start``: the echo starts at this item of the head's output (a pruned history).
+        ``current``: the request's ``reasoning.context`` is ``current_turn``, under which the
+        model does not read reasoning of earlier user turns: left-out reasoning of the head's
+        output continues when a user message follows the echo (a new user turn begins).
+        ``need_user``: continue only then (the input matched but for its reasoning items).
         Returns the continuation, or ``(the miss reason, (reasoning items left out, phases
         left out))``.
         """
-        found = self._continue(head, items, n)
+        found = self._continue(head, items, n, start)
         if isinstance(found, MissReason):
             return found, (0, 0)
         consumed, reasoning, phases = found
+        if need_user and not _user_turn(items, n + consumed):
+            return MissReason.DIVERGED, (0, 0)
+        if reasoning and current and _user_turn(items, n + consumed):
+            reasoning = 0  # not read under current_turn: no difference, no tolerance
         drops = (reasoning, phases)
         if reasoning and Tolerance.REASONING not in self.tolerate:
             return MissReason.DROPPED_REASONING, drops
@@ -506,7 +605,7 @@ class HeadTable:
             self._heads.move_to_end(anchor)
             self._fair_heads.touch(anchor)
 
-    def _continue(self, head: Head, items: Sequence[Any], n: int) -> tuple[int, int, int] | MissReason:
+    def _continue(self, head: Head, items: Sequence[Any], n: int, start: int = 0) -> tuple[int, int, int] | MissReason:
         """Match the echo of ``head.output`` at ``items[n:]``.
 
         Returns ``(items consumed by the echo, reasoning items left out, messages whose
@@ -516,7 +615,7 @@ class HeadTable:
             return MissReason.RETRY
         position = n
         dropped = phases = 0
-        for fp in head.output:
+        for fp in head.output[start:] if start else head.output:
             if position < len(items) and echo_matches(fp, items[position]):
                 position += 1
             elif position < len(items) and phase_dropped(fp, items[position]):
@@ -550,6 +649,31 @@ class HeadTable:
         if head is None or head.identity != identity:
             return None
         return anchor
+
+    def _bare_of(self, req: ParsedRequest) -> tuple[int, Any]:
+        """:attr:`Head.bare` for ``req``: extended from the head a fast parse skipped, else counted
+        over the whole input."""
+        if req.base is not None and req.tail is not None:
+            base = self._heads.get(req.base.anchor)
+            if (
+                base is not None
+                and base.bare is not None
+                and base.n_input == req.base.count
+                and base.input_digest == req.base.input_state.digest()[:16]
+            ):
+                count, state = base.bare[0], base.bare[1].copy()
+                for item, key in zip(req.tail, req.tail_keys(), strict=True):
+                    if not _is_reasoning(item):
+                        state.update(key)
+                        count += 1
+                return count, state
+        state = hashlib.sha256()
+        count = 0
+        for item, key in zip(req.all_items(), req.item_keys(), strict=True):
+            if not _is_reasoning(item):
+                state.update(key)
+                count += 1
+        return count, state
 
     def _item_digests(self, req: ParsedRequest) -> bytes | None:
         """The per-item digests of ``req`` for its head (8 bytes an item), cheaply.
@@ -613,6 +737,7 @@ class HeadTable:
         when the caller computed it off the event loop.
         """
         digests = self._item_digests(req)  # before discard: a fast parse extends this head's
+        bare = self._bare_of(req) if req.previous_response_id is None and current_turn(req) else None
         self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
@@ -644,6 +769,11 @@ class HeadTable:
             raw = raw_prefix(req, prefix_state)
             prefix = _Prefix(identity, raw, req.n_items, state) if raw is not None else None
         head.store = req.store
+        head.bare = bare
+        if not chained:
+            for item in items:
+                if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
+                    head.compactions += (digest_of(item["encrypted_content"]),)
         self._insert(head, now, prefix)
         return head
 
@@ -653,6 +783,11 @@ class HeadTable:
         self._heads[anchor] = head
         self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
+        for held in head.compactions:
+            self._compactions.setdefault(head.identity, {})[held] = anchor
+        if head.bare is not None:
+            key = (head.bare[0], head.bare[1].digest()[:16])
+            self._bare.setdefault((head.identity, head.settings), {}).setdefault(key, []).append(anchor)
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket_key = (head.identity, head.settings)
@@ -673,6 +808,15 @@ class HeadTable:
         self._fair_heads.remove(anchor)
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
+        if head.compactions:
+            known = self._compactions.get(head.identity, {})
+            for held in head.compactions:
+                if known.get(held) == anchor:
+                    del known[held]
+            if not known:
+                self._compactions.pop(head.identity, None)
+        if head.bare is not None:
+            self._unbare(head, anchor)
         if head.chained:
             return
         if self.listener is not None:
@@ -694,6 +838,18 @@ class HeadTable:
         if not bucket.lengths:
             del self._buckets[bucket_key]
 
+    def _unbare(self, head: Head, anchor: Hashable) -> None:
+        assert head.bare is not None
+        table = self._bare.get((head.identity, head.settings), {})
+        key = (head.bare[0], head.bare[1].digest()[:16])
+        anchors = table.get(key)
+        if anchors is not None and anchor in anchors:
+            anchors.remove(anchor)
+            if not anchors:
+                del table[key]
+        if not table:
+            self._bare.pop((head.identity, head.settings), None)
+
     def expire(self, now: float) -> list[Hashable]:
         """Drop heads unused for ``ttl_seconds`` and bodies older than the cache's
         ``hot_seconds``; returns the anchors of the heads dropped."""
@@ -712,6 +868,35 @@ class HeadTable:
         return (head.identity, head.settings, head.n_input, head.input_digest)
 
 
+def current_turn(req: ParsedRequest) -> bool:
+    """Whether ``req`` asks for ``reasoning.context: current_turn`` (``auto`` or absent: read as
+    ``all_turns``, the stricter rule, since what ``auto`` means depends on the model)."""
+    reasoning = req.fields.get("reasoning")
+    return isinstance(reasoning, dict) and reasoning.get("context") == "current_turn"
+
+
+_BARE_AFTER = frozenset({MissReason.NO_HEAD, MissReason.DIVERGED, MissReason.DROPPED_REASONING})
+"""Misses after which a ``current_turn`` request tries the heads whose input differs only in reasoning."""
+
+
+def _is_reasoning(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "reasoning"
+
+
+def _user_turn(items: Sequence[Any], start: int) -> bool:
+    """Whether a user message is among ``items[start:]`` (a new user turn begins there)."""
+    for index in range(start, len(items)):
+        item = items[index]
+        if isinstance(item, dict) and item.get("role") == "user" and item.get("type", "message") == "message":
+            return True
+    return False
+
+
+def digest_of(value: str) -> bytes:
+    """A 16-byte digest of a string (a compaction item's ``encrypted_content``)."""
+    return hashlib.sha256(value.encode()).digest()[:16]
+
+
 _STRENGTH: dict[MissReason, int] = {
     MissReason.NO_HEAD: 0,
     MissReason.DIVERGED: 1,
@@ -720,6 +905,7 @@ _STRENGTH: dict[MissReason, int] = {
     MissReason.DROPPED_REASONING: 4,
     MissReason.DROPPED_PHASE: 4,
     MissReason.HEAD_BUSY: 5,
+    MissReason.PRUNED_AT_COMPACTION: 1,
 }
 
 

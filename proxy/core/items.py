@@ -42,6 +42,11 @@ __all__ = [
 _CLIENT_KEYS = frozenset({"internal_chat_message_metadata_passthrough", "parsed_arguments"})
 """Keys some clients add to items they echo (client-echo.md rule 4)."""
 
+_UNREAD_PART_KEYS = frozenset({"parsed", "prompt_cache_breakpoint"})
+"""Keys of an input content part left out of the prefix comparison: ``parsed`` is a client's own
+(rule 4), ``prompt_cache_breakpoint`` a caching hint the model does not read (docs/fidelity.md):
+clients that move one breakpoint to the newest message change an old item in that key only."""
+
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
 
@@ -106,7 +111,7 @@ def input_view(item: Any) -> Any:
         parts = _message_parts(value)
         if isinstance(parts, list):
             value["content"] = [
-                {k: v for k, v in p.items() if k != "parsed"} if isinstance(p, dict) else p for p in parts
+                {k: v for k, v in p.items() if k not in _UNREAD_PART_KEYS} if isinstance(p, dict) else p for p in parts
             ]
     return value
 
@@ -173,9 +178,9 @@ _UNSEEN = ("id", "status", "type")
 """Fields of every item the model does not read: ``id`` is a handle (compared on its own, when
 the echo has it), ``status`` a record of generation (the OpenAPI description: "populated when
 items are returned via API"), ``type`` the kind (compared on its own)."""
-_UNSEEN_PART = ("logprobs", "parsed")
+_UNSEEN_PART = ("logprobs", "parsed", "prompt_cache_breakpoint")
 """Fields of a content part the model does not read: ``logprobs`` are the sampler's report on
-the text, ``parsed`` a client's own (rule 4)."""
+the text, ``parsed`` a client's own (rule 4), ``prompt_cache_breakpoint`` a caching hint."""
 
 
 def _part(part: Any) -> Any:

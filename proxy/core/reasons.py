@@ -67,6 +67,9 @@ class MissReason(enum.StrEnum):
     """The echo is there but nothing new follows it."""
     APP_CHAINED = "app_chained"
     """The app sets its own ``previous_response_id``."""
+    PRUNED_AT_COMPACTION = "pruned_at_compaction"
+    """The history starts at a ``compaction`` item (pruned after compaction) that no known head
+    produced, or the echo after it differs from that head's output."""
     POOL_FULL = "pool_full"
     """No lane could be had within the limits and the wait bound: sent over HTTP."""
 
@@ -281,3 +284,28 @@ class ListenerClose(enum.StrEnum):
 
 Reason: TypeAlias = Hit | MissReason | PassthroughReason | ReplayCause | ForwardReason
 """Everything the access log's ``reason`` may say (``""`` when there is nothing to say)."""
+
+
+class ServiceTier(enum.StrEnum):
+    """``service_tier`` as a bounded label (``upshift_service_tiers_total``, the access line): the
+    tiers the API documents, anything else ``other``; ``none`` when the field is absent."""
+
+    AUTO = "auto"
+    DEFAULT = "default"
+    FLEX = "flex"
+    SCALE = "scale"
+    PRIORITY = "priority"
+    FAST = "fast"
+    ULTRAFAST = "ultrafast"
+    OTHER = "other"
+    NONE = "none"
+
+    @classmethod
+    def of(cls, value: object) -> ServiceTier:
+        """The label of a ``service_tier`` value as the app or the upstream sent it."""
+        if value is None:
+            return cls.NONE
+        try:
+            return cls(value) if isinstance(value, str) and value not in ("other", "none") else cls.OTHER
+        except ValueError:
+            return cls.OTHER

@@ -105,11 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument(
         "--background-delay", type=float, help=f"seconds a background response stays queued ({d.background_delay_s:g})"
     )
+    today = p.add_argument_group("today's protocol (protocol.md §7)")
+    today.add_argument("--no-ws-obfuscation", action="store_true", help="never add 'obfuscation' to WebSocket deltas")
+    today.add_argument(
+        "--safeguard-pause", type=float, help=f"seconds a 'safeguard' answer pauses ({d.safeguard_pause_s:g})"
+    )
+    today.add_argument("--ultrafast-models", help="comma-separated models served on service_tier ultrafast")
+    today.add_argument("--ultrafast-fallback-every", type=int, help="every Nth ultrafast request served on default (0)")
+    today.add_argument("--ultrafast-rate-limit", type=int, help="ultrafast requests a minute per key (0: none)")
+    today.add_argument("--encrypted-reasoning-models", help="models with encrypted reasoning by default")
     tls = p.add_argument_group("tls")
     tls.add_argument("--tls-cert", help="PEM certificate chain: serve HTTPS and wss:// (with --tls-key)")
     tls.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     return p  # fmt: skip
+
+
+def _names(value: str | None) -> tuple[str, ...] | None:
+    return tuple(m.strip() for m in value.split(",") if m.strip()) if value else None
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -141,6 +154,11 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         "background_delay_s": args.background_delay,
         "require_keys": tuple(args.require_key) if args.require_key else None,
         "models": tuple(m.strip() for m in args.models.split(",") if m.strip()) if args.models else None,
+        "safeguard_pause_s": args.safeguard_pause,
+        "ultrafast_models": _names(args.ultrafast_models),
+        "ultrafast_fallback_every": args.ultrafast_fallback_every,
+        "ultrafast_rate_limit": args.ultrafast_rate_limit,
+        "encrypted_reasoning_models": _names(args.encrypted_reasoning_models),
     }
     changes.update({k: v for k, v in flags.items() if v is not None})
     for flag, field, value in (
@@ -150,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         (args.allow_unknown_params, "reject_unknown_params", False),
         (args.no_validate_tool_pairs, "validate_tool_pairs", False),
         (args.no_obfuscation, "http_obfuscation", False),
+        (args.no_ws_obfuscation, "ws_obfuscation", False),
     ):
         if flag:
             changes[field] = value

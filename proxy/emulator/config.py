@@ -130,6 +130,21 @@ class EmulatorConfig:
     http_obfuscation: bool = True
     """HTTP SSE delta events carry an ``obfuscation`` string unless ``stream_options.include_obfuscation``
     is false (the real API's default)."""
+    ws_obfuscation: bool = True
+    """WebSocket delta events carry ``obfuscation`` like HTTP SSE ones, unless the create's
+    ``stream_options.include_obfuscation`` is false [C: undocumented on WebSocket, protocol.md §7]."""
+    encrypted_reasoning_models: tuple[str, ...] = ("gpt-5.6", "gpt-6")
+    """Models whose reasoning items carry ``encrypted_content`` by default for stateless requests
+    (``store: false``), without ``include`` (protocol.md §7)."""
+    safeguard_pause_s: float = 8.0
+    """How long a safeguard review pauses a response mid-stream (prompt directive ``safeguard``)."""
+    ultrafast_models: tuple[str, ...] = ("gpt-5.6-sol", "gpt-6.1-sol")
+    """Models served on ``service_tier: "ultrafast"``; others fall back to ``default``."""
+    ultrafast_fallback_every: int = 0
+    """Every Nth ultrafast request is served on ``default`` instead (the response says so); 0 = never."""
+    ultrafast_rate_limit: int = 0
+    """Ultrafast requests allowed per key per minute (a separate limit from the other tiers);
+    beyond it a 429 names the ultrafast limit. 0 = no limit."""
     require_keys: tuple[str, ...] = ()
     """Accepted API keys; empty = any non-empty key not starting with ``bad_key_prefix``."""
     bad_key_prefix: str = "sk-bad"
@@ -190,7 +205,7 @@ def load_config_file(path: str | Path) -> EmulatorConfig:
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-    for key in ("require_keys", "models", "steer_models"):
+    for key in ("require_keys", "models", "steer_models", "encrypted_reasoning_models", "ultrafast_models"):
         if key in raw:
             raw[key] = tuple(raw[key])
     return EmulatorConfig(latency=latency, **raw)

@@ -13,7 +13,7 @@ from .config import EmulatorConfig
 from .events import Event, build_events, lifecycle
 from .model import ModelRequest, Plan, plan
 from .objects import failed_object, response_object, steered_object, usage
-from .oracle import settings_digest
+from .oracle import Segment, settings_digest
 from .state import EmulatorState, ResponseRecord
 from .turn import Turn, new_id, prepare
 
@@ -21,6 +21,9 @@ __all__ = [
     "Execution",
     "Turn",
     "compaction_due",
+    "compaction_item",
+    "compaction_triggered",
+    "encrypted_reasoning",
     "execute",
     "failed_object",
     "finish",
@@ -40,13 +43,36 @@ class Execution:
     final: dict[str, JSON]
     events: list[Event]
     terminal: str
+    safeguard_at: int | None = None
+    """A safeguard review pauses the stream before this event for :attr:`safeguard_s`."""
+    safeguard_s: float = 0.0
 
 
 def _materialise(result: Plan, include_encrypted: bool) -> list[JSON]:
     items: list[JSON] = []
+    program_call = ""
     for planned in result.items:
-        if planned.kind == "reasoning":
-            item: dict[str, JSON] = {
+        item: dict[str, JSON]
+        if planned.kind == "program":
+            program_call = new_id("call", 12)
+            fingerprint = hashlib.sha256(planned.text.encode()).hexdigest()[:32]
+            item = {
+                "id": new_id("prg"),
+                "type": "program",
+                "call_id": program_call,
+                "code": planned.text,
+                "fingerprint": "fp_" + fingerprint,
+            }
+        elif planned.kind == "program_output":
+            item = {
+                "id": new_id("pro"),
+                "type": "program_output",
+                "call_id": planned.call_id,
+                "result": planned.text,
+                "status": "completed",
+            }
+        elif planned.kind == "reasoning":
+            item = {
                 "id": new_id("rs"),
                 "type": "reasoning",
                 "summary": [{"type": "summary_text", "text": planned.text}],
@@ -62,6 +88,8 @@ def _materialise(result: Plan, include_encrypted: bool) -> list[JSON]:
                 "call_id": new_id("call", 12),
                 "name": planned.name,
             }
+            if planned.programmatic and program_call:
+                item["caller"] = {"type": "program", "caller_id": program_call}
         else:
             part = {"type": "output_text", "annotations": [], "logprobs": [], "text": planned.text}
             item = {
@@ -89,7 +117,7 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
     wants_reasoning = isinstance(reasoning, dict) and reasoning.get("effort") != "none"
     result = plan(
         ModelRequest(
-            context=turn.context,
+            context=turn.read,
             tools=tuple(body.get("tools") or ()),
             tool_choice=body.get("tool_choice"),
             reasoning=wants_reasoning,
@@ -97,10 +125,9 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
             max_output_tokens=body.get("max_output_tokens"),
         )
     )
-    output = _materialise(result, "reasoning.encrypted_content" in (body.get("include") or ()))
-    if compaction_due(turn):
-        blob = hashlib.sha256(turn.context.digest.encode()).hexdigest()
-        output.insert(0, {"id": new_id("cmp"), "type": "compaction", "encrypted_content": "gAAAAAC" + blob})
+    output = _materialise(result, encrypted_reasoning(body, config))
+    if compaction_due(turn) or compaction_triggered(turn):
+        output.insert(0, compaction_item(turn.read))
     out_tokens = sum(p.tokens for p in result.items)
     reasoning_tokens = sum(p.tokens for p in result.items if p.kind == "reasoning")
     spent = usage(turn, out_tokens, reasoning_tokens)
@@ -112,14 +139,46 @@ def execute(turn: Turn, config: EmulatorConfig) -> Execution:
     else:
         final = response_object(turn, status="completed", output=output, usage=spent)
         terminal = "response.completed"
-    return Execution(shell, final, build_events(shell, final, terminal, config.delta_chars), terminal)
+    events = build_events(shell, final, terminal, config.delta_chars)
+    pause = _safeguard_pause(events) if result.safeguard and config.safeguard_pause_s > 0 else None
+    return Execution(shell, final, events, terminal, pause, config.safeguard_pause_s)
+
+
+def _safeguard_pause(events: list[Event]) -> int:
+    """Where a safeguard review pauses the stream: after the first text delta (mid-message)."""
+    for index, event in enumerate(events):
+        if event.payload["type"] == "response.output_text.delta":
+            return index + 1
+    return max(2, len(events) - 1)
+
+
+def encrypted_reasoning(body: dict[str, JSON], config: EmulatorConfig) -> bool:
+    """Reasoning items carry ``encrypted_content`` when ``include`` asks for it, and by default for
+    stateless requests (``store: false``) on the models of ``config.encrypted_reasoning_models``
+    (protocol.md §7)."""
+    if "reasoning.encrypted_content" in (body.get("include") or ()):
+        return True
+    model = str(body.get("model") or "")
+    return body.get("store") is False and model.startswith(config.encrypted_reasoning_models)
+
+
+def compaction_item(read: Segment) -> dict[str, JSON]:
+    """The ``compaction`` item standing for the context ``read`` (its content is a function of it:
+    equal contexts compact alike)."""
+    blob = hashlib.sha256(read.digest.encode()).hexdigest()
+    return {"id": new_id("cmp"), "type": "compaction", "encrypted_content": "gAAAAAC" + blob}
+
+
+def compaction_triggered(turn: Turn) -> bool:
+    """Compaction v2 (protocol.md §7): the input ends with a ``compaction_trigger`` item."""
+    return bool(turn.new_items) and turn.new_items[-1].get("type") == "compaction_trigger"
 
 
 def compaction_due(turn: Turn) -> bool:
     """Server-side compaction trigger [C]: ``context_management: [{"type": "compaction",
     "compact_threshold": N}]`` and the request's input tokens reach N. The response's output then starts
-    with a ``compaction`` item, announced by ``response.compaction.compacting``. The emulator does not
-    shrink the context: the item is an opaque marker the model's context keeps, like any output."""
+    with a ``compaction`` item, announced by ``response.compaction.compacting``. The chain keeps every
+    item; the model reads it from its latest compaction item on (:func:`~.oracle.visible`)."""
     entries = turn.body.get("context_management")
     if not isinstance(entries, list):
         return False
@@ -160,7 +219,10 @@ def oracle_record(turn: Turn, status: str) -> dict[str, JSON]:
     return {
         "id": turn.id,
         "status": status,
-        "context_digest": turn.context.digest,
+        "context_digest": turn.read.digest,
+        "chain_digest": turn.context.digest,
+        "reasoning_context": turn.reasoning_context,
+        "service_tier": turn.body.get("service_tier"),
         "settings_digest": settings_digest(turn.body.get("instructions"), turn.body.get("tools")),
         "context_items": turn.context.count,
         "input_items": len(turn.new_items),

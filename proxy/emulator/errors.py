@@ -132,6 +132,18 @@ def connection_cap_reached(cap: int, retry_after_s: float) -> ApiError:
     )
 
 
+def ultrafast_rate_limited(limit: int) -> ApiError:
+    """429 past the Ultrafast tier's own rate limit (protocol.md §7: separate from Standard's)."""
+    return ApiError(
+        429,
+        f"Rate limit reached for service_tier 'ultrafast' (limit {limit} requests per min). "
+        "Please try again in 60s, or use another service tier.",
+        type="requests",
+        code="rate_limit_exceeded",
+        headers={"retry-after": "60", "x-ratelimit-limit-requests": str(limit)},
+    )
+
+
 def background_over_ws() -> ApiError:
     """§4.2.2: ``background: true`` is not supported over WebSocket."""
     return ApiError(

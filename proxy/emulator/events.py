@@ -117,6 +117,8 @@ def build_events(shell: dict[str, JSON], final: dict[str, JSON], terminal: str, 
         kind = item.get("type")
         if kind == "compaction":
             body = _compaction(item, index)
+        elif kind in ("program", "program_output"):
+            body = [Event(_event("response.output_item.added", output_index=index, item=item))]
         elif kind == "reasoning":
             body = _reasoning(item, index, delta_chars)
         elif kind == "function_call":

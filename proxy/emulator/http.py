@@ -13,15 +13,16 @@ from aiohttp import web
 
 from . import errors
 from .appkeys import FAULTS, OWNER, REGISTRY, STATE
-from .engine import Execution, Turn, execute, finish, new_id, prepare
+from .engine import Execution, Turn, compaction_item, execute, finish, new_id, prepare
 from .errors import ApiError
 from .events import build_events, stamp
 from .faults import Fault
+from .objects import usage
 from .oracle import Segment
 from .runner import CUT_KINDS, Hold, Outcome, play
 from .sinks import NullSink, SseSink, wants_obfuscation
 from .state import Conversation, EmulatorState, ResponseRecord
-from .validation import validate_body
+from .validation import HTTP_FIELDS, validate_body
 from .ws import WsConnection
 
 __all__ = ["json_response", "routes"]
@@ -121,6 +122,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             input_bytes=len(raw),
             hydrated=hydrated,
             conversation_id=conv_id,
+            service_tier=state.serve_tier(owner, body),
         )
     except ApiError as error:
         state.stats.errors["http"] += 1
@@ -311,3 +313,95 @@ async def input_items(request: web.Request) -> web.Response:
     data = [item if "id" in item else {"id": new_id("msg"), **item} for item in record.input_items]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return json_response({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": False})
+
+
+_COMPACT_FIELDS = frozenset(
+    {
+        "model", "input", "previous_response_id", "instructions", "prompt_cache_key", "prompt_cache_retention",
+        "prompt_cache_options", "service_tier", "safety_identifier", "image",
+    }
+)  # fmt: skip
+"""``POST /v1/responses/compact`` fields (the OpenAPI ``CompactResponseMethodPublicBody``)."""
+
+
+async def _compact_turn(request: web.Request, fields: frozenset[str]) -> Turn:
+    """The context a ``/compact`` or ``/input_tokens`` request names: its chain plus its input."""
+    state = request.app[STATE]
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ApiError(400, errors.INVALID_JSON_MESSAGE) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "Invalid request body: expected a JSON object.")
+    state.received("http", body)
+    for key in body:
+        if key not in fields:
+            raise errors.unknown_parameter(key)
+    scratch = {k: v for k, v in body.items() if k in ("model", "input", "previous_response_id", "instructions")}
+    validate_body({"model": "-", **scratch}, transport="http", config=state.config)
+    owner = request[OWNER]
+    base, _, _ = _base(request, scratch, owner)
+    return prepare(
+        {"model": "-", **scratch},
+        config=state.config,
+        transport="http",
+        owner=owner,
+        base=base,
+        lookup_item=lambda item_id: state.item(item_id, owner),
+        input_bytes=len(raw),
+        service_tier=state.serve_tier(owner, body),
+    )
+
+
+def _window_message(item: JSON) -> JSON:
+    content = [
+        {"type": "input_text", "text": part.get("text", "")} if part.get("type") == "text" else part
+        for part in item.get("content") or []
+        if isinstance(part, dict)
+    ]
+    return {"id": new_id("msg"), "type": "message", "status": "completed", "content": content, "role": "user"}
+
+
+@routes.post("/v1/responses/compact")
+async def compact(request: web.Request) -> web.Response:
+    """Standalone compaction (protocol.md §7): the window to start a new chain with, every user
+    message of the context read, then one ``compaction`` item standing for it."""
+    state = request.app[STATE]
+    state.stats.other("compact")
+    try:
+        turn = await _compact_turn(request, _COMPACT_FIELDS)
+        body = orjson.loads(await request.read())
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            message = "Missing required parameter: 'model'."
+            raise ApiError(400, message, param="model", code="missing_required_parameter")
+    except ApiError as error:
+        return error_response(error)
+    read = turn.read.to_list()
+    window = [_window_message(item) for item in read if item.get("type") == "message" and item.get("role") == "user"]
+    window.append(compaction_item(turn.read))
+    spent = usage(turn, 0, 0)
+    spent["output_tokens"] = 8
+    spent["total_tokens"] = spent["input_tokens"] + 8
+    return json_response(
+        {
+            "id": new_id("resp"),
+            "object": "response.compaction",
+            "created_at": int(time.time()),
+            "output": window,
+            "usage": spent,
+            "service_tier": turn.service_tier,
+        }
+    )
+
+
+@routes.post("/v1/responses/input_tokens")
+async def input_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/responses/input_tokens``: the input tokens of the context the request names."""
+    state = request.app[STATE]
+    state.stats.other("input_tokens")
+    try:
+        turn = await _compact_turn(request, HTTP_FIELDS - {"stream", "stream_options", "background"})
+    except ApiError as error:
+        return error_response(error)
+    return json_response({"object": "response.input_tokens", "input_tokens": usage(turn, 0, 0)["input_tokens"]})

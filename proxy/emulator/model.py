@@ -14,6 +14,14 @@ Prompt grammar, read from the **last user message** (case-insensitive, anywhere 
                                                   models do: a ``phase: "commentary"``
                                                   message before the calls, and the answer
                                                   labelled ``phase: "final_answer"``
+``program``                                       programmatic tool calling (protocol.md §7): a
+                                                  ``program`` item, then the calls it issues, each
+                                                  with ``caller: {"type": "program", "caller_id"}``
+                                                  (the tool must allow ``programmatic`` callers);
+                                                  after their outputs a ``program_output`` item
+                                                  before the answer
+``safeguard``                                     a safeguard review pauses the output mid-stream
+                                                  (the emulator's ``safeguard_pause_s``)
 ==========================  ==========================================================
 
 Each ``function_call_output`` after that user message counts one step done; when all N are done
@@ -43,6 +51,8 @@ _PARALLEL: Final = re.compile(r"parallel\s*[=:]?\s*(\d+)", re.I)
 _TOOL: Final = re.compile(r"tool\s*=\s*([A-Za-z0-9_.-]+)", re.I)
 _REPLY_BYTES: Final = re.compile(r"reply_bytes\s*[=:]\s*(\d+)", re.I)
 _PREAMBLE: Final = re.compile(r"\bpreamble\b", re.I)
+_PROGRAM: Final = re.compile(r"\bprogram\b", re.I)
+_SAFEGUARD: Final = re.compile(r"\bsafeguard\b", re.I)
 _WORDS: Final = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
     "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
@@ -71,7 +81,7 @@ class ModelRequest:
 class PlannedItem:
     """One output item before ids are assigned."""
 
-    kind: Literal["reasoning", "message", "function_call"]
+    kind: Literal["reasoning", "message", "function_call", "program", "program_output"]
     text: str = ""
     """Message text, or the reasoning summary."""
     name: str = ""
@@ -80,6 +90,10 @@ class PlannedItem:
     status: Literal["completed", "incomplete"] = "completed"
     phase: Literal["commentary", "final_answer"] | None = None
     """A message's ``phase`` (only with the ``preamble`` directive)."""
+    programmatic: bool = False
+    """A function call issued by the ``program`` item before it (``caller``)."""
+    call_id: str = ""
+    """A ``program_output``'s program call id."""
 
     @property
     def tokens(self) -> int:
@@ -93,6 +107,8 @@ class Plan:
 
     items: tuple[PlannedItem, ...]
     incomplete: bool = False
+    safeguard: bool = False
+    """A safeguard review pauses this answer mid-stream."""
 
 
 def _message_text(item: JSON) -> str:
@@ -107,11 +123,11 @@ def _int(pattern: re.Pattern[str], text: str) -> int | None:
 
 
 def _seed(context: Segment) -> bytes:
-    """A digest of the context that ignores call ids (they are random per run)."""
+    """A digest of the context that ignores call ids and ``caller`` links (random per run)."""
     hasher = hashlib.sha256()
     for item in context.to_list():
-        if isinstance(item, dict) and "call_id" in item:
-            item = {k: v for k, v in item.items() if k != "call_id"}
+        if isinstance(item, dict) and ("call_id" in item or "caller" in item):
+            item = {k: v for k, v in item.items() if k not in ("call_id", "caller")}
         hasher.update(orjson.dumps(item, option=orjson.OPT_SORT_KEYS))
     return hasher.digest()
 
@@ -183,6 +199,11 @@ def _quote(text: str) -> str:
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS] + "…"
 
 
+def _programmatic(tool: JSON) -> bool:
+    callers = tool.get("allowed_callers") if isinstance(tool, dict) else None
+    return isinstance(callers, list) and "programmatic" in callers
+
+
 def _decide(request: ModelRequest, seed: bytes) -> list[PlannedItem]:
     tail: list[JSON] = []
     user_text = ""
@@ -210,10 +231,16 @@ def _decide(request: ModelRequest, seed: bytes) -> list[PlannedItem]:
         parallel = max(1, _int(_PARALLEL, user_text) or 1)
         count = min(parallel, steps - calls_made)
         name = str(tool.get("name"))
+        program = _PROGRAM.search(user_text) is not None and _programmatic(tool)
         calls = [
-            PlannedItem("function_call", name=name, arguments=_arguments(tool, calls_made + i + 1, steps))
+            PlannedItem(
+                "function_call", name=name, arguments=_arguments(tool, calls_made + i + 1, steps), programmatic=program
+            )
             for i in range(count)
         ]
+        if program:
+            code = f"for (const step of [{calls_made + 1}]) await tools.{name}({{step}});"
+            calls.insert(0, PlannedItem("program", code, name=name))
         if preamble:
             note = f"[{tag}] Calling {name} for step {calls_made + 1} of {steps}."
             calls.insert(0, PlannedItem("message", note, phase="commentary"))
@@ -223,7 +250,12 @@ def _decide(request: ModelRequest, seed: bytes) -> list[PlannedItem]:
         last = outputs[-1].get("output", "")
         last_text = last if isinstance(last, str) else orjson.dumps(last).decode()
         head = f"[{tag}] Done after {calls_made} tool call(s). Last output: {_quote(last_text)}"
-        return [PlannedItem("message", head, phase=final)]
+        answer = [PlannedItem("message", head, phase=final)]
+        issued = next((item for item in reversed(tail) if item.get("type") == "program"), None)
+        if issued is not None:
+            result = PlannedItem("program_output", _quote(last_text), call_id=str(issued.get("call_id", "")))
+            answer.insert(0, result)
+        return answer
     head = f"[{tag}] Echo: {_quote(user_text)!r}"
     return [PlannedItem("message", _pad(head, reply_bytes, seed), phase=final)]
 
@@ -268,4 +300,14 @@ def plan(request: ModelRequest) -> Plan:
     if request.reasoning:
         first = next((i for i in items if i.kind == "function_call"), items[0])
         items.insert(0, _reasoning(request, seed, first))
-    return _budget(items, request.max_output_tokens)
+    result = _budget(items, request.max_output_tokens)
+    if _SAFEGUARD.search(_last_user_text(request.context)):
+        result = replace(result, safeguard=True)
+    return result
+
+
+def _last_user_text(context: Segment) -> str:
+    for item in context.iter_reversed():
+        if item.get("type") == "message" and item.get("role") == "user":
+            return _message_text(item)
+    return ""

@@ -35,9 +35,9 @@ def response_object(turn: Turn, *, status: str, output: list[JSON], usage: JSON,
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": turn.previous_response_id,
         "prompt_cache_key": body.get("prompt_cache_key"),
-        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "reasoning": _reasoning(reasoning, turn),
         "safety_identifier": body.get("safety_identifier"),
-        "service_tier": body.get("service_tier") or "default",
+        "service_tier": turn.service_tier,
         "store": turn.store,
         "temperature": body.get("temperature", 1.0),
         "text": body.get("text") or {"format": {"type": "text"}, "verbosity": "medium"},
@@ -60,6 +60,14 @@ def response_object(turn: Turn, *, status: str, output: list[JSON], usage: JSON,
         obj["prompt_cache_options"] = applied
     obj.update(extra)
     return obj
+
+
+def _reasoning(asked: dict[str, JSON], turn: Turn) -> dict[str, JSON]:
+    """The response's ``reasoning``: as asked, with the effective ``context`` (protocol.md §7) and any
+    other field (``mode``) passed back."""
+    out = {**asked, "effort": asked.get("effort"), "summary": asked.get("summary")}
+    out["context"] = turn.reasoning_context
+    return out
 
 
 def _echo_tool(tool: JSON) -> JSON:

@@ -19,7 +19,16 @@ nothing it cannot see (the audit table of docs/fidelity.md):
 - ``function_call_output``: ``call_id``, ``output`` (and any other field).
 - ``reasoning``: ``summary`` texts, ``content`` when not empty, ``encrypted_content`` (or
   ``id`` when there is none: the upstream reads the item from its store).
-- ``compaction``: ``encrypted_content``; any other type (``item_reference`` aside): exact.
+- ``compaction``: ``encrypted_content``; ``program``: ``call_id``, ``code``, ``fingerprint``;
+  ``program_output``: ``call_id``, ``result``, ``status`` (the program's terminal status); any other
+  type (``item_reference`` aside): exact.
+- content parts: ``prompt_cache_breakpoint`` left out (a caching hint, protocol.md §7: the model
+  does not read it).
+
+What the model reads of a context (:func:`visible`, protocol.md §7): a ``compaction`` item stands
+for everything before it, so only the latest one and what follows it are read; under
+``reasoning.context: current_turn`` reasoning items before the last user message (earlier user
+turns) are not read either.
 
 Everywhere: parsed (not bytes), ``null`` = absent, ``async_`` = ``async``, client-added keys stripped,
 numbers by value. ``item_reference`` items are resolved by the caller before canonicalisation.
@@ -44,11 +53,14 @@ __all__ = [
     "context_digest",
     "normalize_input",
     "settings_digest",
+    "visible",
 ]
 
 JSON = Any
 CLIENT_KEYS: Final = frozenset({"internal_chat_message_metadata_passthrough", "parsed_arguments"})
 TEXT_PART_TYPES: Final = frozenset({"input_text", "output_text", "text"})
+_UNREAD_PART: Final = frozenset({"type", "text", "logprobs", "parsed", "prompt_cache_breakpoint"})
+"""Keys of a text part the model does not read as such (``type``/``text`` are rebuilt)."""
 _MAX_SAFE_INT: Final = 2**53
 _MAX_JSON_INT: Final = 2**63
 
@@ -94,7 +106,7 @@ def _parts(content: JSON) -> list[JSON]:
         kind = part.get("type")
         if (isinstance(kind, str) and kind in TEXT_PART_TYPES) or (kind is None and "text" in part):
             text: JSON = {"type": "text", "text": str(part.get("text", ""))}
-            rest = {k: v for k, v in part.items() if k not in ("type", "text", "logprobs", "parsed")}
+            rest = {k: v for k, v in part.items() if k not in _UNREAD_PART}
             if rest.get("annotations") == []:
                 del rest["annotations"]
             parts.append({**rest, **text})
@@ -107,7 +119,8 @@ def _parts(content: JSON) -> list[JSON]:
             keep = {k: part[k] for k in ("file_id", "file_data", "file_url", "filename") if k in part}
             parts.append({"type": "input_file", **keep})
         else:
-            parts.append({k: v for k, v in part.items() if k not in ("annotations", "logprobs", "parsed")})
+            unread = ("annotations", "logprobs", "parsed", "prompt_cache_breakpoint")
+            parts.append({k: v for k, v in part.items() if k not in unread})
     return parts
 
 
@@ -175,7 +188,38 @@ def canonical_item(item: JSON) -> JSON:
         return out
     if kind == "compaction":
         return {"type": kind, "encrypted_content": item.get("encrypted_content")}
+    if kind == "program":
+        return {k: v for k, v in item.items() if k not in ("id", "status")}
+    if kind == "program_output":
+        return {k: v for k, v in item.items() if k != "id"}
     return item
+
+
+def visible(items: Sequence[JSON], reasoning_context: str = "all_turns") -> list[JSON]:
+    """What the model reads of a canonical context (protocol.md §7).
+
+    A ``compaction`` item stands for everything before it: the latest one and what follows are
+    read. Under ``reasoning_context == "current_turn"`` reasoning items before the last user
+    message (they belong to earlier user turns) are not read; under ``all_turns`` they are.
+    """
+    start = 0
+    last_user = -1
+    for index in range(len(items) - 1, -1, -1):
+        item = items[index]
+        if not isinstance(item, dict):
+            continue
+        if last_user < 0 and item.get("type") == "message" and item.get("role") == "user":
+            last_user = index
+        if item.get("type") == "compaction":
+            start = index
+            break
+    if reasoning_context != "current_turn" or last_user <= start:
+        return list(items[start:])
+    return [
+        item
+        for index, item in enumerate(items[start:], start)
+        if index >= last_user or not (isinstance(item, dict) and item.get("type") == "reasoning")
+    ]
 
 
 def canonical_line(item: JSON) -> bytes:
@@ -237,9 +281,11 @@ class Segment:
         return out
 
 
-def context_digest(raw_items: Sequence[JSON]) -> str:
-    """Digest of a whole context given as raw items (for tests and tools)."""
-    return Segment.root().extend(raw_items).digest
+def context_digest(raw_items: Sequence[JSON], reasoning_context: str = "all_turns") -> str:
+    """Digest of what the model reads of a whole context given as raw items (:func:`visible`;
+    for tests and tools)."""
+    canon = [canonical_item(item) for item in raw_items]
+    return Segment.root().extend(visible(canon, reasoning_context)).digest
 
 
 def settings_digest(instructions: JSON, tools: JSON) -> str:

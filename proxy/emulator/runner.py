@@ -89,6 +89,7 @@ async def play(
 ) -> Outcome:
     """Send the events with pacing; a ``fail``/``drop``/``close`` fault fires after ``events_before``.
 
+    A safeguard review pauses ``execution.safeguard_s`` before ``execution.safeguard_at``.
     ``hold`` pauses before event ``hold.fault.events_before``; ``interrupt`` (steering) may end the
     response with ``response.incomplete`` (``steered``) at an item boundary. ``settle`` gets the
     final response object right before its terminal event is sent, so that whatever the caller
@@ -111,6 +112,8 @@ async def play(
             return await _cut(fault, turn, sink, index, settle)
         if index == len(events):
             break
+        if index == execution.safeguard_at:  # a safeguard review: seconds of silence mid-stream
+            await _sleep(execution.safeguard_s)
         event = events[index]
         kind = event.payload["type"]
         boundary = index >= 2 and (kind == "response.output_item.added" or index == len(events) - 1)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import EmulatorConfig, LatencyModel
+from .errors import ultrafast_rate_limited
 from .oracle import Segment
 
 __all__ = ["ConnectionStats", "Conversation", "EmulatorState", "KeyStats", "ResponseRecord", "Stats", "identity_of"]
@@ -124,6 +125,8 @@ class Stats:
     """Per response id: how many input items the request carried (the delta, not the context)."""
     other_requests: dict[str, int] = field(default_factory=dict)
     connections: dict[str, ConnectionStats] = field(default_factory=dict)
+    tiers: dict[str, int] = field(default_factory=dict)
+    """Responses by ``<asked>-><served>`` service tier (``ultrafast->default`` is a fallback)."""
 
     def key(self, identity: str) -> KeyStats:
         """The per-key counters of ``identity`` (created on first use)."""
@@ -164,8 +167,43 @@ class EmulatorState:
         self.conversations: dict[str, Conversation] = {}
         self.transports: dict[int, Any] = {}
         """TCP connections already charged ``connect_ms`` (``network.py``)."""
+        self._ultrafast: dict[str, deque[float]] = {}
+        self._ultrafast_seen = 0
         self.recording: deque[dict[str, JSON]] | None = None
         """Received requests (``start_recording``): ``{"transport", "body"}`` per create/steer frame or body."""
+
+    def serve_tier(self, owner: str, body: JSON) -> str:
+        """The service tier a create is served on (protocol.md §7), counted in ``stats.tiers``.
+
+        ``ultrafast`` is served only to ``config.ultrafast_models`` and falls back to ``default``
+        every ``config.ultrafast_fallback_every``-th request; its own per-key rate limit
+        (``config.ultrafast_rate_limit`` a minute) answers 429 apart from the other tiers'.
+
+        Raises:
+            ApiError: 429 past the ultrafast limit.
+        """
+        asked = body.get("service_tier") if isinstance(body, dict) else None
+        asked = asked if isinstance(asked, str) else "auto"
+        served = "default" if asked == "auto" else asked
+        if asked == "ultrafast":
+            config = self.config
+            if config.ultrafast_rate_limit > 0:
+                now = time.monotonic()
+                window = self._ultrafast.setdefault(owner, deque())
+                while window and now - window[0] >= 60.0:
+                    window.popleft()
+                if len(window) >= config.ultrafast_rate_limit:
+                    self.stats.count(self.stats.tiers, "ultrafast:429")
+                    raise ultrafast_rate_limited(config.ultrafast_rate_limit)
+                window.append(now)
+            self._ultrafast_seen += 1
+            every = config.ultrafast_fallback_every
+            if not str(body.get("model") or "").startswith(config.ultrafast_models) or (
+                every > 0 and self._ultrafast_seen % every == 0
+            ):
+                served = "default"
+        self.stats.count(self.stats.tiers, f"{asked}->{served}")
+        return served
 
     def start_recording(self, limit: int = 1000) -> deque[dict[str, JSON]]:
         """Keep the last ``limit`` received ``/v1/responses`` bodies and WebSocket client frames (parsed)."""
@@ -191,6 +229,8 @@ class EmulatorState:
         self.items.clear()
         self.records.clear()
         self.conversations.clear()
+        self._ultrafast.clear()
+        self._ultrafast_seen = 0
 
     def put(self, record: ResponseRecord) -> None:
         """Keep a ``store: true`` response (and index its output items)."""

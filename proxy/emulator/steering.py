@@ -225,6 +225,7 @@ class Steering:
                 hydrated=False,
                 connection_id=conn.id,
                 stream_id=lane.key,
+                service_tier=turn.service_tier,  # the target's settings, the tier served included
             )
         except ApiError:
             return None

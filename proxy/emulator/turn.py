@@ -11,12 +11,36 @@ from typing import Any
 import orjson
 
 from .config import EmulatorConfig
-from .oracle import Segment, clean, normalize_input
+from .oracle import Segment, clean, normalize_input, visible
 from .validation import check_tool_pairs, resolve_input
 
-__all__ = ["Turn", "new_id", "prepare"]
+__all__ = ["REASONING_CONTEXTS", "Turn", "effective_reasoning_context", "new_id", "prepare"]
 
 JSON = Any
+
+
+REASONING_CONTEXTS = ("auto", "all_turns", "current_turn")
+_CURRENT_TURN_MODELS = ("gpt-5", "gpt-4", "o1", "o3", "o4")
+"""Model families whose ``auto`` is ``current_turn`` (the SDK's ``Reasoning.context``: "the gpt-5.6
+model family defaults to all_turns; earlier models default to current_turn")."""
+_ALL_TURNS_FROM = (5, 6)
+
+
+def effective_reasoning_context(body: dict[str, JSON]) -> str:
+    """``reasoning.context`` as applied: ``all_turns`` or ``current_turn``; ``auto`` (or absent) is
+    the model's default: ``all_turns`` from GPT-5.6 on, ``current_turn`` before."""
+    reasoning = body.get("reasoning")
+    asked = reasoning.get("context") if isinstance(reasoning, dict) else None
+    if asked in ("all_turns", "current_turn"):
+        return str(asked)
+    model = str(body.get("model") or "")
+    if not model.startswith(_CURRENT_TURN_MODELS):
+        return "all_turns"
+    if model.startswith("gpt-5."):
+        minor = model[6:].split("-", 1)[0].split(".", 1)[0]
+        if minor.isdigit() and (5, int(minor)) >= _ALL_TURNS_FROM:
+            return "all_turns"
+    return "current_turn"
 
 
 def new_id(prefix: str, nbytes: int = 24) -> str:
@@ -47,6 +71,21 @@ class Turn:
     stream_id: str | None = None
     conversation_id: str | None = None
     created_at: int = field(default_factory=lambda: int(time.time()))
+    service_tier: str = "default"
+    """The tier actually served (``EmulatorState.serve_tier``)."""
+    reasoning_context: str = "all_turns"
+    """The effective ``reasoning.context`` (:func:`effective_reasoning_context`)."""
+    _read: Segment | None = None
+
+    @property
+    def read(self) -> Segment:
+        """What the model reads of :attr:`context` (:func:`~.oracle.visible`): the context itself
+        unless a compaction item or ``reasoning.context: current_turn`` hides part of it."""
+        if self._read is None:
+            items = self.context.to_list()
+            seen = visible(items, self.reasoning_context)
+            self._read = self.context if len(seen) == len(items) else Segment.root().extend(seen)
+        return self._read
 
     @property
     def store(self) -> bool:
@@ -105,5 +144,6 @@ def prepare(
         new_items=items,
         input_bytes=input_bytes,
         previous_response_id=body.get("previous_response_id"),
+        reasoning_context=effective_reasoning_context(body),
         **extra,
     )

@@ -94,6 +94,9 @@ def validate_body(body: JSON, *, transport: str, config: EmulatorConfig) -> None
     if transport == "http" and body.get("background") and body.get("store") is False:
         raise ApiError(400, "Background mode requires `store` to be true.", param="background")
     _check_prompt_cache_options(body.get("prompt_cache_options"))
+    _check_reasoning(body.get("reasoning"))
+    _check_service_tier(body.get("service_tier"))
+    _check_new_items(normalize_input(body.get("input")))
     _check_context_management(body.get("context_management"))
     include = body.get("include")
     if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
@@ -127,6 +130,58 @@ def _check_prompt_cache_options(options: JSON) -> None:
                 raise _invalid_type(name, "a string")
         else:
             raise unknown_parameter(name)
+
+
+REASONING_CONTEXTS: Final = ("auto", "all_turns", "current_turn")
+SERVICE_TIERS: Final = ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast")
+_BREAKPOINT_KEYS: Final = frozenset({"mode", "ttl"})
+
+
+def _enum(name: str, value: JSON, allowed: tuple[str, ...]) -> None:
+    if value is not None and value not in allowed:
+        shown = ", ".join(f"'{v}'" for v in allowed)
+        message = f"Invalid value: '{value}'. Supported values are: {shown}."
+        raise ApiError(400, message, param=name, code="invalid_value")
+
+
+def _check_reasoning(reasoning: JSON) -> None:
+    """protocol.md §7: ``reasoning.context`` is ``auto`` | ``all_turns`` | ``current_turn``."""
+    if isinstance(reasoning, dict):
+        _enum("reasoning.context", reasoning.get("context"), REASONING_CONTEXTS)
+
+
+def _check_service_tier(tier: JSON) -> None:
+    _enum("service_tier", tier, SERVICE_TIERS)
+
+
+def _check_new_items(items: list[JSON]) -> None:
+    """protocol.md §7: ``compaction_trigger`` must be the final input item (or, in a history, be
+    followed by the ``compaction`` item it produced); a content block's
+    ``prompt_cache_breakpoint`` is ``{"mode": "explicit", "ttl"?: "30m" | "12h"}``."""
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        served = index + 1 < len(items) and isinstance(items[index + 1], dict)
+        served = served and items[index + 1].get("type") == "compaction"  # history: a trigger already answered
+        if item.get("type") == "compaction_trigger" and index != len(items) - 1 and not served:
+            raise ApiError(
+                400,
+                "Invalid 'input': a 'compaction_trigger' item must be the final input item.",
+                param=f"input[{index}]",
+                code="invalid_value",
+            )
+        content = item.get("content")
+        if not isinstance(content, list):
+            continue
+        for c_index, part in enumerate(content):
+            mark = part.get("prompt_cache_breakpoint") if isinstance(part, dict) else None
+            if mark is None:
+                continue
+            name = f"input[{index}].content[{c_index}].prompt_cache_breakpoint"
+            if not isinstance(mark, dict) or set(mark) - _BREAKPOINT_KEYS:
+                raise _invalid_type(name, "an object with 'mode' and optional 'ttl'")
+            _enum(f"{name}.mode", mark.get("mode"), ("explicit",))
+            _enum(f"{name}.ttl", mark.get("ttl"), ("30m", "12h"))
 
 
 MIN_COMPACT_THRESHOLD: Final = 1000

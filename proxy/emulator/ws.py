@@ -32,6 +32,15 @@ JSON = Any
 _log = logging.getLogger("proxy.emulator")
 
 
+def flat_create(event: dict[str, JSON]) -> dict[str, JSON]:
+    """A ``response.create`` in either envelope (protocol.md §7): the flat one as it is; the nested
+    ``{"type": "response.create", "response": {...}}`` as its body plus the envelope's other keys."""
+    nested = event.get("response")
+    if not isinstance(nested, dict) or "model" in event:
+        return event
+    return {**nested, **{k: v for k, v in event.items() if k != "response"}}
+
+
 class WsConnection:
     """Serve one upgraded WebSocket until it closes."""
 
@@ -167,7 +176,7 @@ class WsConnection:
         self.state.received("ws", event)
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "response.create":
-            await self._on_create(event, size)
+            await self._on_create(flat_create(event), size)
         elif kind == "response.steer":
             await self.steering.on_steer(event)
         else:

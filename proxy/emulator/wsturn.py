@@ -16,7 +16,8 @@ from .engine import Turn, execute, finish, prepare
 from .errors import ApiError
 from .faults import Fault
 from .oracle import Segment
-from .runner import CUT_KINDS, Hold, Outcome, play
+from .runner import CUT_KINDS, Hold, Outcome, Sink, play
+from .sinks import obfuscation, wants_obfuscation
 from .state import ResponseRecord
 from .validation import validate_body
 from .wslane import Gone, Lane, request_facts
@@ -117,6 +118,7 @@ async def process(conn: WsConnection, lane: Lane, event: dict[str, JSON], size: 
             hydrated=hydrated,
             connection_id=conn.id,
             stream_id=lane.key,
+            service_tier=conn.state.serve_tier(conn.owner, body),
         )
     except Miss as miss:
         conn.state.stats.errors["ws"] += 1
@@ -138,6 +140,24 @@ async def process(conn: WsConnection, lane: Lane, event: dict[str, JSON], size: 
         outcome = await run_turn(conn, lane, turn)
 
 
+class _Obfuscating:
+    """The connection as a sink that adds ``obfuscation`` to delta events (``ws_obfuscation``)."""
+
+    def __init__(self, conn: WsConnection) -> None:
+        self.conn = conn
+
+    async def send(self, payload: dict[str, JSON]) -> None:
+        if str(payload["type"]).endswith(".delta") and isinstance(payload.get("delta"), str):
+            payload = {**payload, "obfuscation": obfuscation(payload["delta"])}
+        await self.conn.send(payload)
+
+    async def abort(self) -> None:
+        await self.conn.abort()
+
+    async def close(self, code: int) -> None:
+        await self.conn.close(code)
+
+
 async def run_turn(
     conn: WsConnection, lane: Lane, turn: Turn, *, fault: Fault | None = None, hold: Hold | None = None
 ) -> Outcome | None:
@@ -147,9 +167,10 @@ async def run_turn(
     execution = execute(turn, conn.config)
     active = conn.steering.begin(turn, execution, lane)
     settled: list[ResponseRecord] = []  # recorded before the terminal event goes out
+    sink: Sink = _Obfuscating(conn) if wants_obfuscation(turn.body, conn.config.ws_obfuscation) else conn
     try:
         outcome = await play(
-            execution, turn, conn, latency=conn.state.latency, fault=fault, hold=hold, interrupt=active.interrupt,
+            execution, turn, sink, latency=conn.state.latency, fault=fault, hold=hold, interrupt=active.interrupt,
             settle=lambda final: settled.append(finish(conn.state, turn, final)),
         )  # fmt: skip
     finally:

@@ -120,6 +120,12 @@ def _describe(exp: Explanation, status: Any) -> list[str]:
     if exp.reason == MissReason.APP_CHAINED:
         lines.append("  the app sets previous_response_id itself: the sidecar relays it as is")
         return lines
+    if exp.reason == MissReason.PRUNED_AT_COMPACTION:
+        lines.append(
+            "  the history starts at a compaction item: the previous output did not hold that item, or the"
+            " echo after it differs from that output"
+        )
+        return lines
     if exp.detail is None:
         lines.append("  no candidate: the next request shares nothing with the previous turn")
         return lines

@@ -28,6 +28,7 @@ from proxy.core.reasons import (
     ReplayCause,
     RequestOutcome,
     Route,
+    ServiceTier,
     Tolerance,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "REQUESTS",
     "REQUEST_BYTES",
     "RESEEDS",
+    "SERVICE_TIERS",
     "SOCKETS",
     "SOCKET_AGE_AT_ROTATION",
     "SOCKET_CAP",
@@ -112,6 +114,14 @@ ECHO_TOLERANCES = Counter(
     registry=REGISTRY,
 )
 """tolerance: reasoning | phase (proxy.core.reasons.Tolerance); accepted: true | false."""
+
+SERVICE_TIERS = Counter(
+    "upshift_service_tiers",
+    "Responses by the service tier the app asked for and the tier the upstream served.",
+    ["requested", "served"],
+    registry=REGISTRY,
+)
+"""requested, served: :class:`ServiceTier` (``ultrafast`` asked and ``default`` served is a fallback)."""
 
 REPLAYS = Counter(
     "upshift_replays",
@@ -444,6 +454,8 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "build": _values(Build),
     "version": frozenset(),
     "python": frozenset(),
+    "requested": _values(ServiceTier),  # upshift_service_tiers_total
+    "served": _values(ServiceTier),
 }
 """Every value each label of the sidecar's own metrics may take (``version`` and ``python`` of
 ``upshift_build_info`` are free: checked by shape). The ingress layer's

@@ -49,7 +49,7 @@ from proxy.serve.memory import Lease, MemoryGate
 from proxy.serve.offload import hash_prefix_in_thread, warm_keys
 from proxy.serve.owners import OwnerBook
 from proxy.serve.record import Record
-from proxy.serve.streaming import Downstream, count_hold_back, json_body, pump
+from proxy.serve.streaming import Downstream, count_hold_back, json_body, pump, wants_obfuscation
 from proxy.upstream.passthrough import Forwarded, Options, Passthrough, http_continuation_body
 from proxy.upstream.pool import Pool, Turn
 
@@ -165,8 +165,9 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
     # issue 22: every response id this request gets is recorded with its creator before the app sees it.
     on_id = partial(svc.owners.note, arrival.identity.digest)
     down = Downstream(
-        arrival.request, stream=req.stream, headers=headers, started=arrival.started, lease=arrival.mem, on_id=on_id
-    )
+        arrival.request, stream=req.stream, headers=headers, started=arrival.started, lease=arrival.mem, on_id=on_id,
+        obfuscation=wants_obfuscation(req.fields),
+    )  # fmt: skip
     x = Exchange(svc, req, down, arrival.identity, arrival.rec)
     budget = svc.settings.limits.ws_frame_budget_bytes
     transport, reason = choose_transport(req, mode=svc.settings.mode, frame_budget=budget)
@@ -231,7 +232,7 @@ async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamErr
                 await x.down.settle(channel)  # the app's answer before the lane records its head
     except UpstreamError as exc:
         failure = exc
-    x.rec.pumped(sent, x.down.upstream_wait)
+    x.rec.pumped(sent, x.down.upstream_wait, x.req.fields.get("service_tier"), channel.response)
     return channel, failure
 
 

@@ -15,11 +15,22 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.core.answer import status_outcome
 from proxy.core.explain import Explanation
 from proxy.core.planner import Plan, PlanKind
-from proxy.core.reasons import Hit, Mode, PassthroughReason, Reason, ReplayCause, RequestOutcome, Route, Tolerance
+from proxy.core.reasons import (
+    Hit,
+    Mode,
+    PassthroughReason,
+    Reason,
+    ReplayCause,
+    RequestOutcome,
+    Route,
+    ServiceTier,
+    Tolerance,
+)
 from proxy.core.request import Transport
 from proxy.ops.log import access_log
 from proxy.ops.metrics import (
@@ -34,6 +45,7 @@ from proxy.ops.metrics import (
     PASSTHROUGH,
     REPLAYS,
     REQUESTS,
+    SERVICE_TIERS,
     UPSTREAM_BYTES_SENT,
     child,
 )
@@ -83,6 +95,9 @@ class Record:
     """The matcher's verdict the explanation was computed for."""
     explainer: Callable[[], Explanation | None] | None = None
     """Computes :attr:`explanation` (:meth:`~proxy.core.explainer.MissExplainer.explain_later`)."""
+    tier_requested: ServiceTier | None = None
+    tier_served: ServiceTier | None = None
+    """The service tiers of a response that ended on a socket (:meth:`tiers`)."""
 
     # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
 
@@ -125,6 +140,7 @@ class Record:
         self.explanation = explanation
         self.explained = explained
         self.explainer = explainer
+        self.tier_requested = self.tier_served = None
 
     def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
         """The plan stage: how the attempt goes upstream."""
@@ -154,11 +170,21 @@ class Record:
         self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items or []), plan.items_avoided)
         self.transport = Transport.HTTP
 
-    def pumped(self, sent: int, upstream_s: float) -> None:
-        """The pump stage: ``sent`` more bytes went upstream on a socket; the upstream's time so far."""
+    def pumped(self, sent: int, upstream_s: float, tier: object = None, response: dict[str, Any] | None = None) -> None:
+        """The pump stage: ``sent`` more bytes went upstream on a socket; the upstream's time so far;
+        ``tier``: the ``service_tier`` asked for, counted with the served one when ``response`` ended."""
         child(UPSTREAM_BYTES_SENT, "websocket").inc(sent)
         self.bytes_sent += sent
         self.upstream_s = upstream_s
+        if response is not None:
+            self.tiers(tier, response)
+
+    def tiers(self, requested: object, response: dict[str, Any] | None) -> None:
+        """The service tier the app asked for and the one the upstream served (the response's
+        ``service_tier``): ``upshift_service_tiers_total`` and the access line."""
+        self.tier_requested = ServiceTier.of(requested)
+        self.tier_served = ServiceTier.of(response.get("service_tier") if response is not None else None)
+        child(SERVICE_TIERS, self.tier_requested, self.tier_served).inc()
 
     def answered(self, outcome: RequestOutcome | None, added_s: float, error: str | None = None) -> None:
         """The answer stage (``outcome`` ``None``: derived from the status at the end); ``error``:
@@ -287,6 +313,11 @@ class Record:
                 "upstream_ms": round(self.upstream_s * 1000, 3),
                 "added_ms": round(self.added_s * 1000, 3),
                 **({"transport": self.transport.value} if self.transport else {}),
+                **(
+                    {"tier_requested": self.tier_requested, "tier_served": self.tier_served}
+                    if self.tier_served is not None
+                    else {}
+                ),
                 **(exp.fields() if exp is not None else {}),
             }
         )

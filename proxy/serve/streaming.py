@@ -52,6 +52,7 @@ __all__ = [
     "new_request_id",
     "pump",
     "read_body",
+    "wants_obfuscation",
 ]
 
 _MAX_WRITE = 1024 * 1024
@@ -74,6 +75,31 @@ def _frames(outs: list[Out]) -> bytes:
     return encode_events((o.type, o.raw if o.raw is not None else orjson.dumps(o.obj)) for o in outs)
 
 
+def wants_obfuscation(fields: Mapping[str, Any]) -> bool:
+    """``stream_options.include_obfuscation`` as the app asked (default true, as on the API)."""
+    options = fields.get("stream_options")
+    return not (isinstance(options, dict) and options.get("include_obfuscation") is False)
+
+
+def _without_obfuscation(out: Out) -> Out:
+    """``out`` minus the ``obfuscation`` of a delta event. The frame leaves ``stream_options`` out
+    (protocol.md §4.1) and whether a WebSocket upstream adds ``obfuscation`` is undocumented, so an
+    app that asked for none gets none whichever transport its turn took (docs/fidelity.md)."""
+    if not out.type.endswith(".delta"):
+        return out
+    if out.raw is not None:
+        if out.raw.find(b'"obfuscation"') < 0:
+            return out
+        event = orjson.loads(out.raw)
+        if not isinstance(event, dict) or "obfuscation" not in event:
+            return out
+        del event["obfuscation"]
+        return Out(out.type, orjson.dumps(event))
+    if out.obj is not None and "obfuscation" in out.obj:
+        return Out(out.type, None, {k: v for k, v in out.obj.items() if k != "obfuscation"})
+    return out
+
+
 class Downstream:
     """What goes back to the app for one request.
 
@@ -87,6 +113,7 @@ class Downstream:
             is sent (issue 12).
         on_id: Told the id of each response :func:`pump` moves, before the app can see it
             (issue 22: the id's owner is recorded first).
+        obfuscation: False when the app asked for no ``obfuscation`` on deltas: it is taken out.
     """
 
     def __init__(
@@ -98,8 +125,11 @@ class Downstream:
         started: float,
         lease: Lease | None,
         on_id: Callable[[str], None] | None = None,
+        obfuscation: bool = True,
     ) -> None:
         self.request = request
+        self.obfuscation = obfuscation
+        """The app did not ask ``stream_options.include_obfuscation: false`` (:func:`wants_obfuscation`)."""
         self.stream = stream
         self.headers = headers
         self.started = started
@@ -139,6 +169,8 @@ class Downstream:
         """
         if self.gone or not outs:
             return
+        if not self.obfuscation:
+            outs = [_without_obfuscation(o) for o in outs]
         data = _frames(outs)
         if self._last:
             data = self._last + data  # never happens in a well-formed stream
