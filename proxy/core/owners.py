@@ -298,8 +298,40 @@ def read_request(raw: bytes) -> NamedIds:
     fields = loads_body(raw)
     if not isinstance(fields, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    named = _object_ids(fields, raw)
+    nested = fields.get("response")
+    if fields.get("type") == "response.create" and isinstance(nested, dict):
+        # The nested envelope ({"type": "response.create", "response": {...}}) some WebSocket
+        # clients send: an upstream that accepts it reads the ids inside, so they are checked too.
+        named = _either(named, _object_ids(nested, raw))
+    return named
+
+
+def _object_ids(fields: dict[str, Any], raw: bytes) -> NamedIds:
     raw_input = fields.get("input")
     return request_ids(fields, raw_input if isinstance(raw_input, list) else (), raw)
+
+
+def _either(outer: NamedIds, inner: NamedIds) -> NamedIds:
+    """The ids of a frame that names them at two levels; two different values of one id are
+    refused (which one an upstream reads is not ours to guess)."""
+    single: list[str | None] = []
+    for name, a, b in (
+        ("previous_response_id", outer.previous_response_id, inner.previous_response_id),
+        ("conversation", outer.conversation, inner.conversation),
+        ("stream_id", outer.stream_id, inner.stream_id),
+    ):
+        if a is not None and b is not None and a != b:
+            raise InvalidRequest(f"The frame names two different values of '{name}'.", param=name)
+        single.append(a if a is not None else b)
+    return NamedIds(
+        single[0],
+        single[1],
+        outer.items + inner.items,
+        single[2],
+        outer.files + inner.files,
+        outer.vector_stores + inner.vector_stores,
+    )
 
 
 def parsed_ids(req: ParsedRequest) -> NamedIds:

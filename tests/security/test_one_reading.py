@@ -114,6 +114,33 @@ async def test_an_escaped_key_does_not_continue_another_tenants_response_over_th
     assert all(e["response"]["previous_response_id"] == rid for e in done), done
 
 
+async def test_a_nested_create_envelope_is_read_as_the_upstream_reads_it(
+    emulator: Emulator, sidecar: SidecarProcess, http: aiohttp.ClientSession
+) -> None:
+    """``{"type": "response.create", "response": {...}}``: an upstream that takes the nested
+    envelope reads the ids inside it, so the owner check reads them too."""
+    alice = Tenant(ALICE, http)
+    rid = (await alice.create(sidecar.api, SECRET, store=True))["id"]
+
+    def nested(**outer: str) -> str:
+        inner = {"model": MODEL, "input": [user("go on")], "previous_response_id": rid}
+        return orjson.dumps({"type": "response.create", "response": inner, **outer}).decode()
+
+    before = forwarded(emulator)
+    events = await relay(http, sidecar.api, BOB, [nested(stream_id="lane-1")])
+    assert [e["type"] for e in events] == ["error"], events
+    assert events[0]["error"]["code"] == "previous_response_not_found", events
+    # Two levels naming two different responses: refused for anyone, whichever level is read.
+    events = await relay(http, sidecar.api, ALICE, [nested(previous_response_id="resp_other")])
+    assert [e["type"] for e in events] == ["error"], events
+    assert events[0]["error"]["code"] == "invalid_request_error", events
+    assert forwarded(emulator) == before
+    # The control: Alice's own nested frame goes upstream and continues her response.
+    events = await relay(http, sidecar.api, ALICE, [nested()])
+    done = [e for e in events if e["type"] == "response.completed"]
+    assert len(done) == 1 and done[0]["response"]["previous_response_id"] == rid, events
+
+
 @pytest.mark.parametrize("route", ["compact", "input_tokens"])
 async def test_an_escaped_key_is_read_on_the_other_post_routes(
     sidecar: SidecarProcess, http: aiohttp.ClientSession, route: str
