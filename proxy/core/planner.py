@@ -511,7 +511,7 @@ class Planner:
                 return Plan(PlanKind.WAIT, MissReason.NO_HEAD)
             if self._wait(waiting, now, expected, saving, self.limits.wait_seconds):
                 return Plan(PlanKind.WAIT, MissReason.NO_HEAD)
-            return self._go_now(identity, now, may_open, waiting)
+            return self._go_now(identity, now, may_open, key)
         if lane is not None and self._sockets[key[0]].demux.probing:
             # Its socket is probing its lanes (a named lane's first event is on its way): the
             # proof is a moment away and its own lane keeps the cache.
@@ -656,12 +656,18 @@ class Planner:
         reason = PassthroughReason.POOL_FULL if plan.growing else PassthroughReason.WAIT_NOT_WORTH_IT
         return Plan(PlanKind.HTTP, reason, close=plan.close)
 
-    def _go_now(self, identity: str, now: float, may_open: bool, waiting: Waiting) -> Plan:
-        """A ``store: false`` head that does not wait (on) for its busy lane: its full input
-        on a free lane now, else over plain HTTP."""
+    def _go_now(self, identity: str, now: float, may_open: bool, head: LaneKey) -> Plan:
+        """A ``store: false`` head (on lane ``head``) that does not wait (on) for its busy
+        lane: its full input on a free lane now (whose answer replaces the head: one head per
+        conversation), else over plain HTTP."""
         plan = self._full(identity, now, MissReason.WAIT_NOT_WORTH_IT, may_open)
         if plan.kind is PlanKind.WAIT:
             return Plan(PlanKind.HTTP, PassthroughReason.WAIT_NOT_WORTH_IT, close=plan.close)
+        if plan.lane is None:
+            return plan
+        taken = self.lane(plan.lane)
+        assert taken is not None
+        taken.from_head = head
         return plan
 
     def _full(self, identity: str, now: float, reason: Hit | MissReason | None, may_open: bool) -> Plan:

@@ -7,6 +7,8 @@ The rule (:func:`proxy.core.waiting.wait_seconds`), the estimates it reads
 
 from __future__ import annotations
 
+from typing import Any
+
 from proxy.core.planner import PlanKind, Planner
 from proxy.core.reasons import MissReason, PassthroughReason, WaitOutcome
 from proxy.core.waiting import DEFAULT_BUSY_SECONDS, Estimates, Send, Waiting, wait_seconds
@@ -47,7 +49,7 @@ def test_estimates_start_conservative_then_follow_the_measurements() -> None:
     assert est.busy("id") == DEFAULT_BUSY_SECONDS and est.busy("c") == 0.1
 
 
-def _store_false_head_behind_a_probe(p: Planner) -> tuple[list[dict[str, object]], float]:
+def _store_false_head_behind_a_probe(p: Planner) -> tuple[list[dict[str, Any]], float]:
     """A ``store: false`` head on socket 1's default lane while socket 1 (lanes not yet proven:
     one response at a time) carries another conversation's probe: the head's own lane is free,
     its socket is not. Returns the head's next input and the time."""
@@ -112,9 +114,13 @@ def test_a_store_false_head_with_a_free_lane_elsewhere_goes_there_in_full() -> N
     waiting = Waiting(1.2)
     plan = p.plan("id", req(items, store=False), 1.2, waiting=waiting)
     assert (plan.kind, plan.reason, plan.lane) == (PlanKind.FULL, MissReason.WAIT_NOT_WORTH_IT, spare.lane)
+    # Its answer is the conversation's head: the one left on the busy socket's lane goes.
+    assert plan.lane is not None
+    p.finished(plan.lane, 1.5, req=req(items, store=False), response={"id": "resp_a2", "output": []})
+    assert p.heads.get((1, None)) is None and p.heads.get(spare.lane) is not None
 
 
-def _stored_head_no_lane(p: Planner) -> list[dict[str, object]]:
+def _stored_head_no_lane(p: Planner) -> list[dict[str, Any]]:
     """An upstream without lanes, one socket: a stored head detached (its lane given to another
     conversation, which is in flight)."""
     p.lanes_refused(0.0)
