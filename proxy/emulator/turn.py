@@ -20,7 +20,7 @@ JSON = Any
 
 
 REASONING_CONTEXTS = ("auto", "all_turns", "current_turn")
-_CURRENT_TURN_MODELS = ("gpt-5", "gpt-4", "o1", "o3", "o4")
+_CURRENT_TURN_MODELS = ("gpt-5", "gpt-4", "o1", "o3", "o4")  # family prefixes, not model ids
 """Model families whose ``auto`` is ``current_turn`` (the SDK's ``Reasoning.context``: "the gpt-5.6
 model family defaults to all_turns; earlier models default to current_turn")."""
 _ALL_TURNS_FROM = (5, 6)
