@@ -35,7 +35,7 @@ import dis
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-__all__ = ["Call", "Walk", "Figures", "measure", "main"]
+__all__ = ["Call", "Figures", "Walk", "figures", "import_graph", "main", "measure", "read", "upward"]
 
 PACKAGE = Path(__file__).resolve().parent.parent / "proxy"
 """The sidecar's package: only its frames are counted."""
@@ -105,8 +105,7 @@ class Walk:
     all_functions: Figures
     mode: str
     """The ``x-upshift-mode`` the continuation was answered with."""
-    build: str = "pure"
-    distinct: int = field(default=0)
+    distinct: int
     """Distinct functions reached."""
 
 
@@ -190,7 +189,7 @@ def _rank(module: str) -> int:
     return 0
 
 
-def _import_graph() -> dict[str, set[str]]:
+def import_graph() -> dict[str, set[str]]:
     """Which ``proxy`` modules each one imports, at the top or inside a function."""
     modules = {_module(p.relative_to(PACKAGE).as_posix()): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
@@ -274,7 +273,7 @@ def figures(calls: list[Call], keep: list[bool], graph: dict[str, set[str]]) -> 
 
 def read(calls: list[Call]) -> tuple[Figures, Figures]:
     """The main line's figures and every function's."""
-    graph = _import_graph()
+    graph = import_graph()
     hidden = _hidden_functions()
     main = [(c.file, c.line) not in hidden for c in calls]
     return figures(calls, main, graph), figures(calls, [True] * len(calls), graph)
@@ -351,7 +350,7 @@ def measure() -> Walk:
     calls, mode = asyncio.run(trace())
     main_line, every = read(calls)
     distinct = len({(c.file, c.line) for c in calls})
-    return Walk(calls, main_line, every, mode, distinct=distinct)
+    return Walk(calls, main_line, every, mode, distinct)
 
 
 def _report(walk: Walk, detail: bool) -> Iterator[str]:

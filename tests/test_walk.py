@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.walk import Call, Walk, _import_graph, figures, measure, upward
+from bench.walk import Call, Walk, figures, import_graph, measure, upward
 from proxy.build import build_kind
 from proxy.core.reasons import Build
 
@@ -49,16 +49,16 @@ def test_a_stop_is_a_run_of_calls_in_one_file() -> None:
         Call("core/request.py", "make_request", 5, 1, "serve/handlers.py"),
         Call("serve/handlers.py", "_perform", 20, 0, "serve/handlers.py"),
     ]
-    figs = figures(calls, [True] * 4, _import_graph())
+    figs = figures(calls, [True] * 4, import_graph())
     assert [file for file, _ in figs.stops] == ["serve/handlers.py", "core/request.py", "serve/handlers.py"]
     assert figs.files == 2 and figs.upward == []
     # Folding the core call away joins the two handler stops into one.
-    folded = figures(calls, [True, True, False, True], _import_graph())
+    folded = figures(calls, [True, True, False, True], import_graph())
     assert folded.stops == [("serve/handlers.py", ["serve", "_parse", "_perform"])]
 
 
 def test_a_call_into_a_higher_layer_or_an_importer_goes_up() -> None:
-    graph = _import_graph()
+    graph = import_graph()
     assert upward("serve/streaming.py", "ingress/listener.py", graph)  # serve -> ingress
     assert upward("core/conversation.py", "serve/memory.py", graph)  # core -> serve (a hook)
     assert upward("core/conversation.py", "core/planner.py", graph)  # planner imports conversation
@@ -73,5 +73,5 @@ def test_a_folded_callers_call_is_counted_from_its_nearest_counted_caller() -> N
         Call("core/conversation.py", "_helper", 2, 0, "core/conversation.py"),
         Call("serve/memory.py", "MemoryGate.keep", 3, 1, "core/conversation.py"),
     ]
-    figs = figures(calls, [True, False, True], _import_graph())
+    figs = figures(calls, [True, False, True], import_graph())
     assert figs.upward == [("core/conversation.py", "serve/memory.py:MemoryGate.keep")]
