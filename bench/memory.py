@@ -326,7 +326,7 @@ async def conversation_load(
 ) -> LoadResult:
     """``conversations`` agent loops at once, each ``turns`` turns of ``stream: false`` over a
     history of ``size_bytes``; each app echoes the output and adds a 64 KB tool output."""
-    from proxy.emulator import context_digest
+    from upshift_emulator import context_digest
 
     result = LoadResult()
     url = base_url + "/responses"

@@ -47,7 +47,7 @@ def emulator_flags(template: str, rtt_ms: float, connect_ms: float) -> list[str]
     flags = shlex.split(template.format(rtt=rtt_ms, connect=connect_ms))
     names = [f.split("=", 1)[0] for f in flags if f.startswith("--")]
     helptext = subprocess.run(
-        [sys.executable, "-m", "proxy.emulator", "--help"], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "upshift_emulator", "--help"], capture_output=True, text=True, timeout=60,
         cwd=Path(__file__).resolve().parent.parent,
     ).stdout  # fmt: skip
     return flags if all(name in helptext for name in names) else []

@@ -197,7 +197,7 @@ def _connector(context: ssl.SSLContext | None) -> aiohttp.TCPConnector | None:
 
 
 class EmulatorProc(Managed):
-    """``python -m proxy.emulator`` on a free port; behind TLS with ``tls`` (:mod:`bench.tls`)."""
+    """``python -m upshift_emulator`` on a free port; behind TLS with ``tls`` (:mod:`bench.tls`)."""
 
     def __init__(
         self, log_dir: Path, latency: dict[str, float], extra: list[str] | None = None, tls: LoopbackCA | None = None
@@ -206,7 +206,8 @@ class EmulatorProc(Managed):
         self.tls = tls
         self.ssl_context = tls.client_context() if tls is not None else None
         """What a client of this emulator trusts (None: plain HTTP)."""
-        argv = [sys.executable, "-m", "proxy.emulator", "--listen", f"127.0.0.1:{self.port}", "--log-level", "WARNING"]
+        argv = [sys.executable, "-m", "upshift_emulator", "--listen", f"127.0.0.1:{self.port}"]
+        argv += ["--log-level", "WARNING"]
         for key, value in latency.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         if tls is not None:

@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 
 @pytest.fixture(autouse=True)

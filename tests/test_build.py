@@ -20,9 +20,9 @@ import orjson
 
 from proxy.build import COMPILED, build_kind
 from proxy.core.reasons import Build
-from proxy.emulator import Emulator
 from proxy.loop import loop_name
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.emulator import Emulator
 from tests.security.support import Tenant, injected_env, start_process
 from tests.sidecar import SidecarProcess
 from tests.tools import kustomize, which
+from upshift_emulator import Emulator
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDECAR = ROOT / "deploy" / "k8s" / "sidecar"

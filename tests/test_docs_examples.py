@@ -26,9 +26,9 @@ import pytest
 import yaml
 
 from proxy.config import load_settings
-from proxy.emulator.config import load_config_file
 from proxy.errors import ConfigError
 from tests.sidecar import ROOT
+from upshift_emulator.config import load_config_file
 
 DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 REFUSED = "<!-- refused -->"

@@ -1,4 +1,5 @@
-"""Habits enforced: the sans-I/O core does no I/O, and the product never imports the emulator."""
+"""Habits enforced: the sans-I/O core does no I/O, and the product and the emulator (the package
+``upshift_emulator`` beside ``proxy``) never import each other."""
 
 from __future__ import annotations
 
@@ -26,11 +27,21 @@ def _imports(path: Path) -> set[str]:
 
 
 CORE = sorted((ROOT / "proxy" / "core").glob("*.py"))
-PRODUCT = sorted(p for p in (ROOT / "proxy").rglob("*.py") if "emulator" not in p.relative_to(ROOT / "proxy").parts)
+PRODUCT = sorted((ROOT / "proxy").rglob("*.py"))
+EMULATOR = sorted((ROOT / "upshift_emulator").rglob("*.py"))
 
 
 def test_files_found() -> None:
     assert len(CORE) >= 10 and len(PRODUCT) > len(CORE)
+    assert len(EMULATOR) >= 10
+
+
+def test_nothing_of_the_emulator_is_inside_the_product() -> None:
+    """The emulator is a package of its own beside ``proxy``: no module of it, nor a leftover
+    directory, is under ``proxy/`` (the product's modules are what the compiled build and the
+    image take)."""
+    inside = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "proxy").rglob("*") if "emulator" in p.name)
+    assert not inside, inside
 
 
 @pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
@@ -41,17 +52,28 @@ def test_core_imports_no_io(path: Path) -> None:
 
 @pytest.mark.parametrize("path", PRODUCT, ids=lambda p: str(p.relative_to(ROOT)))
 def test_product_never_imports_the_emulator(path: Path) -> None:
-    if path.name == "demo.py":
-        pytest.skip("the demo starts the emulator on purpose (a separate child process)")
+    """The demo (proxy/ops/demo.py) runs the emulator too, but as a child process by its command
+    (``python -m upshift_emulator``), never by an import: a deployment without it still imports
+    every module of ``proxy``."""
     bad = {name for name in _imports(path) if "emulator" in name}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-def test_emulator_never_imports_the_sidecars_matching_code() -> None:
-    for path in (ROOT / "proxy" / "emulator").rglob("*.py"):
-        names = _imports(path)
-        bad = {n for n in names if n.startswith(("proxy.core", "proxy.upstream.pool", "proxy.serve.handlers"))}
-        assert not bad, f"{path.name} imports {sorted(bad)}"
+def test_the_demo_starts_the_emulator_by_its_command() -> None:
+    source = (ROOT / "proxy" / "ops" / "demo.py").read_text()
+    assert '"-m", "upshift_emulator"' in source
+
+
+@pytest.mark.parametrize("path", EMULATOR, ids=lambda p: str(p.relative_to(ROOT)))
+def test_emulator_never_imports_the_sidecar(path: Path) -> None:
+    """The emulator is the oracle the sidecar is tested against: its own implementation of the
+    protocol and of client echo. Sharing the sidecar's code (above all its matching code,
+    ``proxy.core``) would let one bug pass on both sides."""
+    names = _imports(path)
+    bad = {n for n in names if n.split(".")[0] == "proxy"}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+    outside = {n for n in names if n.startswith("..")}
+    assert not outside, f"{path.relative_to(ROOT)} reaches outside its package: {sorted(outside)}"
 
 
 # -- the layers of proxy/ (issue 19) -----------------------------------------------------------------
@@ -88,7 +110,7 @@ def _edges(name: str) -> set[str]:
 
 
 GRAPH = {name: _edges(name) for name in MODULES}
-SHELLS = ("proxy.ingress", "proxy.serve", "proxy.upstream", "proxy.ops", "proxy.emulator")
+SHELLS = ("proxy.ingress", "proxy.serve", "proxy.upstream", "proxy.ops")
 SHELL_TOPS = {"proxy.server", "proxy.cli", "proxy.loop", "proxy.config", "proxy.contracts", "proxy.__main__"}
 
 

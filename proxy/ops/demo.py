@@ -1,7 +1,7 @@
 """``python -m proxy demo``: see upshift cut upstream bytes and wall time, offline, in ~15 s.
 
 The demo starts two child processes on free loopback ports: the emulated OpenAI upstream
-(``python -m proxy.emulator``, with a latency model) and a sidecar in front of it
+(``python -m upshift_emulator``, with a latency model) and a sidecar in front of it
 (``python -m proxy``). It then runs the same coding-agent loop twice with a plain aiohttp
 client, the way an unmodified app talks to the Responses API (full history on every turn,
 streaming): once straight to the emulator over HTTP, once through the sidecar. Between the runs
@@ -296,7 +296,7 @@ async def _start(latency: str, children: list[Child]) -> tuple[str, str]:
         emu = f"http://127.0.0.1:{emu_port}"
         emulator = Child(
             "emulator",
-            ["-m", "proxy.emulator", "--listen", f"127.0.0.1:{emu_port}", "--latency-preset", latency,
+            ["-m", "upshift_emulator", "--listen", f"127.0.0.1:{emu_port}", "--latency-preset", latency,
              "--log-level", "WARNING"],
         )  # fmt: skip
         children.append(emulator)

@@ -9,7 +9,7 @@ the sidecar. The checks are always the same three:
 * **continuation**: every turn after the first went upstream as ``previous_response_id`` + only
   the new items, hitting the upstream connection cache (emulator oracle records);
 * **fidelity**: the emulator's effective context digest for every response equals the digest of
-  the exact input the app sent (``proxy.emulator.oracle.context_digest``).
+  the exact input the app sent (``upshift_emulator.oracle.context_digest``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import aiohttp
 import httpx2
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient, DefaultHttpxClient, OpenAI
 
-from proxy.emulator import Emulator, context_digest
-from proxy.emulator.oracle import normalize_input
+from upshift_emulator import Emulator, context_digest
+from upshift_emulator.oracle import normalize_input
 
 JSON = Any
 

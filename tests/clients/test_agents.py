@@ -22,8 +22,8 @@ from agents import (
 )
 from openai.types.shared import Reasoning
 
-from proxy.emulator import Emulator
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 from .support import (
     MODEL,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from proxy.emulator import Emulator
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 from .support import (
     MODEL,

@@ -32,8 +32,8 @@ import pytest
 from openai._models import construct_type
 from openai.types.responses import Response
 
-from proxy.emulator import Emulator, context_digest
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator, context_digest
 
 from .support import (
     MODEL,

@@ -7,9 +7,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.emulator import Emulator
-from proxy.emulator.state import identity_of
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
+from upshift_emulator.state import identity_of
 
 from .support import (
     MODEL,

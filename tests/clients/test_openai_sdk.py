@@ -13,8 +13,8 @@ import asyncio
 
 import pytest
 
-from proxy.emulator import Emulator
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 from .support import (
     Capture,

@@ -28,9 +28,9 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.openai import OpenAIResponsesModel, OpenAIResponsesModelSettings
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from proxy.emulator import Emulator, context_digest
 from proxy.ops.misses import RECENT
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator, context_digest
 
 from .support import (
     Capture,

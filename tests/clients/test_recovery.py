@@ -21,8 +21,8 @@ from typing import Any
 import openai
 import pytest
 
-from proxy.emulator import NOT_FOUND_SHAPES, Emulator
 from tests.sidecar import Sidecar
+from upshift_emulator import NOT_FOUND_SHAPES, Emulator
 
 from .support import (
     MODEL,

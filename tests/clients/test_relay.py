@@ -12,9 +12,9 @@ from typing import Any
 
 from openai import AsyncOpenAI, OpenAI
 
-from proxy.emulator import Emulator, context_digest
-from proxy.emulator.state import identity_of
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator, context_digest
+from upshift_emulator.state import identity_of
 
 from .support import KEY, MODEL, TOOLS, delta, metrics, record, summarize, tool_outputs
 

@@ -25,12 +25,12 @@ import websockets
 from openai import AsyncOpenAI
 
 from proxy.core.reasons import MissReason
-from proxy.emulator import Emulator
-from proxy.emulator.oracle import context_digest
 from proxy.ops.explain_cmd import _describe as describe
 from proxy.ops.explain_cmd import explain_files
 from proxy.ops.log import ACCESS_LOGGER
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
+from upshift_emulator.oracle import context_digest
 
 from .support import KEY, MODEL, TOOLS, Capture, app_items, delta, metrics, post, record
 

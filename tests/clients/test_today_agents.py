@@ -17,9 +17,9 @@ import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
 from openai.types.shared import Reasoning
 
-from proxy.emulator import Emulator
-from proxy.emulator.oracle import context_digest
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
+from upshift_emulator.oracle import context_digest
 
 from .support import MODEL, Capture, app_items, record, task_text
 from .test_agents import read_file

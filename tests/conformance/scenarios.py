@@ -17,7 +17,7 @@ import aiohttp
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 JSON = Any
 Payload = tuple[str, JSON]

@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-import proxy.emulator
-from proxy.emulator import Emulator
+import upshift_emulator
+from upshift_emulator import Emulator
 
 from . import schema
 from .lags import KNOWN_LAGS, RELAY_ONLY
@@ -83,10 +83,10 @@ async def test_scenario_conforms(name: str) -> None:
 
 
 def _emulator_event_literals() -> set[str]:
-    """String constants in proxy/emulator/*.py that name a server event type of the SDK."""
+    """String constants in upshift_emulator/*.py that name a server event type of the SDK."""
     known = set(schema._models("stream")) | set(schema._models("ws")) | {"error"}
     found: set[str] = set()
-    for path in Path(proxy.emulator.__file__).parent.glob("*.py"):
+    for path in Path(upshift_emulator.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known:
                 found.add(node.value)

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import websockets
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 from . import schema
 from .lags import OFF_SPEC_SHAPES

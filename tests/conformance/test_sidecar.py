@@ -9,8 +9,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.emulator import Emulator
 from tests.conftest import SidecarFactory
+from upshift_emulator import Emulator
 
 from . import schema
 from .lags import RELAY_ONLY

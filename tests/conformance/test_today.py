@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import websockets
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 from . import schema
 from .scenarios import HEADERS, TOOLS, _post, turn

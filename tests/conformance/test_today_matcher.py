@@ -5,7 +5,7 @@ history pruned at a compaction item, ``caller`` dropped from a call.
 
 The property (the invariant): whenever the matcher continues a head, what the upstream then holds
 (the head's input and output plus the new items) reads, by the oracle's own rules
-(``proxy.emulator.oracle.visible``: a compaction item stands for everything before it;
+(``upshift_emulator.oracle.visible``: a compaction item stands for everything before it;
 ``current_turn`` reads no reasoning before the last user message), exactly as the app's request
 does. And where the decision makes chaining safe, the matcher does continue.
 """
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from proxy.core.conversation import HeadTable
 from proxy.core.request import parse_request
-from proxy.emulator.oracle import context_digest
+from upshift_emulator.oracle import context_digest
 
 JSON = Any
 CONTEXTS = st.sampled_from(["current_turn", "all_turns", None])

@@ -1,6 +1,6 @@
 """Matcher fuzzing: random histories, random client echo styles, random meaning-changing edits.
 
-The property is checked with the emulator's fidelity oracle (``proxy.emulator.oracle``), an
+The property is checked with the emulator's fidelity oracle (``upshift_emulator.oracle``), an
 implementation of client-echo.md written separately from the sidecar's matcher:
 
 * whenever the sidecar would continue a chain, the context the upstream then holds (its
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.conversation import HeadTable
-from proxy.emulator.oracle import context_digest
 from tests.core.test_items import ECHO_STYLES, PHASE_DROPPING
+from upshift_emulator.oracle import context_digest
 
 PROFILE = os.environ.get("UPSHIFT_FUZZ", "fast")
 EXAMPLES = {"fast": 150, "deep": 3000}[PROFILE]

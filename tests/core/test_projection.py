@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 from proxy.core.conversation import HeadTable
 from proxy.core.items import echo_matches, fingerprint, phase_dropped
 from proxy.core.reasons import MissReason, Tolerance
-from proxy.emulator.oracle import canonical_line
 from tests.sidecar import ROOT
+from upshift_emulator.oracle import canonical_line
 
 DOC = ROOT / "docs" / "fidelity.md"
 

@@ -97,7 +97,7 @@ def main(plan_path: str, result_path: str) -> None:
     try:
         emulator_log = open(plan["emulator_log"], "wb")  # noqa: SIM115 - closed with the process
         emulator = subprocess.Popen(
-            [sys.executable, "-m", "proxy.emulator", "--listen", EMULATOR, "--require-key", plan["key"]],
+            [sys.executable, "-m", "upshift_emulator", "--listen", EMULATOR, "--require-key", plan["key"]],
             stdout=emulator_log,
             stderr=subprocess.STDOUT,
             env=env,

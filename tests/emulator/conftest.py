@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from proxy.emulator import Emulator, ThreadedEmulator
+from upshift_emulator import Emulator, ThreadedEmulator
 
 TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
 KEY = "sk-test"

@@ -1,4 +1,4 @@
-"""The command line: flags, config file, and a real ``python -m proxy.emulator`` process."""
+"""The command line: flags, config file, and a real ``python -m upshift_emulator`` process."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.emulator import REALISTIC_LATENCY, load_config_file
-from proxy.emulator.__main__ import build_parser, config_from_args, parse_listen, tls_context
+from upshift_emulator import REALISTIC_LATENCY, load_config_file
+from upshift_emulator.__main__ import build_parser, config_from_args, parse_listen, tls_context
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,7 +51,7 @@ async def test_module_runs(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.emulator", "--listen", f"127.0.0.1:{port}", "--ws-max-age", "60",
+        sys.executable, "-m", "upshift_emulator", "--listen", f"127.0.0.1:{port}", "--ws-max-age", "60",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -82,7 +82,7 @@ async def test_module_serves_tls_with_cert_and_key(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.emulator", "--listen", f"127.0.0.1:{port}",
+        sys.executable, "-m", "upshift_emulator", "--listen", f"127.0.0.1:{port}",
         "--tls-cert", str(chain), "--tls-key", str(key),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 import websockets
 from openai import AsyncOpenAI
 
-from proxy.emulator import NOT_FOUND_SHAPES, Emulator
+from upshift_emulator import NOT_FOUND_SHAPES, Emulator
 
 from .conftest import KEY, final_response, read_turn, recv_json
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 from .conftest import KEY, TOOLS, ClientFactory
 

@@ -12,7 +12,7 @@ import pytest
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 from .conftest import KEY, TERMINAL, EmulatorFactory
 

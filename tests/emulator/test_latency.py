@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from proxy.emulator import LatencyModel
+from upshift_emulator import LatencyModel
 
 from .conftest import ClientFactory, EmulatorFactory, final_response, read_turn
 

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 import websockets
 
-from proxy.emulator import Emulator, LatencyModel
-from proxy.emulator.__main__ import build_parser, config_from_args
+from upshift_emulator import Emulator, LatencyModel
+from upshift_emulator.__main__ import build_parser, config_from_args
 
 from .conftest import KEY, ClientFactory, EmulatorFactory, final_response, read_turn
 

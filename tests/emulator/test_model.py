@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from proxy.emulator.model import ModelRequest, plan, tokens
-from proxy.emulator.oracle import Segment
+from upshift_emulator.model import ModelRequest, plan, tokens
+from upshift_emulator.oracle import Segment
 
 from .conftest import TOOLS
 

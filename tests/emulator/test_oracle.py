@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.emulator import Emulator, canonical_item, context_digest, settings_digest
-from proxy.emulator.oracle import Segment
+from upshift_emulator import Emulator, canonical_item, context_digest, settings_digest
+from upshift_emulator.oracle import Segment
 
 from .conftest import TOOLS, final_response, read_turn
 
@@ -192,12 +192,12 @@ async def test_a_response_is_recorded_before_its_terminal_event_goes_out(fault: 
     """A client that reads ``response.completed`` (or ``response.failed``) and at once asks for
     the oracle record or the stored response finds it (the sidecar, on another thread, is that
     fast). The WebSocket and SSE paths record in ``play``'s ``settle``, before the last send."""
-    from proxy.emulator.config import EmulatorConfig, LatencyModel
-    from proxy.emulator.engine import execute, finish
-    from proxy.emulator.faults import Fault
-    from proxy.emulator.runner import play
-    from proxy.emulator.state import EmulatorState
-    from proxy.emulator.turn import prepare
+    from upshift_emulator.config import EmulatorConfig, LatencyModel
+    from upshift_emulator.engine import execute, finish
+    from upshift_emulator.faults import Fault
+    from upshift_emulator.runner import play
+    from upshift_emulator.state import EmulatorState
+    from upshift_emulator.turn import prepare
 
     config = EmulatorConfig()
     state = EmulatorState(config)

@@ -11,7 +11,7 @@ import pytest
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 from .conftest import KEY, TOOLS, ClientFactory, EmulatorFactory
 from .test_lanes import create, recv, until_terminals, wait_held

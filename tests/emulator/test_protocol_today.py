@@ -2,7 +2,7 @@
 types carry the field: reasoning.context, prompt_cache_breakpoint, compaction v2 and /compact,
 Ultrafast, programmatic tool calls, encrypted reasoning by default, obfuscation on WebSocket,
 safeguard pauses and the nested response.create envelope. Each oracle rule is checked against
-the digest of what the model reads (``proxy.emulator.oracle``)."""
+the digest of what the model reads (``upshift_emulator.oracle``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import openai
 import pytest
 import websockets
 
-from proxy.emulator import Emulator
-from proxy.emulator.oracle import context_digest
+from upshift_emulator import Emulator
+from upshift_emulator.oracle import context_digest
 
 from .conftest import KEY, TOOLS, ClientFactory, EmulatorFactory
 from .test_lanes import recv, until_terminals

@@ -10,7 +10,7 @@ import pytest
 import websockets
 from openai import AsyncOpenAI, OpenAI
 
-from proxy.emulator import Emulator, LatencyModel
+from upshift_emulator import Emulator, LatencyModel
 
 from .conftest import KEY, TERMINAL, TOOLS, ClientFactory, EmulatorFactory, final_response, read_turn, recv_json
 
@@ -135,7 +135,7 @@ async def test_age_limit(make_emulator: EmulatorFactory, sdk: ClientFactory) -> 
 
 
 def test_age_limit_default_text() -> None:
-    from proxy.emulator.errors import connection_limit_reached
+    from upshift_emulator.errors import connection_limit_reached
 
     assert connection_limit_reached(3600).message == (
         "Responses websocket connection limit reached (60 minutes). Create a new websocket connection to continue."

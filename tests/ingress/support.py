@@ -15,12 +15,12 @@ from multidict import CIMultiDict
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
 from proxy.core.affinity import owner_key, rank, root_digest
-from proxy.emulator import Emulator, context_digest
-from proxy.emulator.oracle import normalize_input
 from proxy.serve.identity import identify
 from proxy.server import Server
 from tests.clients.support import MODEL, TOOLS, task_text, tool_outputs
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator, context_digest
+from upshift_emulator.oracle import normalize_input
 
 KEY = "sk-test-cluster"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

@@ -13,11 +13,11 @@ import orjson
 import pytest
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
-from proxy.emulator import Emulator
 from proxy.ingress.cluster import MARKER
 from proxy.ops.metrics import FORWARDS, FORWARDS_RECEIVED
 from proxy.server import Server
 from tests.clients.support import MODEL, TOOLS
+from upshift_emulator import Emulator
 
 from .fakes import FakePeer
 from .support import HEADERS, free_ports, owner_of, task_owned_by, tool_loop

@@ -17,13 +17,13 @@ import psutil
 import pytest
 
 from proxy.config import Settings, ShutdownSettings
-from proxy.emulator import Emulator
 from proxy.ingress.cluster import WorkerPlacement
 from proxy.ingress.private import runtime_dir
 from proxy.ops.metrics import FORWARDS, HANDOFFS
 from proxy.server import Server
 from tests.clients.support import Capture, assert_fidelity, run_loop_async, task_text
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 from .support import HEADERS, KEY, STEPS, first_body, free_ports, owner_of, wait_ready
 from .test_workers import Samples, metrics, start_workers

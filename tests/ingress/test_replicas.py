@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
-from proxy.emulator import Emulator
 from proxy.server import Server
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 from .support import (
     STEPS,

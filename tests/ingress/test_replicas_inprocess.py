@@ -7,7 +7,6 @@ from typing import Any
 
 import aiohttp
 
-from proxy.emulator import Emulator
 from tests.clients.support import (
     MODEL,
     TOOLS,
@@ -19,6 +18,7 @@ from tests.clients.support import (
     tool_outputs,
 )
 from tests.clients.support import assert_fidelity as assert_sdk_fidelity
+from upshift_emulator import Emulator
 
 from .support import STEPS, assert_fidelity, continued, direct, start_replicas, summary, task_text, tool_loop
 

@@ -14,9 +14,9 @@ import orjson
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.emulator import Emulator, LatencyModel
 from tests.clients.support import MODEL
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator, LatencyModel
 
 from .support import (
     HEADERS,

@@ -10,10 +10,10 @@ import pytest
 
 from bench.memory import conversation_load
 from proxy.core.budget import CGROUP_FRACTION
-from proxy.emulator import Emulator
 from tests.exposition import metric, scrape
 from tests.memory.conftest import MIB, Cgroup, LimitedFactory
 from tests.memory.test_load import assert_settles, run_load
+from upshift_emulator import Emulator
 
 LIMIT = 160 * MIB
 

@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from bench.memory import LoadResult, check_oracle, conversation_load
-from proxy.emulator import Emulator
 from tests.exposition import metric, scrape
 from tests.memory.conftest import MIB, LimitedFactory, LimitedSidecar
+from upshift_emulator import Emulator
 
 
 async def _ready_probes(admin: str, stop: asyncio.Event, statuses: list[int]) -> None:

@@ -16,9 +16,9 @@ import pytest
 from bench.clients import sdk_headers
 from bench.memory import big_history
 from bench.workload import body_fields
-from proxy.emulator import Emulator, context_digest
 from tests.exposition import metric, scrape
 from tests.memory.conftest import MIB, LimitedFactory, LimitedSidecar
+from upshift_emulator import Emulator, context_digest
 
 BUDGET = 96 * MIB
 """About 36 MiB for requests once the idle process and the slack are set aside."""

@@ -24,8 +24,8 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.emulator import Emulator
 from tests.sidecar import ROOT, Sidecar
+from upshift_emulator import Emulator
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "upshift.json"
 RULES = ROOT / "deploy" / "prometheus" / "rules.yaml"

@@ -18,9 +18,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.emulator import Emulator
 from tests.providers.support import Tinyproxy, TlsEmulator
 from tests.sidecar import ROOT, Sidecar, SidecarProcess
+from upshift_emulator import Emulator
 
 KEY = "sk-doctor-7f3a9c1e5b"
 CHECKS = ("http", "websocket", "continuation", "lanes", "store_false", "hydration", "compact", "service_tier")

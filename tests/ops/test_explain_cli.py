@@ -17,10 +17,10 @@ import aiohttp
 import orjson
 
 from proxy.core.explain import Detail
-from proxy.emulator import Emulator
 from proxy.ops.explain_cmd import WHERE
 from tests.clients.support import READ_FILE, task_text
 from tests.sidecar import ROOT, Sidecar
+from upshift_emulator import Emulator
 
 from .conftest import AccessLines
 

@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 from openai import AsyncOpenAI
 
-from proxy.emulator import Emulator
 from tests.clients.support import READ_FILE, WEATHER, task_text, tool_result
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 from .conftest import AccessLines
 

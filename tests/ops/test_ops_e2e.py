@@ -28,10 +28,10 @@ import proxy.ops.metrics
 from proxy.build import build_kind
 from proxy.config import env_name, setting_keys
 from proxy.core.reasons import MissReason, PassthroughReason
-from proxy.emulator import Emulator, LatencyModel
 from proxy.loop import loop_name
 from proxy.ops.demo import run_agent_loop
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator, LatencyModel
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -17,10 +17,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.emulator import Emulator
 from proxy.ops.demo import run_agent_loop
 from proxy.ops.health import SAMPLER_KEY
 from tests.sidecar import ROOT, Sidecar
+from upshift_emulator import Emulator
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")

@@ -15,7 +15,7 @@ from types import TracebackType
 import pytest
 from aiohttp import web
 
-from proxy.emulator import Emulator
+from upshift_emulator import Emulator
 
 __all__ = ["TlsEmulator", "Tinyproxy", "free_port", "require_tinyproxy"]
 

@@ -12,7 +12,6 @@ from collections import defaultdict
 
 from openai import AsyncAzureOpenAI, DefaultAsyncHttpxClient
 
-from proxy.emulator import Emulator
 from tests.clients.support import (
     Capture,
     Run,
@@ -23,6 +22,7 @@ from tests.clients.support import (
     task_text,
 )
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 KEYS = ("azure-key-a", "azure-key-b")
 API_VERSION = "2025-04-01-preview"

@@ -11,8 +11,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from proxy.emulator import Emulator
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 TERMINAL = ("response.completed", "response.failed", "response.incomplete", "error")
 

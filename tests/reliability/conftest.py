@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 
 import proxy.upstream.ws
-from proxy.emulator import Emulator, ThreadedEmulator
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator, ThreadedEmulator
 
 EmulatorFactory = Callable[..., Awaitable[Emulator]]
 SidecarFor = Callable[..., Awaitable[Sidecar]]

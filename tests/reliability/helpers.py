@@ -18,13 +18,13 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
-from proxy.emulator import Emulator
-from proxy.emulator.model import ModelRequest, plan
-from proxy.emulator.oracle import Segment, context_digest
 from proxy.ops.metrics import REGISTRY
 from proxy.upstream.pool import SocketUse
 from proxy.upstream.ws import live_sockets
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
+from upshift_emulator.model import ModelRequest, plan
+from upshift_emulator.oracle import Segment, context_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-reliability-0123456789abcdef"

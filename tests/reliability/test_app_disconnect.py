@@ -16,7 +16,6 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import LatencyModel
 from tests.reliability.conftest import SidecarFor, ThreadedEmulatorFactory
 from tests.reliability.helpers import (
     MODEL,
@@ -28,6 +27,7 @@ from tests.reliability.helpers import (
     metric,
     wait_for,
 )
+from upshift_emulator import LatencyModel
 
 pytestmark = pytest.mark.timeout(60)
 

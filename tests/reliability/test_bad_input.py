@@ -15,8 +15,6 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import Emulator
-from proxy.emulator.oracle import context_digest
 from tests.conftest import SidecarFactory
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
 from tests.reliability.helpers import (
@@ -30,6 +28,8 @@ from tests.reliability.helpers import (
     user,
 )
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
+from upshift_emulator.oracle import context_digest
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -45,7 +45,7 @@ def upstream() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = ["--listen", f"127.0.0.1:{port}", "--overhead-ms", "20", "--ttft-ms", "30"]
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.emulator", *args], cwd=ROOT, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "upshift_emulator", *args], cwd=ROOT, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 15
         while True:

@@ -28,11 +28,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from proxy.emulator import Emulator
-from proxy.emulator.oracle import context_digest
 from tests.core.test_items import ECHO_STYLES
 from tests.reliability.helpers import MODEL, Reply, post, project
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
+from upshift_emulator.oracle import context_digest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import aiohttp
 
-from proxy.emulator import LatencyModel
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
 from tests.reliability.helpers import (
     Conversation,
@@ -24,6 +23,7 @@ from tests.reliability.helpers import (
     replays,
     wait_for,
 )
+from upshift_emulator import LatencyModel
 
 
 async def _turns(convs: list[Conversation], *, stream: bool = False) -> list[dict[str, Any]]:

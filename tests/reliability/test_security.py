@@ -36,8 +36,6 @@ from proxy.core.reasons import (
     RequestOutcome,
     Route,
 )
-from proxy.emulator import Emulator
-from proxy.emulator.state import identity_of
 from proxy.ingress.handoff import HandoffOutcome
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import LABEL_VALUES
@@ -56,6 +54,8 @@ from tests.reliability.helpers import (
     wait_for,
 )
 from tests.sidecar import Sidecar, SidecarProcess
+from upshift_emulator import Emulator
+from upshift_emulator.state import identity_of
 
 pytestmark = pytest.mark.timeout(90)
 

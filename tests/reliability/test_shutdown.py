@@ -16,10 +16,10 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import LatencyModel
 from tests.reliability.conftest import EmulatorFactory
 from tests.reliability.helpers import MODEL, Reply, auth, check_answer, parse_sse, user, wait_for
 from tests.sidecar import SidecarProcess
+from upshift_emulator import LatencyModel
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -29,9 +29,6 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.emulator import Emulator
-from proxy.emulator.model import ModelRequest, plan
-from proxy.emulator.oracle import Segment
 from proxy.upstream.pool import SocketUse
 from tests.reliability.conftest import EmulatorFactory, SidecarFor, ThreadedEmulatorFactory
 from tests.reliability.helpers import (
@@ -46,6 +43,9 @@ from tests.reliability.helpers import (
     wait_for,
 )
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
+from upshift_emulator.model import ModelRequest, plan
+from upshift_emulator.oracle import Segment
 
 CONVERSATIONS = 200
 TURNS = 50

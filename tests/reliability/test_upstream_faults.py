@@ -19,8 +19,6 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.emulator import NOT_FOUND_SHAPES, Emulator, LatencyModel
-from proxy.emulator.state import identity_of
 from proxy.upstream.pool import SocketUse
 from tests.conftest import SidecarFactory
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
@@ -40,6 +38,8 @@ from tests.reliability.helpers import (
     wait_for,
 )
 from tests.sidecar import Sidecar
+from upshift_emulator import NOT_FOUND_SHAPES, Emulator, LatencyModel
+from upshift_emulator.state import identity_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,10 +16,10 @@ import logging
 import aiohttp
 import orjson
 
-from proxy.emulator import LatencyModel
 from proxy.ops.log import ACCESS_LOGGER, JsonFormatter
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
 from tests.reliability.helpers import Conversation, metric
+from upshift_emulator import LatencyModel
 
 
 async def test_a_stored_turn_whose_lane_is_busy_is_continued_over_http_at_once(

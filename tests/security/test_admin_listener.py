@@ -15,10 +15,10 @@ import orjson
 import pytest
 import yaml
 
-from proxy.emulator import Emulator
 from tests.security.ingress import body, openai_error, started
 from tests.security.support import start_process
 from tests.sidecar import ROOT, SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,9 +12,9 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import Emulator
 from tests.exposition import metric
 from tests.security.ingress import ALICE, Spawn, answer, body, hostport, metrics, openai_error, raw_request, started
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,12 +17,12 @@ import openai
 import pytest
 from yarl import URL
 
-from proxy.emulator import Emulator
 from tests.clients.support import Capture
 from tests.reliability.helpers import Reply, assert_openai_error, auth
 from tests.security.ingress import answer, hostport, openai_error, raw_request
 from tests.security.support import ALICE, BOB, MODEL, Tenant, injected_env, start_process
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 

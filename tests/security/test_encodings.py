@@ -12,9 +12,9 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import Emulator, context_digest
 from tests.exposition import metric
 from tests.security.ingress import ALICE, Spawn, metrics, openai_error, started
+from upshift_emulator import Emulator, context_digest
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from proxy.emulator import Emulator
 from tests.reliability.helpers import Conversation
 from tests.security.support import ALICE, BOB, start_process
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,12 +19,12 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy.core.fair import FairShares
-from proxy.emulator import Emulator
 from proxy.serve.identity import Identity, identify
 from proxy.serve.relay import RELAY_REFUSED_CODE
 from tests.reliability.helpers import user
 from tests.security.support import MODEL, start_process
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -16,10 +16,10 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from proxy.emulator import Emulator
 from tests.reliability.helpers import MODEL, Reply, assert_openai_error, user
 from tests.security.support import ALICE, BOB, start_process
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(90)
 

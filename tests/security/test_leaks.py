@@ -15,12 +15,12 @@ import orjson
 import pytest
 
 from proxy.config import Settings
-from proxy.emulator import Emulator
 from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
 from proxy.upstream.passthrough import Passthrough
 from tests.security.ingress import ALICE, Spawn, body, started
 from tests.sidecar import ROOT
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -17,10 +17,10 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import Emulator
 from tests.reliability.helpers import Reply, assert_openai_error, auth, post, user
 from tests.security.support import ALICE, BOB, MODEL, injected_env, relay_turn, start_process
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 

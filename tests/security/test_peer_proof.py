@@ -15,11 +15,11 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from proxy.emulator import Emulator
 from proxy.ingress.cluster import MARKER
 from proxy.ingress.peerauth import PROOF_HEADER, PROOF_PATH, PeerAuth
 from proxy.server import Server
 from tests.ingress.support import HEADERS, first_body, free_ports, replica_settings, task_owned_by
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 

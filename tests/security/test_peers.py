@@ -16,7 +16,6 @@ import trustme
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
 from proxy.core.reasons import ForwardOutcome as Outcome
-from proxy.emulator import Emulator
 from proxy.errors import ConfigError
 from proxy.ingress.cluster import MARKER
 from proxy.ingress.peerauth import PeerAuth
@@ -32,6 +31,7 @@ from tests.ingress.support import (
     task_text,
     tool_loop,
 )
+from upshift_emulator import Emulator
 
 PEER_NAME = "upshift-gateway-peers"
 """The name the shipped gateway manifests give the replicas' certificate (cluster.tls_server_name)."""

@@ -27,13 +27,13 @@ import psutil
 import pytest
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
-from proxy.emulator import Emulator
 from proxy.ingress.cluster import WorkerPlacement
 from proxy.ingress.private import runtime_dir
 from proxy.server import Server
 from tests.ingress.support import HEADERS, first_body, owner_of, task_text, tool_loop, wait_ready
 from tests.ingress.test_workers import start_workers
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 NOBODY = 65534
 

@@ -19,11 +19,11 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.emulator import Emulator
 from proxy.serve.relay import RELAY_REFUSED_CODE
 from tests.reliability.helpers import user
 from tests.security.support import ALICE, BOB, MODEL, relay_turn, start_process
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 

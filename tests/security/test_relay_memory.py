@@ -16,10 +16,10 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import Emulator
 from tests.exposition import metric, scrape
 from tests.security.support import MODEL, injected_env, start_process
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(180)
 

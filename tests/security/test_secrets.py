@@ -17,11 +17,11 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import Emulator
 from tests.ingress.support import free_ports
 from tests.reliability.helpers import MODEL, user
 from tests.security.support import ALICE, start_process
 from tests.sidecar import ROOT, SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,6 @@ import orjson
 import pytest
 
 from proxy.config import Settings
-from proxy.emulator import Emulator, context_digest
 from tests.exposition import metric
 from tests.loops import LOOP_KINDS, loop_runner
 from tests.security.ingress import (
@@ -34,6 +33,7 @@ from tests.security.ingress import (
     started,
 )
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator, context_digest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.emulator import Emulator
 from tests.reliability.helpers import Reply, assert_openai_error, user
 from tests.security.support import (
     ALICE,
@@ -29,6 +28,7 @@ from tests.security.support import (
     start_replicas,
 )
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 

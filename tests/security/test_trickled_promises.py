@@ -17,9 +17,9 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import Emulator, context_digest
 from tests.security.ingress import Spawn, answer, body_limit, raw_request, started
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator, context_digest
 
 pytestmark = pytest.mark.timeout(180)
 

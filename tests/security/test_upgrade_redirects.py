@@ -10,10 +10,10 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from proxy.emulator import Emulator
 from tests.loopback import LoopbackServer
 from tests.security.ingress import MODEL, started
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -19,11 +19,11 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.emulator import NOT_FOUND_SHAPES, Emulator, LatencyModel
 from proxy.ops.metrics import REGISTRY
 from proxy.upstream.pool import SocketUse
 from tests.conftest import SidecarFactory
 from tests.sidecar import Sidecar
+from upshift_emulator import NOT_FOUND_SHAPES, Emulator, LatencyModel
 
 KEY = "sk-test"
 

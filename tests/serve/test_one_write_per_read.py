@@ -16,9 +16,9 @@ from typing import Any
 
 import orjson
 
-from proxy.emulator import Emulator
 from tests.loopback import LoopbackServer
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 _TERMINAL = (b'"response.completed"', b'"response.failed"', b'"response.incomplete"', b'"error"')
 

@@ -11,9 +11,9 @@ from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
-from proxy.emulator import Emulator
 from proxy.serve.relay import sendable_code
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 KEY = "sk-test"
 

@@ -10,9 +10,9 @@ import orjson
 import pytest
 from openai import APIError, AsyncOpenAI, InternalServerError, RateLimitError
 
-from proxy.emulator import Emulator
 from tests.conftest import SidecarFactory
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 HEADERS = {"Authorization": "Bearer sk-test"}
 REQUEST_ID = re.compile(r"^req_[0-9a-f]{32}$")

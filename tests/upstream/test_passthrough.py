@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
-from proxy.emulator import Emulator
 from tests.conftest import SidecarFactory
 from tests.sidecar import Sidecar
+from upshift_emulator import Emulator
 
 KEY = "sk-test"
 

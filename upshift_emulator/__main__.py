@@ -1,4 +1,4 @@
-"""``python -m proxy.emulator --listen 127.0.0.1:9100``: run the emulated upstream.
+"""``python -m upshift_emulator --listen 127.0.0.1:9100``: run the emulated upstream.
 
 Precedence: flag > ``--config`` file > default. Latency defaults to zero; ``--latency-preset
 realistic`` (GPT-5-class) or ``fast`` (fast coding model) gives the documented figures.
@@ -41,7 +41,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     """Every flag, with its default in the help text."""
     p = argparse.ArgumentParser(
-        prog="python -m proxy.emulator",
+        prog="python -m upshift_emulator",
         description="Emulated OpenAI Responses API (HTTP + WebSocket mode) for tests, benchmarks and demos.",
         epilog=_LATENCY_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -189,7 +189,7 @@ def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
 async def _serve(config: EmulatorConfig, host: str, port: int, context: ssl.SSLContext | None = None) -> None:
     emulator = Emulator(config)
     await emulator.start(host, port, ssl_context=context)
-    logging.getLogger("proxy.emulator").info(
+    logging.getLogger("upshift_emulator").info(
         "emulator listening on %s (WebSocket %s)", emulator.base_url, emulator.ws_url
     )
     stop = asyncio.Event()

@@ -1,6 +1,6 @@
 """Emulated OpenAI Responses API (HTTP + WebSocket mode) for tests, benchmarks and demos.
 
-Run it with ``python -m proxy.emulator --listen 127.0.0.1:9100``, or in process::
+Run it with ``python -m upshift_emulator --listen 127.0.0.1:9100``, or in process::
 
     async with Emulator() as emu:
         client = AsyncOpenAI(base_url=emu.base_url, api_key="sk-test")

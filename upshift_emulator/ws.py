@@ -29,7 +29,7 @@ from .wsturn import process
 __all__ = ["WsConnection"]
 
 JSON = Any
-_log = logging.getLogger("proxy.emulator")
+_log = logging.getLogger("upshift_emulator")
 
 
 def flat_create(event: dict[str, JSON]) -> dict[str, JSON]:
