@@ -123,6 +123,12 @@ async def _not_found(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def _canonical_paths(request: web.Request, handler: Any) -> web.StreamResponse:
+    """:func:`proxy.ingress.front.canonical_paths` as the app's middleware."""
+    return await canonical_paths(request, handler)
+
+
+@web.middleware
 async def _bugs_as_openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """A bug becomes an OpenAI-shaped 500 (logged with its traceback), never a text page."""
     try:
@@ -152,7 +158,7 @@ def build_app(services: Services, ingress: Ingress | None = None) -> web.Applica
     app = web.Application(
         client_max_size=services.settings.limits.max_body_bytes + 1,
         # No web pages; one spelling of every /v1 path (what is routed and checked is what is forwarded).
-        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings), canonical_paths],
+        middlewares=[_bugs_as_openai_errors, browser_guard(services.settings), _canonical_paths],
     )
     app[SERVICES] = services
     app.router.add_post("/v1/responses", post_responses)

@@ -89,10 +89,10 @@ def path_fault(raw_path: str) -> str | None:
     return None
 
 
-@web.middleware
 async def canonical_paths(request: web.Request, handler: Any) -> web.StreamResponse:
     """Refuse a ``/v1`` path that is not canonical (:func:`path_fault`) before it is routed:
-    what is matched, checked and forwarded is then one and the same path."""
+    what is matched, checked and forwarded is then one and the same path. The app's middleware
+    (:mod:`proxy.server`) calls it: a compiled function takes no ``@web.middleware`` mark."""
     fault = path_fault(request.raw_path)
     if fault is None:
         response: web.StreamResponse = await handler(request)
