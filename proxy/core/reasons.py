@@ -168,7 +168,10 @@ class ErrorCode(enum.StrEnum):
     MEMORY_TOO_LARGE = "memory_too_large"
     """The request cannot fit even into an empty memory budget: 503."""
     SHUTTING_DOWN = "shutting_down"
+    """The drain's grace ran out with the stream in flight: it ends with one ``error`` event
+    (type ``server_error``) instead of a truncated body; retry the request."""
     INTERNAL_ERROR = "internal_error"
+    """A bug of the sidecar: 500, the access line holds the details."""
     REQUEST_TIMEOUT = "request_timeout"
     """The body did not arrive within ``limits.body_timeout_seconds`` or kept below the minimum rate: 408."""
     UNSUPPORTED_CONTENT_ENCODING = "unsupported_content_encoding"

@@ -107,6 +107,8 @@ DROPPED_REASONING = Counter(
     ["accepted"],
     registry=REGISTRY,
 )
+"""Deprecated: ``upshift_echo_tolerances_total{tolerance="reasoning"}`` counts the same.
+accepted: true | false."""
 
 ECHO_TOLERANCES = Counter(
     "upshift_echo_tolerances",
@@ -380,12 +382,16 @@ BODIES_ABORTED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+"""reason: :class:`BodyAbort`."""
+
 BROWSER_REFUSALS = Counter(
     "upshift_browser_refusals",
     "Requests refused as a web page's (a foreign Origin or Host), by reason.",
     ["reason"],
     registry=REGISTRY,
 )
+"""reason: :class:`BrowserRefusal`."""
+
 LISTENER_CLOSED = Counter(
     "upshift_listener_closed_connections",
     "Connections the API listener closed on its own, by reason.",

@@ -1,0 +1,43 @@
+"""The generated reference pages of docs/reference/ equal what the code renders now."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.config import env_name, setting_keys
+from proxy.core.reasons import ErrorCode
+from proxy.ops import refdocs
+from tests.sidecar import ROOT
+
+
+@pytest.mark.parametrize("page", sorted(refdocs.PAGES))
+def test_page_is_current(page: str) -> None:
+    text = (ROOT / page).read_text(encoding="utf-8")
+    assert text == refdocs.PAGES[page](), f"{page} is stale: run python -m proxy.ops.refdocs --write"
+
+
+def test_the_check_names_a_stale_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert refdocs.main(["--write", "--root", str(tmp_path)]) == 0
+    assert refdocs.main(["--root", str(tmp_path)]) == 0
+    metrics = tmp_path / "docs" / "reference" / "metrics.md"
+    metrics.write_text(metrics.read_text().replace("upshift_requests_total", "upshift_requests"))
+    assert refdocs.main(["--root", str(tmp_path)]) == 1
+    assert "docs/reference/metrics.md is stale" in capsys.readouterr().err
+
+
+def test_every_key_has_its_default_and_meaning() -> None:
+    page = refdocs.configuration()
+    for key in setting_keys():
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{key}` |"))
+        cells = [cell.strip() for cell in row.split(" | ")]
+        assert cells[2].startswith(f"`{env_name(key)}`"), row
+        assert len(cells[3]) > 10, f"{key} has no docstring in proxy/config.py"
+
+
+def test_every_error_code_says_when() -> None:
+    page = refdocs.errors_page()
+    for code in ErrorCode:
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{code}` |"))
+        assert len(row.split(" | ")[4].strip(" |")) > 10, f"{code} has no meaning"
