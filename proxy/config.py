@@ -803,7 +803,7 @@ def _check_settings(s: Settings) -> None:
     listed = {h.lower() for h in s.identity.headers}
     missing = [h for h in dict.fromkeys(("Authorization", "api-key", s.api_key.header)) if h.lower() not in listed]
     if missing:
-        # issue 22: a credential header the upstream accepts but the identity leaves out lets
+        # a credential header the upstream accepts but the identity leaves out lets
         # two apps with different keys in it share sockets, heads and response ids.
         raise ConfigError(
             f"settings: identity.headers must list every credential header the upstream accepts; "

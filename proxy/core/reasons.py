@@ -1,8 +1,9 @@
 """Every reason, cause and code the sidecar reports, as values.
 
-The README tables, ``config.yaml`` comments and the metric label sets are checked exactly against
-these enums (``tests/test_reasons.py``), so a reason passed around in a variable can never be
-missing from the docs. Values are the wire names (metric labels, access-log fields).
+The reason tables of docs/operations.md and the label values of the generated metrics reference
+(docs/reference/metrics.md) are checked exactly against these enums (``tests/test_reasons.py``),
+so a reason passed around in a variable can never be missing from the docs. Values are the wire
+names (metric labels, access-log fields).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Response-id owners across workers and replicas (issue 22), without a new datastore.
+"""Response-id owners across workers and replicas, without a new datastore.
 
 The process that returns a response id to an app records its creator first
 (:mod:`proxy.serve.owners`). A later request naming that id may land anywhere (SO_REUSEPORT

@@ -484,7 +484,7 @@ a bounded set), so that a turn looks each up in one dict instead of prometheus' 
 
 
 def child(metric: Counter, *values: str) -> Counter:
-    """``metric.labels(*values)``, looked up once per label set (issue 24: per-turn cost)."""
+    """``metric.labels(*values)``, looked up once per label set (per-turn cost)."""
     key = (metric, *values)
     found = _CHILDREN.get(key)
     if found is None:

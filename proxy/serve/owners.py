@@ -1,4 +1,4 @@
-"""The owner check every id-bearing route makes (issue 22): local registry first, then peers.
+"""The owner check every id-bearing route makes: local registry first, then peers.
 
 :class:`OwnerBook` wraps the process's :class:`~proxy.core.owners.OwnerRegistry` (the pool's,
 which its planner tells of every head) and, in a cluster, a :class:`RemoteOwners` that asks

@@ -6,7 +6,7 @@ only after the upstream accepted, so a refused upstream upgrade is answered with
 (426 when there is none: the de-facto "use HTTP instead" signal), never a hang, 404 or 405.
 Frames go through unchanged in both directions; close codes propagate both ways.
 
-Inside the sidecar's limits (issue 22): an app message may be as large as the upstream's own
+Inside the sidecar's limits: an app message may be as large as the upstream's own
 frame budget (``limits.ws_frame_budget_bytes``) and a request body (``limits.max_body_bytes``;
 larger: close 1009, refused from the frame header, never read), a session's messages are paid
 for in the memory budget as their bytes are read, before aiohttp assembles them
@@ -92,7 +92,7 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
         refusal = _over_socket_limits(svc, identity)
         if refusal is not None:
             return await _refuse_session(request, headers, rec, refusal)
-        # issue 22: a relay's upstream socket counts against the pool's socket limits.
+        # a relay's upstream socket counts against the pool's socket limits.
         svc.relay_sessions[identity.digest] += 1
         try:
             return await _session(request, svc, identity, headers, rec, started)
@@ -145,7 +145,7 @@ async def _upgraded(
         rec.status = 426
         return web.Response(status=426, body=json_body(exc.body()), content_type="application/json", headers=headers)
     rec.added_s = time.perf_counter() - started
-    # issue 22: no app message larger than what the upstream itself accepts in a frame, nor
+    # no app message larger than what the upstream itself accepts in a frame, nor
     # than a request body may be (what the memory budget is sized for); aiohttp refuses a
     # larger one from its frame header (close 1009), before reading its payload.
     limits = svc.settings.limits

@@ -96,7 +96,7 @@ def _live(planner: Planner) -> int:
     return planner.socket_counts[SocketState.OPEN] + planner.socket_counts[SocketState.RETIRING]
 
 
-# The socket and lane gauges are read from the planners when scraped (issue 24): a turn pays
+# The socket and lane gauges are read from the planners when scraped: a turn pays
 # nothing for them, and a scrape sees the counts as they are.
 for _child, _count in (
     (SOCKETS.labels("open"), _live),
@@ -473,7 +473,7 @@ class Pool:
 
     def adopt_http(self, identity: Identity, req: ParsedRequest, body: bytes) -> None:
         """The answer of a stored request sent over plain HTTP (SSE or JSON): its completed
-        response becomes a head without a lane (issue 23: its later turns are continued)."""
+        response becomes a head without a lane (its later turns are continued)."""
         response = completed_response(body)
         if response is not None:
             self.planner.adopt(identity.digest, req, response, self._clock())
