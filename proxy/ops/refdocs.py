@@ -148,6 +148,8 @@ def _scalar(value: object) -> str:
         value = list(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
+    if value == "":
+        return '""'
     dumped = yaml.safe_dump(value, default_flow_style=True, width=1000)
     return dumped.removesuffix("\n...\n").rstrip("\n")
 
