@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "fastparse", "items", "lanes", "owners", "planner", "rawjson", "reasons", "request",
+        "creators", "fastparse", "items", "lanes", "planner", "rawjson", "reasons", "request",
         "reseed", "retry", "sse",
     )),
     "proxy.wire.sse",
@@ -48,7 +48,7 @@ COMPILED: tuple[str, ...] = (
     "proxy.core.explainer",
     *(f"proxy.ingress.{name}" for name in ("front", "reception")),
     *(f"proxy.serve.{name}" for name in (
-        "handlers", "identity", "inflight", "memory", "owners", "record", "streaming",
+        "creator_check", "handlers", "identity", "inflight", "memory", "record", "streaming",
     )),
 )  # fmt: skip
 """The modules the compiled build compiles. Modules that tests fault-inject into stay interpreted

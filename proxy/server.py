@@ -27,14 +27,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.build import build_kind
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.creators import OwnerRegistry
 from proxy.core.explainer import MissExplainer
-from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Mode, Route
 from proxy.errors import RequestError, invalid_url_body
 from proxy.ingress.browsers import browser_guard
+from proxy.ingress.creator_queries import install as install_owner_routes
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, canonical_paths, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
-from proxy.ingress.owners import install as install_owner_routes
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app

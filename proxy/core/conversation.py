@@ -25,7 +25,7 @@ Two classes, one job each:
 
 - :class:`HeadTable`, the **index**: match (:meth:`~HeadTable.lookup`, which only reads: the
   planner expires before and calls :meth:`~HeadTable.touch` on the head it continues), record,
-  expire. Who created which response id is the owner registry's (:mod:`proxy.core.owners`,
+  expire. Who created which response id is the owner registry's (:mod:`proxy.core.creators`,
   told by the planner); where a miss departs is the miss explainer's
   (:mod:`proxy.core.explainer`, which reads this table).
 - :class:`PrefixCache`, the **prefix cache**: per recorded body its raw prefix (for the next

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.core.conversation import Head, HeadTable
+from proxy.core.creators import OwnerRegistry
 from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
 from proxy.core.lanes import (
@@ -65,7 +66,6 @@ from proxy.core.lanes import (
     lane_step,
     socket_step,
 )
-from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Hit, MissReason, PassthroughReason, WaitOutcome
 from proxy.core.request import ParsedRequest, build_frame
 from proxy.core.reseed import Kept, KeptContexts

@@ -219,7 +219,7 @@ class MemoryRefusal(enum.StrEnum):
 
 
 class OwnerVerdict(enum.StrEnum):
-    """Whose a response id is, as far as the sidecar knows (``proxy.core.owners``)."""
+    """Whose a response id is, as far as the sidecar knows (``proxy.core.creators``)."""
 
     OWN = "own"
     """Created by the asking identity."""

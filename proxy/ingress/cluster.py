@@ -436,7 +436,7 @@ class Cluster:
             headers={REFUSED_HEADER: "forward_unauthenticated"},
         )
 
-    # -- owner queries (proxy/ingress/owners.py) ----------------------------------------
+    # -- owner queries (proxy/ingress/creator_queries.py) ----------------------------------------
 
     def query_peer(self, name: str, limit: int) -> Peer | None:
         """A peer of its own (own connections: an owner query never waits behind forwards) for

@@ -34,20 +34,20 @@ from proxy.config import Settings
 from proxy.core.answer import Answer, Attempt, Kept, decide, kept
 from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
+from proxy.core.creators import parsed_ids
 from proxy.core.explainer import MissExplainer
-from proxy.core.owners import parsed_ids
 from proxy.core.planner import Plan, PlanKind
 from proxy.core.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
 from proxy.errors import ProxyError, RequestError, UpstreamError
 from proxy.ops.metrics import UPSTREAM_DURATION
+from proxy.serve.creator_check import OwnerBook
 from proxy.serve.identity import Identity, request_identity
 from proxy.serve.inflight import Streams
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import Lease, MemoryGate
 from proxy.serve.offload import hash_prefix_in_thread, warm_keys
-from proxy.serve.owners import OwnerBook
 from proxy.serve.record import Record
 from proxy.serve.streaming import Downstream, count_hold_back, json_body, pump, wants_obfuscation
 from proxy.upstream.passthrough import Forwarded, Options, Passthrough, http_continuation_body
@@ -76,7 +76,7 @@ class Services:
     memory: MemoryGate | None = None
     """The memory budget every request draws from (proxy/serve/memory.py)."""
     owners: OwnerBook = field(init=False)
-    """Who created each response id, and who may name it (proxy/serve/owners.py)."""
+    """Who created each response id, and who may name it (proxy/serve/creator_check.py)."""
 
     def __post_init__(self) -> None:
         shared = self.settings.identity.shared_objects
@@ -178,7 +178,7 @@ async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     """The fast parse (skips the history prefix this identity's previous turn already sent);
     another tenant's ``previous_response_id`` (or, behind an injected key, one no process knows)
     is refused: the upstream's store is shared behind one key and would serve it.
-    The ids are read from this parse (:func:`~proxy.core.owners.parsed_ids`), never from a second one."""
+    The ids are read from this parse (:func:`~proxy.core.creators.parsed_ids`), never from a second one."""
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
     await svc.owners.check(arrival.identity.digest, parsed_ids(req))
     await warm_keys(req)

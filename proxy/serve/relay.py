@@ -21,7 +21,7 @@ direction for ``pool.idle_close_seconds`` is closed (1001), as an idle pooled so
 tenant cannot keep slots it does not use.
 Every app frame is read as one JSON object (what does not parse, or repeats a key naming an id,
 gets an ``invalid_request_error`` event and goes nowhere); one naming a ``previous_response_id``
-must name the identity's own response (:mod:`proxy.serve.owners`), else it gets the upstream's
+must name the identity's own response (:mod:`proxy.serve.creator_check`), else it gets the upstream's
 ``previous_response_not_found`` event;
 every ``response.created`` the upstream sends is recorded as the identity's.
 """
@@ -40,15 +40,15 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
 from proxy import contracts
+from proxy.core.creators import PARSE_INLINE, created_id, read_request
 from proxy.core.fair import tenant_of
-from proxy.core.owners import PARSE_INLINE, created_id, read_request
 from proxy.core.reasons import Mode, RequestOutcome, Route
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
 from proxy.ops.metrics import ERRORS, INFLIGHT
+from proxy.serve.creator_check import OwnerBook
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.identity import Identity
 from proxy.serve.memory import MemoryRefused, MessageMeter
-from proxy.serve.owners import OwnerBook
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body, new_request_id
 from proxy.upstream.ws import open_websocket
@@ -331,7 +331,7 @@ async def _send_error(ws: web.WebSocketResponse, exc: ProxyError, status: int, s
 
 async def _may_send(ws: web.WebSocketResponse, data: bytes | str, owners: OwnerBook, identity: str) -> bool:
     """Whether the app's frame may go upstream. It is read as the upstream reads it
-    (:func:`~proxy.core.owners.read_request`): a frame that is not one JSON object, or repeats a
+    (:func:`~proxy.core.creators.read_request`): a frame that is not one JSON object, or repeats a
     key naming an id, gets an ``invalid_request_error`` event; a ``previous_response_id``
     (``response.create``, ``response.steer``) must name the identity's own response, else the
     upstream's own ``previous_response_not_found``. A refused frame goes nowhere."""

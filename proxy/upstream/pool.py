@@ -29,10 +29,10 @@ import orjson
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.creators import OwnerRegistry
 from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
 from proxy.core.lanes import LaneKey, LaneState, SocketState
-from proxy.core.owners import OwnerRegistry
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
 from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
@@ -256,7 +256,7 @@ class Pool:
             owners,
         )
         self.owners = self.planner.owners
-        """Who created each response id (:class:`~proxy.core.owners.OwnerRegistry`)."""
+        """Who created each response id (:class:`~proxy.core.creators.OwnerRegistry`)."""
         self.caps = CapFile(p.cap_state_dir)
         """The learned socket caps shared with the other workers of this machine."""
         self._clock = clock

@@ -7,7 +7,7 @@ SSE reader (:mod:`proxy.wire.sse`).
 
 from __future__ import annotations
 
-from proxy.core.owners import SNIFF_LIMIT, member_string
+from proxy.core.creators import SNIFF_LIMIT, member_string
 from proxy.wire import sse
 
 __all__ = ["IdSniffer"]

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from proxy.emulator import Emulator
-from proxy.ingress.owners import QUERY_PATH
+from proxy.ingress.creator_queries import QUERY_PATH
 from tests.security.support import ALICE, BOB, Tenant, injected_env, start_process
 from tests.sidecar import SidecarProcess
 
