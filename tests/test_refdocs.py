@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from proxy.config import env_name, setting_keys
 from proxy.core.reasons import ErrorCode
-from proxy.ops import refdocs
+from proxy.ingress.handoff import HandoffOutcome
+from proxy.ops import metrics, refdocs
 from tests.sidecar import ROOT
 
 
@@ -41,3 +43,21 @@ def test_every_error_code_says_when() -> None:
     for code in ErrorCode:
         row = next(line for line in page.splitlines() if line.startswith(f"| `{code}` |"))
         assert len(row.split(" | ")[4].strip(" |")) > 10, f"{code} has no meaning"
+
+
+def test_documented_label_values_are_values_the_label_takes() -> None:
+    """A label's values read from a metric's docstring are ones the sidecar may emit."""
+    rows = [line for line in refdocs.metrics_page().splitlines() if line.startswith("| `upshift_")]
+    assert len(rows) == len(metrics.__all__) - 2  # every metric but REGISTRY and LABEL_VALUES
+    seen = 0
+    for row in rows:
+        for label, values in re.findall(r"`([a-z_]+)` \(([^)]*)\)", row.split(" | ")[2]):
+            documented = set(re.findall(r"`([a-z_0-9]+)`", values))
+            allowed = metrics.LABEL_VALUES[label] | HANDOFF_OUTCOMES
+            assert documented <= allowed, (row.split(" | ")[0], label, documented - allowed)
+            seen += 1
+    assert seen > 30
+
+
+HANDOFF_OUTCOMES = frozenset(str(outcome) for outcome in HandoffOutcome)
+"""``upshift_handoffs_total{outcome}``, which the ingress layer adds to the label's values."""
