@@ -81,8 +81,8 @@ def heads_only(n: int, variant: str) -> dict[str, float]:
     allocations (tracemalloc's own traces inflate RSS, hence a separate run).
     """
     from proxy.core.conversation import HeadTable
+    from proxy.core.creators import OwnerRegistry
     from proxy.core.explainer import MissExplainer
-    from proxy.core.owners import OwnerRegistry
 
     proc = psutil.Process()
     identity = "0" * 16

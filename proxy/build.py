@@ -39,16 +39,16 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "fastparse", "items", "lanes", "owners", "planner", "rawjson", "reasons", "request",
+        "creators", "fastparse", "items", "lanes", "planner", "rawjson", "reasons", "request",
         "reseed", "retry", "sse",
     )),
     "proxy.wire.sse",
     "proxy.wire.wsframe",
-    # The shells a turn runs through (issue 24: the budget table of docs/benchmarks.md).
+    # The shells a turn runs through (the budget table of docs/benchmarks.md).
     "proxy.core.explainer",
     *(f"proxy.ingress.{name}" for name in ("front", "reception")),
     *(f"proxy.serve.{name}" for name in (
-        "handlers", "identity", "inflight", "memory", "owners", "record", "streaming",
+        "creator_check", "handlers", "identity", "inflight", "memory", "record", "streaming",
     )),
 )  # fmt: skip
 """The modules the compiled build compiles. Modules that tests fault-inject into stay interpreted
@@ -63,7 +63,7 @@ and every module holding an async generator or a subclass of a builtin exception
 the first and drops class attributes of the second: those live in ``proxy.errors``).
 
 mypyc keeps what the ``dataclasses`` module generates (``__init__``, ``__eq__``, ``__repr__``) as
-interpreted code (mypyc issue 671): a compiled module's dataclass built on a turn's path declares
+interpreted code (mypyc/mypyc#671): a compiled module's dataclass built on a turn's path declares
 ``dataclass(init=False)`` and writes its own ``__init__`` (``object.__setattr__`` for a frozen one,
 which mypyc turns into a plain store). ``tests/test_build.py`` finds one that does not."""
 

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         setup_logging(settings.logging)
         KeySource(settings.api_key)  # fail fast on a missing key file, before binding anything
-        egress_for(settings)  # and on a proxy URL websockets would refuse (issue 22)
+        egress_for(settings)  # and on a proxy URL websockets would refuse
         log.info(
             "upshift %s starting (%s event loop, %s build)",
             _version(),

@@ -61,9 +61,12 @@ class ApiKeySettings:
     """Where the upstream credential comes from."""
 
     source: Literal["passthrough", "file", "env"] = "passthrough"
-    """``passthrough``: the app's own ``Authorization``; ``file``/``env``: inject this key."""
+    """``passthrough``: forward the app's own ``Authorization`` header (laptop, multi-tenant);
+    ``file``: inject the key read from ``api_key.file``; ``env``: inject the key from
+    ``api_key.env`` (``--api-key-file`` implies ``file``)."""
     file: str = "/var/run/secrets/openai/api-key"
-    """Key file (a mounted Kubernetes Secret); re-read when it changes."""
+    """Key file, e.g. a Kubernetes Secret mounted as a directory; re-read when it changes, so
+    Secret rotation needs no restart. To use it: set ``source: file`` and mount the Secret here."""
     env: str = "OPENAI_API_KEY"
     """Environment variable holding the key when ``source: env``."""
     header: str = "Authorization"
@@ -86,7 +89,9 @@ class IdentitySettings:
     conversation heads never cross it) and sent on the upstream WebSocket upgrade. Any other
     header (per-turn metadata such as ``x-codex-turn-metadata``) never splits an identity and
     is not sent on the upgrade. A gateway with its own key header adds it here
-    (``x-litellm-api-key``). ``OpenAI-Beta`` falls back to ``pool.openai_beta``."""
+    (``x-litellm-api-key``). ``OpenAI-Beta`` falls back to ``pool.openai_beta``. Must list
+    ``Authorization``, ``api-key`` and ``api_key.header``: a list without them is refused (apps
+    with different keys in a header left out would share one identity)."""
     shared_objects: tuple[str, ...] = ()
     """Behind an injected key, stored objects every tenant may reach (``conversations``,
     ``items``, ``files``, ``vector_stores``, ``chat_completions``, ``batches``, ``containers``,
@@ -100,9 +105,12 @@ class LimitsSettings:
     """Request size limits and the memory budget (docs/reliability.md, "Memory")."""
 
     memory_bytes: int = 0
-    """The sidecar's memory budget (RSS) that request bodies, their parsed copies and frames,
-    kept bodies and heads all draw from. 0: 85% of the container's cgroup memory limit, or
-    1 GiB when there is none. When it is taken, new request bodies wait unread (backpressure)."""
+    """The sidecar's memory budget (RSS): request bodies with their parsed copies and frames, kept
+    bodies and heads all draw from it. When it is taken, new request bodies wait unread (the
+    app's connection backs up); only a request that waits longer than ``memory_wait_seconds``,
+    or that could never fit, is answered 429/503 with ``retry-after`` (SDKs retry those). 0: 85%
+    of the container's cgroup memory limit (``memory.max`` / ``memory.limit_in_bytes``), or 1 GiB
+    without one. The shipped manifests: 256Mi → ~217 MiB; 1Gi → ~870 MiB."""
     memory_wait_seconds: float = 30.0
     """Longest a request waits for memory before it is answered 429 with ``retry-after``."""
     max_body_bytes: int = 0
@@ -112,7 +120,7 @@ class LimitsSettings:
     """Largest ``response.create`` frame sent upstream; larger requests go over HTTP."""
     body_timeout_seconds: float = 120.0
     """A request body must be complete this long after its head arrived (waiting for memory
-    included); else 408 and the connection is closed."""
+    included); else 408 ``request_timeout`` and the connection is closed (docs/security.md)."""
     body_min_bytes_per_second: int = 16384
     """After ``body_grace_seconds`` of reading, a body must have arrived at this average rate
     at least (time waiting for memory not counted); else 408 and close. 0: no minimum."""
@@ -130,15 +138,19 @@ class PoolSettings:
     tens); counted by tenant (the app's credential), whatever query string or optional headers
     split its identities."""
     max_sockets_total: int = 256
-    """Sockets across all credentials; at the limit the least recently used idle one is closed."""
+    """Sockets across all credentials (at least ``max_sockets_per_identity``); at the limit the
+    least recently used socket with nothing in flight is closed."""
     lanes_per_socket: int = 32
-    """Lanes per socket, the default lane included: up to 32 named ``stream_id`` lanes plus the
-    default one (33); 1 uses the default lane only (upstreams without lanes)."""
+    """Lanes per socket, the default lane included: the default lane plus up to 32 named
+    ``stream_id`` lanes (at most 33). 1: the default lane only (an upstream without lanes; the
+    sidecar also falls back to 1 by itself when the upstream refuses a ``stream_id``)."""
     max_active_per_socket: int = 16
-    """Responses in flight per socket across its lanes (the upstream queues beyond 16)."""
+    """Responses in flight per socket across its lanes (at most 16; the upstream queues beyond)
+    when placing a new conversation; a conversation's next turn goes on its own lane whatever
+    the count (queued upstream: cheaper than a full send elsewhere)."""
     spread_sockets: int = 32
-    """New conversations get a socket of their own until a credential has this many; beyond,
-    they share sockets through lanes."""
+    """New conversations get a socket of their own until a credential has this many sockets;
+    beyond, they share sockets through lanes (a dropped socket then takes fewer heads with it)."""
     reseed: bool = False
     """When a socket is rotated (``rotate_after_seconds``), rebuild its ``store: false`` heads on a
     fresh lane with a ``generate: false`` create (never a billed generation, never seen by the
@@ -169,9 +181,12 @@ class PoolSettings:
     compression: bool = False
     """Offer permessage-deflate on upstream sockets."""
     fragment_bytes: int = 0
-    """Send a ``response.create`` above this size as one message in fragments of this size
-    (0: one frame per message, as the official clients send; protocol.md §5 lists fragments as
-    untested against the real API)."""
+    """Send a ``response.create`` larger than this as one message in fragments of this size (0: one
+    frame per message, as the official clients send; protocol.md §5 lists fragments as untested
+    against the real API). One whole frame holds about 2.5× its size while it is serialised,
+    masked and written (~38 MiB for the largest, ``limits.ws_frame_budget_bytes`` = 15 MiB),
+    against ~0.23× with 1 MiB fragments; a request whose frame goes whole reserves half a frame
+    more in the memory budget until it is sent."""
     http_continuations: bool = True
     """When no lane can be had for a stored conversation (every socket busy, the socket cap
     reached), continue it over plain HTTP with ``previous_response_id`` + the new items instead
@@ -229,14 +244,17 @@ class MatchingSettings:
     """Conversation matching."""
 
     tolerate: tuple[str, ...] = ()
-    """Differences the model sees that still continue the conversation (each counted in
-    ``upshift_echo_tolerances_total``): ``reasoning`` (an echo leaves out reasoning items,
-    client-echo.md rule 6), ``phase`` (an echo leaves out the ``phase`` of an assistant
-    message). Empty: every such echo is a full send, explained."""
+    """Echoes that differ from the previous output in a way the model sees, continued anyway (the
+    model then sees what the app left out; each counted in
+    ``upshift_echo_tolerances_total{tolerance}``): ``reasoning`` (the echo leaves out reasoning
+    items, client-echo.md rule 6), ``phase`` (the echo sends an assistant message without its
+    ``phase``, e.g. pydantic-ai for model ids it does not know to support ``phase``,
+    llama-index, LangChain's chat form). Empty: every such echo is a full send, explained on
+    /misses (``dropped_reasoning``, ``dropped_phase``)."""
     allow_dropped_reasoning: bool = False
     """Deprecated: ``tolerate: [reasoning]``. Still honoured (added to ``tolerate``)."""
     max_heads: int = 10000
-    """Conversation heads kept in memory across identities (LRU)."""
+    """Conversation heads kept in memory across all credentials (least recently used go first)."""
     head_ttl_seconds: float = 3600.0
     """Forget a head unused for this long."""
     hot_prefix_bytes: int = 0
@@ -259,9 +277,9 @@ class LoggingSettings:
     """Logs."""
 
     level: Literal["debug", "info", "warning", "error"] = "info"
-    """Log level."""
+    """``debug``, ``info``, ``warning`` or ``error``."""
     access_log: bool = True
-    """One JSON line per request."""
+    """One JSON line per request (logger ``upshift.access``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +287,8 @@ class ShutdownSettings:
     """Drain on SIGTERM."""
 
     grace_seconds: float = 25.0
-    """Time in-flight requests get to finish after SIGTERM before sockets are closed."""
+    """Time in-flight requests get to finish after SIGTERM before sockets are closed; keep it
+    below the Pod's ``terminationGracePeriodSeconds``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,13 +303,16 @@ class ListenerSettings:
     keepalive_seconds: float = 75.0
     """Close a keep-alive connection idle between requests for this long."""
     allowed_origins: tuple[str, ...] = ()
-    """Browser origins (``https://app.example``) whose requests are let through; a request with
-    any other ``Origin`` header gets 403 (web pages are not clients). The sidecar never grants
-    CORS itself."""
+    """Browser origins (``https://app.example``) whose requests are let through; a request that
+    carries any other ``Origin`` header (a web page: cross-site POSTs, WebSocket upgrades) gets
+    403 ``origin_not_allowed``. The sidecar never grants CORS: OPTIONS is answered locally
+    without it."""
     allowed_hosts: tuple[str, ...] = ()
-    """``Host`` names (``name`` or ``name:port``) the API listener answers to besides, on
-    loopback, its listen address, ``localhost`` and loopback IPs (DNS rebinding gets 403). On a
-    non-loopback listener (a gateway): its Service names; empty there: any ``Host``."""
+    """``Host`` names (``name`` or ``name:port``) the API listener answers to. On loopback, the
+    listen address, ``localhost`` and loopback IPs are always accepted and any other ``Host``
+    gets 403 ``host_not_allowed`` (DNS rebinding); on any other address (a gateway) list its
+    Service names here; empty there: any ``Host``, so with an injected key the sidecar refuses
+    to start without them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,8 +320,9 @@ class ClusterSettings:
     """Conversation affinity across replicas (workers of one machine are peers automatically)."""
 
     peers: str = ""
-    """Base URLs of all replicas, comma-separated (``https://10.0.0.1:8443,...``), this one
-    included; empty: no replicas (unless ``peers_dns``)."""
+    """Base URLs of all replicas, comma-separated (``https://10.0.0.1:8443,https://10.0.0.2:8443``,
+    their ``peer_listen``; ``http://`` only with ``plain_http_peers``), this one included;
+    empty: no replicas (unless ``peers_dns``)."""
     self_url: str = ""
     """This replica's name in the peer set (exactly as listed, or as DNS yields it:
     ``https://<pod IP>:<port>``); never derived from the listen address."""
@@ -348,15 +371,22 @@ class Settings:
     """All settings of the sidecar."""
 
     listen: str = "127.0.0.1:8080"
-    """API listener (the app's ``OPENAI_BASE_URL`` points here)."""
+    """API listener: the app's ``OPENAI_BASE_URL`` points here (``http://127.0.0.1:8080/v1``). Keep
+    it on loopback in a sidecar (only the Pod's own containers reach it); IPv6: ``"[::1]:8080"``."""
     admin_listen: str = "127.0.0.1:9090"
-    """Admin listener: /healthz, /readyz, /metrics, the status page. Loopback by default; in
-    Kubernetes (``KUBERNETES_SERVICE_HOST`` set) when no source sets it: ``0.0.0.0:9090``, the
-    kubelet's probes reaching the pod IP (:data:`ADMIN_LISTEN_IN_KUBERNETES`)."""
+    """Admin listener: /healthz, /readyz, /metrics, the status page. Loopback, so the LAN and web
+    pages never see it; in Kubernetes (``KUBERNETES_SERVICE_HOST`` set) when no source sets it:
+    ``0.0.0.0:9090``, the kubelet's probes reaching the pod IP
+    (:data:`ADMIN_LISTEN_IN_KUBERNETES`; the shipped manifests set it too). It answers only
+    ``Host`` names that are an IP address, ``localhost`` or in ``listener.allowed_hosts`` (DNS
+    rebinding gets 403)."""
     upstream: str = "https://api.openai.com/v1"
-    """Upstream base URL; the WebSocket URL is this with http→ws, https→wss, plus /responses."""
+    """Upstream base URL; the WebSocket URL is this with http→ws, https→wss, plus /responses. Its
+    path prefix and query string are kept on both (Azure OpenAI:
+    ``https://RESOURCE.openai.azure.com/openai/v1``)."""
     mode: Literal["websocket", "http"] = "websocket"
-    """``http`` turns WebSocket use off entirely (pure passthrough)."""
+    """``websocket``: relay continuations over pooled upstream WebSockets; ``http``: plain
+    passthrough (WebSocket use off entirely)."""
     api_key: ApiKeySettings = field(default_factory=ApiKeySettings)
     identity: IdentitySettings = field(default_factory=IdentitySettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
@@ -368,8 +398,10 @@ class Settings:
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
     workers: int = 1
-    """Worker processes sharing the API listen address (``SO_REUSEPORT``); above 1, a supervisor
-    owns the admin listener and restarts workers that die."""
+    """Worker processes sharing the API listen address (``SO_REUSEPORT``): one per core you want
+    to use. Above 1, a supervisor owns the admin listener (its /metrics covers every worker, with
+    a ``worker`` label), restarts a worker that dies and drains them all on SIGTERM; a request
+    that lands on the wrong worker goes to the worker that owns its conversation."""
     listener: ListenerSettings = field(default_factory=ListenerSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
@@ -803,7 +835,7 @@ def _check_settings(s: Settings) -> None:
     listed = {h.lower() for h in s.identity.headers}
     missing = [h for h in dict.fromkeys(("Authorization", "api-key", s.api_key.header)) if h.lower() not in listed]
     if missing:
-        # issue 22: a credential header the upstream accepts but the identity leaves out lets
+        # a credential header the upstream accepts but the identity leaves out lets
         # two apps with different keys in it share sockets, heads and response ids.
         raise ConfigError(
             f"settings: identity.headers must list every credential header the upstream accepts; "

@@ -233,7 +233,7 @@ class NotShared(RequestError):
 
 
 class MemoryRefused(ProxyError):
-    """A request the memory budget cannot take (nothing was read or forwarded; issue 12,
+    """A request the memory budget cannot take (nothing was read or forwarded;
     :mod:`proxy.serve.memory`)."""
 
     retryable = True

@@ -27,14 +27,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.build import build_kind
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.creators import OwnerRegistry
 from proxy.core.explainer import MissExplainer
-from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Mode, Route
 from proxy.errors import RequestError, invalid_url_body
 from proxy.ingress.browsers import browser_guard
+from proxy.ingress.creator_queries import install as install_owner_routes
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, canonical_paths, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
-from proxy.ingress.owners import install as install_owner_routes
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
@@ -74,7 +74,7 @@ _FILTER = _MalformedRequestFilter()
 
 
 _READ_BUFSIZE = 16 * 1024
-"""aiohttp's per-connection read buffer limit (issue 12): a connection whose body waits for
+"""aiohttp's per-connection read buffer limit: a connection whose body waits for
 memory holds at most about twice this plus one socket read before reading pauses."""
 
 
@@ -165,7 +165,7 @@ def build_app(services: Services, ingress: Ingress | None = None) -> web.Applica
     app.router.add_get("/v1/responses", _get_responses)
     if ingress is not None:
         ingress.install(app)
-    install_owner_routes(app)  # issue 22: the id-bearing /v1/responses/{id}... routes, owner queries
+    install_owner_routes(app)  # the id-bearing /v1/responses/{id}... routes, owner queries
     app.router.add_route("*", "/v1/{tail:.*}", _passthrough)
     app.router.add_route("*", "/{tail:.*}", _not_found)
 
@@ -210,8 +210,8 @@ class Server:
         admin_path: str | None = None,
         resolver: Resolver | None = None,
     ) -> None:
-        tune_allocator()  # issue 12: large buffers get their own mappings, returned on free
-        settings, derived = effective_settings(settings)  # issue 12: limits derived from the budget
+        tune_allocator()  # large buffers get their own mappings, returned on free
+        settings, derived = effective_settings(settings)  # limits derived from the budget
         self.settings = settings
         self.worker = worker
         self.admin_path = admin_path
@@ -227,7 +227,7 @@ class Server:
             hot_bytes=m.hot_prefix_bytes,
             hot_seconds=m.hot_prefix_seconds,
         )
-        # Who created each response id (issue 22): the planner notes every head's, the handlers
+        # Who created each response id: the planner notes every head's, the handlers
         # every id an answer carries (through Services.owners).
         owners = OwnerRegistry.for_heads(m.max_heads)
         keys = KeySource(settings.api_key)
@@ -245,7 +245,7 @@ class Server:
         api_app = build_app(self.services, self.ingress)
         self.guard = Guard(settings.listener)
         self.admin_guard = Guard(settings.listener)
-        """The admin listener's own count under the same limits (issue 21: no plain site)."""
+        """The admin listener's own count under the same limits (no plain site)."""
         self._api = web.AppRunner(
             api_app,
             keepalive_timeout=settings.listener.keepalive_seconds,
@@ -255,7 +255,7 @@ class Server:
             shutdown_timeout=settings.shutdown.grace_seconds / 2,
             handle_signals=False,
             read_bufsize=_READ_BUFSIZE,
-            auto_decompress=False,  # issue 21: read_body decodes gzip/deflate within the limit
+            auto_decompress=False,  # read_body decodes gzip/deflate within the limit
         )
         self._admin = web.AppRunner(
             make_admin_app(

@@ -1,7 +1,7 @@
 """No example, doc, demo, benchmark or test uses a model id its provider has announced for retirement.
 
 upshift never depends on a model id, but what it shows users must work for them: a retired id in
-the README is an example that fails, and client libraries warn on (and suites that treat warnings
+the docs is an example that fails, and client libraries warn on (and suites that treat warnings
 as errors fail with) a deprecated one. The list of announcements is a real client's own:
 pydantic-ai's model profiles carry the provider's deprecation notices (``profile["deprecation"]``),
 which is what makes it warn.
@@ -46,9 +46,11 @@ def _ids_in_repo() -> dict[str, list[str]]:
 
 def test_the_scan_finds_the_ids_the_examples_use() -> None:
     found = _ids_in_repo()
-    # The README's own example and the emulator's default model list are found: the scan works.
+    # The client examples (docs/providers.md), the README's doctor example and the emulator's
+    # default model list are found: the scan works.
     assert "gpt-6.1-sol" in found
-    assert any(place.startswith("README.md:") for place in found["gpt-6.1-sol"])
+    assert any(place.startswith("docs/providers.md:") for place in found["gpt-6.1-sol"])
+    assert any(place.startswith("README.md:") for place in found["gpt-6.1-terra"])
 
 
 def test_no_model_id_announced_for_retirement() -> None:

@@ -1,4 +1,5 @@
-"""The README's reason tables and metric label lists equal the enums, exactly (no regex over code)."""
+"""The reason tables of docs/operations.md and the label lists of docs/reference/metrics.md equal the
+enums, exactly (no regex over code)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ from proxy.core.reasons import (
 )
 from tests.sidecar import ROOT
 
-README = (ROOT / "README.md").read_text()
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+METRICS = (ROOT / "docs" / "reference" / "metrics.md").read_text()
 
 
 def _table_after(heading: str) -> set[str]:
     """The first-column values of the Markdown table that follows ``heading``."""
-    at = README.index(heading)
+    at = OPERATIONS.index(heading)
     rows: list[str] = []
-    for line in README[at:].splitlines()[1:]:
+    for line in OPERATIONS[at:].splitlines()[1:]:
         if line.startswith("|"):
             rows.append(line)
         elif rows:
@@ -34,7 +36,7 @@ def _table_after(heading: str) -> set[str]:
 
 
 def _label_list(metric: str, label: str) -> set[str]:
-    row = next(line for line in README.splitlines() if line.startswith(f"| `{metric}` |"))
+    row = next(line for line in METRICS.splitlines() if line.startswith(f"| `{metric}` |"))
     found = re.search(rf"`{label}` \(([^)]*)\)", row)
     assert found is not None, row
     return set(re.findall(r"`([a-z_]+)`", found.group(1)))

@@ -3,7 +3,7 @@
 Sans-I/O accounting (the async gate is :mod:`proxy.serve.memory`). Three kinds of holders:
 
 * **in flight**: requests being received, parsed and sent (a :class:`Ticket` each). A body pays
-  as it arrives (issue 21): a ticket is granted its headers, :data:`MIN_RESERVATION` and
+  as it arrives: a ticket is granted its headers, :data:`MIN_RESERVATION` and
   :data:`AMPLIFICATION` times at most one :data:`STEP` of body, and grows step by step as the
   bytes actually arrive, up to its ``need`` (``Content-Length`` times the amplification); it is
   settled down to the body once the frame is sent. A declared length is a promise, never a
@@ -73,7 +73,7 @@ MIN_RESERVATION = 128 * 1024
 while it waits (bench: 200 connections at once cost ~25 MiB beyond their bodies)."""
 
 STEP = 1024 * 1024
-"""Body bytes a reading ticket may hold ahead of what arrived (issue 21): the bounded step it
+"""Body bytes a reading ticket may hold ahead of what arrived: the bounded step it
 pays for before the bytes are read, and the unit it grows by."""
 
 HEADER_ROOM = 64 * 1024

@@ -25,7 +25,7 @@ Two classes, one job each:
 
 - :class:`HeadTable`, the **index**: match (:meth:`~HeadTable.lookup`, which only reads: the
   planner expires before and calls :meth:`~HeadTable.touch` on the head it continues), record,
-  expire. Who created which response id is the owner registry's (:mod:`proxy.core.owners`,
+  expire. Who created which response id is the owner registry's (:mod:`proxy.core.creators`,
   told by the planner); where a miss departs is the miss explainer's
   (:mod:`proxy.core.explainer`, which reads this table).
 - :class:`PrefixCache`, the **prefix cache**: per recorded body its raw prefix (for the next
@@ -237,7 +237,7 @@ class PrefixCache:
         self._hot_size = 0
         self._fair_hot = FairShares()
         """Kept bodies by identity, by size: at ``hot_bytes`` the heaviest identity's oldest
-        cools first (issue 22)."""
+        cools first."""
 
     def __len__(self) -> int:
         return len(self._prefixes)
@@ -379,7 +379,7 @@ class HeadTable:
 
     Args:
         max_heads: Upper bound on heads kept; the least recently used of the identity holding
-            the most goes first (issue 22).
+            the most goes first.
         ttl_seconds: A head unused for this long is forgotten.
         tolerate: Differences the model sees that still continue (``matching.tolerate``):
             left-out reasoning items, a left-out ``phase``. Counted either way.
@@ -407,7 +407,7 @@ class HeadTable:
         self._buckets: dict[tuple[str, bytes], _Bucket] = {}
         self._by_response: dict[str, Hashable] = {}
         self._fair_heads = FairShares()
-        """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes (issue 22)."""
+        """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes."""
         self._compactions: dict[str, dict[bytes, Hashable]] = {}
         """identity → digest of a ``compaction`` item's ``encrypted_content`` in a head's output →
         that head's anchor (a history pruned at that item continues it: :meth:`_pruned`)."""

@@ -3,7 +3,7 @@ failure), plus what the event taught about the upstream's lanes.
 
 This is the one owner of the fact "this socket's upstream takes ``stream_id``"
 (:attr:`Demux.support`): the planner reads it to decide whether the socket may carry a second
-response (``Socket.demux``), the socket's shell feeds it every event. The rule (issue 23) cannot
+response (``Socket.demux``), the socket's shell feeds it every event. The rule cannot
 guess:
 
 - **lanes proven** (an event came back with the ``stream_id`` of a lane in flight): every event

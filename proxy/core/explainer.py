@@ -1,4 +1,4 @@
-"""The miss explainer: where a missed request departs from the best of the recent heads (issue 11).
+"""The miss explainer: where a missed request departs from the best of the recent heads.
 
 :class:`MissExplainer` reads the :class:`~proxy.core.conversation.HeadTable` (its most recent
 heads, their kept bodies while hot, its tolerances) and keeps what only explanations need: one
@@ -201,7 +201,7 @@ class MissExplainer:
         parse_left = self.EXPLAIN_PARSE_BYTES
         for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
             if cand.body is not None:
-                # issue 22: digests decide first; at most one kept body, of bounded size, is
+                # digests decide first; at most one kept body, of bounded size, is
                 # parsed (for the field path inside a differing item), never eight of them.
                 if len(cand.body) > parse_left:
                     cand = replace(cand, body=None)

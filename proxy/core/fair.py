@@ -1,4 +1,4 @@
-"""Fair shares: which item to give up when a shared bound is reached (issue 22).
+"""Fair shares: which item to give up when a shared bound is reached.
 
 Items (conversation heads, kept bodies) belong to a group (an identity's tenant) and weigh
 something (1 for a head, its size for a kept body). When the bound is reached, the victim is the

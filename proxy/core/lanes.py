@@ -184,7 +184,7 @@ class Socket:
     @property
     def exclusive(self) -> bool:
         """Whether the socket may carry no second response now: its lanes are not proven and
-        one response is in flight (issue 23: never two on a socket that may not multiplex)."""
+        one response is in flight (never two on a socket that may not multiplex)."""
         return self.active > 0 and not self.demux.proven
 
     @property

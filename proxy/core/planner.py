@@ -25,7 +25,7 @@ lane exists go on, and a request that needed a socket takes another socket's lan
 A head whose lane is gone (socket closed, rotated, evicted) is continued on any lane when its
 response was stored: the upstream hydrates it (protocol.md §6).
 
-Scarce sockets (issue 23):
+Scarce sockets:
 
 - a socket whose lanes are not proven (``Socket.demux``, proxy/core/demux.py) carries one
   response at a time (:attr:`~proxy.core.lanes.Socket.exclusive`); its first named lane is the
@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.core.conversation import Head, HeadTable
+from proxy.core.creators import OwnerRegistry
 from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
 from proxy.core.lanes import (
@@ -65,7 +66,6 @@ from proxy.core.lanes import (
     lane_step,
     socket_step,
 )
-from proxy.core.owners import OwnerRegistry
 from proxy.core.reasons import Hit, MissReason, PassthroughReason, WaitOutcome
 from proxy.core.request import ParsedRequest, build_frame
 from proxy.core.reseed import Kept, KeptContexts
@@ -285,7 +285,7 @@ class Planner:
     Args:
         limits: The pool limits.
         heads: The head table; the planner is the only one that records or drops heads.
-        owners: Who created each response id (issue 22): every head's id is noted as its
+        owners: Who created each response id: every head's id is noted as its
             identity's when the planner records, moves or renames the head (default: a registry
             sized for ``heads``).
     """
@@ -310,14 +310,14 @@ class Planner:
         self._by_identity: dict[str, dict[int, Socket]] = {}
         self.outside: Counter[str] = Counter()
         """Upstream sockets an identity holds outside the pool (WebSocket relay sessions): they
-        count against ``max_sockets_per_identity`` and ``max_sockets_total`` too (issue 22)."""
+        count against ``max_sockets_per_identity`` and ``max_sockets_total`` too."""
         self._ids = itertools.count(1)
         self._detached = itertools.count(1)
         self._hold_until: dict[str, float] = {}
         self._slow_start = False
         """The last open was held back by the slow start only."""
         self.caps: dict[str, SocketCap] = {}
-        """Learned socket caps by identity (issue 23)."""
+        """Learned socket caps by identity."""
         self._max_slots: dict[int, int] = {}
         self._now = 0.0
         self.lane_counts: Counter[LaneState] = Counter()
@@ -802,7 +802,7 @@ class Planner:
         if not idle:
             return False
 
-        # issue 22: the least recently used idle socket of the tenant holding the most,
+        # the least recently used idle socket of the tenant holding the most,
         # counting the one asked for (at equal shares the asker gives up one of its own).
         mine_tenant = tenant_of(identity)
 

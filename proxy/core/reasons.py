@@ -1,8 +1,9 @@
 """Every reason, cause and code the sidecar reports, as values.
 
-The README tables, ``config.yaml`` comments and the metric label sets are checked exactly against
-these enums (``tests/test_reasons.py``), so a reason passed around in a variable can never be
-missing from the docs. Values are the wire names (metric labels, access-log fields).
+The reason tables of docs/operations.md and the label values of the generated metrics reference
+(docs/reference/metrics.md) are checked exactly against these enums (``tests/test_reasons.py``),
+so a reason passed around in a variable can never be missing from the docs. Values are the wire
+names (metric labels, access-log fields).
 """
 
 from __future__ import annotations
@@ -168,7 +169,10 @@ class ErrorCode(enum.StrEnum):
     MEMORY_TOO_LARGE = "memory_too_large"
     """The request cannot fit even into an empty memory budget: 503."""
     SHUTTING_DOWN = "shutting_down"
+    """The drain's grace ran out with the stream in flight: it ends with one ``error`` event
+    (type ``server_error``) instead of a truncated body; retry the request."""
     INTERNAL_ERROR = "internal_error"
+    """A bug of the sidecar: 500, the access line holds the details."""
     REQUEST_TIMEOUT = "request_timeout"
     """The body did not arrive within ``limits.body_timeout_seconds`` or kept below the minimum rate: 408."""
     UNSUPPORTED_CONTENT_ENCODING = "unsupported_content_encoding"
@@ -215,7 +219,7 @@ class MemoryRefusal(enum.StrEnum):
 
 
 class OwnerVerdict(enum.StrEnum):
-    """Whose a response id is, as far as the sidecar knows (``proxy.core.owners``)."""
+    """Whose a response id is, as far as the sidecar knows (``proxy.core.creators``)."""
 
     OWN = "own"
     """Created by the asking identity."""

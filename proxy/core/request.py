@@ -313,7 +313,7 @@ class ParsedRequest:
 
     @property
     def adoptable(self) -> bool:
-        """A stored new conversation: its answer over plain HTTP can become its head (issue 23)."""
+        """A stored new conversation: its answer over plain HTTP can become its head."""
         return self.store and self.previous_response_id is None
 
     @property
@@ -357,8 +357,8 @@ class ParsedRequest:
         return True
 
     def release_items(self) -> bool:
-        """Let go of the parsed input of a full parse once its item keys are known (issue 12:
-        the parsed copy is about as large as the body). The frame splices the body's bytes and
+        """Let go of the parsed input of a full parse once its item keys are known (the
+        parsed copy is about as large as the body). The frame splices the body's bytes and
         heads need only the keys; anything that still asks for :attr:`items` re-parses."""
         if self.base is not None or self._keys is None or self.span is None or self._items is None:
             return False
@@ -604,7 +604,7 @@ def build_frame(
             previous_response_id if previous_response_id is not None else req.previous_response_id,
             stream_id,
         )
-    # The frame splices the body's own bytes: a full parse's items may go first (issue 12).
+    # The frame splices the body's own bytes: a full parse's items may go first.
     req.release_items()
     frame = _frame(req, req.fields, previous_response_id, items, stream_id)
     # Only what is written anew is checked: a spliced input array keeps the app's own digits.

@@ -1,4 +1,4 @@
-"""Browsers are not clients (issue 21): a web page must not reach the API listener.
+"""Browsers are not clients: a web page must not reach the API listener.
 
 A page the user opens can send requests to ``127.0.0.1:8080`` (a cross-site ``POST`` with a
 ``text/plain`` body needs no preflight; a WebSocket needs none at all), and DNS rebinding makes

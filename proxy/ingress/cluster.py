@@ -379,7 +379,7 @@ class Cluster:
     def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """Mark answers to forwarded requests, so the forwarder knows an upshift answered."""
         if MARKER in request.headers or arrived_privately(request):
-            # issue 21: the pod URL reaches the app only with logging.level debug.
+            # the pod URL reaches the app only with logging.level debug.
             debug = self.settings.logging.level == "debug"
             response.headers[OWNER_HEADER] = (self.self_url or "1") if debug else "1"
 
@@ -436,7 +436,7 @@ class Cluster:
             headers={REFUSED_HEADER: "forward_unauthenticated"},
         )
 
-    # -- owner queries (issue 22, proxy/ingress/owners.py) ----------------------------------------
+    # -- owner queries (proxy/ingress/creator_queries.py) ----------------------------------------
 
     def query_peer(self, name: str, limit: int) -> Peer | None:
         """A peer of its own (own connections: an owner query never waits behind forwards) for

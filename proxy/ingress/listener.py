@@ -59,7 +59,7 @@ _REFUSAL = (
 class Guard:
     """Open-connection count and limits shared by the sites of one listener.
 
-    At ``max_connections`` a new connection first makes room (issue 21): the least recently
+    At ``max_connections`` a new connection first makes room: the least recently
     active idle keep-alive connection is closed, else the one stalled longest in its headers
     (for at least :data:`_STALL_SECONDS`, or half the header deadline when that is shorter).
     A connection with a request in progress is never reaped (its body has its own deadline);
@@ -193,7 +193,7 @@ class GuardedHandler(RequestHandler):
             self._disarm()
         elif starts:
             # Armed only now, at the same loop time: a request whose head came whole in its first
-            # read (the usual case) costs no timer (issue 24: one created and cancelled per request).
+            # read (the usual case) costs no timer (one created and cancelled per request).
             self._arm()
 
     def _account(self, data: bytes, idle: bool) -> None:

@@ -1,4 +1,4 @@
-"""Replicas prove who they are (issue 21): an HMAC over every forwarded request, and a proof of
+"""Replicas prove who they are: an HMAC over every forwarded request, and a proof of
 the secret before a replica is sent anything.
 
 * **Forwards are signed.** The forwarder's ``x-upshift-forwarded`` header carries

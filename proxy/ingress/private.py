@@ -1,4 +1,4 @@
-"""Private sockets nobody else can reach (issue 21).
+"""Private sockets nobody else can reach.
 
 The workers of one machine talk over unix sockets (API forwards, handoffs, the supervisor's
 probes and scrapes). They are filesystem sockets in a runtime directory of mode 0700 that the

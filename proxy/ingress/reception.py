@@ -1,9 +1,9 @@
 """The reception of one ``POST /v1/responses``: its body read in time and within its memory.
 
 Before anyone decides where a request is served, it is received here: its length and the
-caller's identity from the headers, its memory lease (issue 12: from before the body is read
+caller's identity from the headers, its memory lease (from before the body is read
 until the answer is written, admitted fairly by identity), its body under the deadlines of
-:class:`~proxy.serve.streaming.BodyClock` (issue 21). What the reception refuses is answered
+:class:`~proxy.serve.streaming.BodyClock`. What the reception refuses is answered
 here, as it always was: a bad head or body (4xx, the record says ``client_error``), no memory
 (429/503 + ``retry-after``), a body that did not keep arriving (408, the connection closed), an
 app gone mid-body (nobody reads the answer). The access record is opened, closed and counted
@@ -59,7 +59,7 @@ class Reception:
         self.svc = svc
         self.started = arrived_at(request)
         self.rec = Record(new_request_id())
-        # issue 21: the body must be complete within limits.body_timeout_seconds of the head (and
+        # the body must be complete within limits.body_timeout_seconds of the head (and
         # keep a minimum rate), waiting for memory included.
         self.clock = BodyClock(svc.settings.limits, asyncio.get_running_loop().time())
 
@@ -101,7 +101,7 @@ class Reception:
             return self._answered(response)
 
     def _lease(self, length: int | None, identity: Identity) -> contextlib.AbstractAsyncContextManager[Lease | None]:
-        """issue 12: the request's memory lease, from before its body is read until its answer is
+        """The request's memory lease, from before its body is read until its answer is
         written; a refusal (429/503 + retry-after) is answered by :meth:`_answer`, nothing read."""
         memory, request = self.svc.memory, self.request
         if memory is None:

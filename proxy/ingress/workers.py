@@ -274,7 +274,7 @@ class _Supervisor:
         await runner.setup()
         host, port = parse_hostport(self.settings.admin_listen)
         try:
-            # The API listener's limits (header deadline, connection bound): issue 21.
+            # The API listener's limits (header deadline, connection bound) hold on every worker.
             await HardenedTCPSite(runner, host, port, Guard(self.settings.listener)).start()
         except OSError as exc:
             log.error("cannot listen: %s", exc)

@@ -107,6 +107,8 @@ DROPPED_REASONING = Counter(
     ["accepted"],
     registry=REGISTRY,
 )
+"""Deprecated: ``upshift_echo_tolerances_total{tolerance="reasoning"}`` counts the same.
+accepted: true | false."""
 
 ECHO_TOLERANCES = Counter(
     "upshift_echo_tolerances",
@@ -380,12 +382,16 @@ BODIES_ABORTED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+"""reason: :class:`BodyAbort`."""
+
 BROWSER_REFUSALS = Counter(
     "upshift_browser_refusals",
     "Requests refused as a web page's (a foreign Origin or Host), by reason.",
     ["reason"],
     registry=REGISTRY,
 )
+"""reason: :class:`BrowserRefusal`."""
+
 LISTENER_CLOSED = Counter(
     "upshift_listener_closed_connections",
     "Connections the API listener closed on its own, by reason.",
@@ -478,7 +484,7 @@ a bounded set), so that a turn looks each up in one dict instead of prometheus' 
 
 
 def child(metric: Counter, *values: str) -> Counter:
-    """``metric.labels(*values)``, looked up once per label set (issue 24: per-turn cost)."""
+    """``metric.labels(*values)``, looked up once per label set (per-turn cost)."""
     key = (metric, *values)
     found = _CHILDREN.get(key)
     if found is None:

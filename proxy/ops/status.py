@@ -284,7 +284,7 @@ def render_status(
     )
     sockets = _table(((k, _num(v)) for k, v in sorted(now.by("upshift_upstream_sockets", "state").items())))
     cap = now.get("upshift_upstream_socket_cap")
-    if cap:  # issue 23: what 429s on upgrades taught
+    if cap:  # what 429s on upgrades taught
         refused = now.get("upshift_upgrade_refusals_total", refusal="cap")
         sockets += "<h2>Learned socket cap</h2>" + _table(
             [("sockets per credential", _num(cap)), ("upgrades refused (cap)", _num(refused))]

@@ -34,20 +34,20 @@ from proxy.config import Settings
 from proxy.core.answer import Answer, Attempt, Kept, decide, kept
 from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
+from proxy.core.creators import parsed_ids
 from proxy.core.explainer import MissExplainer
-from proxy.core.owners import parsed_ids
 from proxy.core.planner import Plan, PlanKind
 from proxy.core.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
 from proxy.errors import ProxyError, RequestError, UpstreamError
 from proxy.ops.metrics import UPSTREAM_DURATION
+from proxy.serve.creator_check import OwnerBook
 from proxy.serve.identity import Identity, request_identity
 from proxy.serve.inflight import Streams
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import Lease, MemoryGate
 from proxy.serve.offload import hash_prefix_in_thread, warm_keys
-from proxy.serve.owners import OwnerBook
 from proxy.serve.record import Record
 from proxy.serve.streaming import Downstream, count_hold_back, json_body, pump, wants_obfuscation
 from proxy.upstream.passthrough import Forwarded, Options, Passthrough, http_continuation_body
@@ -74,9 +74,9 @@ class Services:
     streams: Streams = field(default_factory=Streams)
     """Responses being pumped to apps right now (ended if the drain's grace runs out)."""
     memory: MemoryGate | None = None
-    """The memory budget every request draws from (issue 12; proxy/serve/memory.py)."""
+    """The memory budget every request draws from (proxy/serve/memory.py)."""
     owners: OwnerBook = field(init=False)
-    """Who created each response id, and who may name it (issue 22; proxy/serve/owners.py)."""
+    """Who created each response id, and who may name it (proxy/serve/creator_check.py)."""
 
     def __post_init__(self) -> None:
         shared = self.settings.identity.shared_objects
@@ -85,7 +85,7 @@ class Services:
     @property
     def relay_sessions(self) -> Counter[str]:
         """Open WebSocket relay sessions per identity: upstream sockets outside the pool, counted
-        by the planner against the socket limits (issue 22)."""
+        by the planner against the socket limits."""
         return self.pool.planner.outside
 
     def identity(self, request: web.Request) -> Identity:
@@ -162,7 +162,7 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
         req = await _parse(svc, arrival)
     except RequestError as exc:
         return refuse(exc, headers, arrival.rec, arrival.started)
-    # issue 22: every response id this request gets is recorded with its creator before the app sees it.
+    # every response id this request gets is recorded with its creator before the app sees it.
     on_id = partial(svc.owners.note, arrival.identity.digest)
     down = Downstream(
         arrival.request, stream=req.stream, headers=headers, started=arrival.started, lease=arrival.mem, on_id=on_id,
@@ -177,8 +177,8 @@ async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
 async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     """The fast parse (skips the history prefix this identity's previous turn already sent);
     another tenant's ``previous_response_id`` (or, behind an injected key, one no process knows)
-    is refused: the upstream's store is shared behind one key and would serve it (issue 22).
-    The ids are read from this parse (:func:`~proxy.core.owners.parsed_ids`), never from a second one."""
+    is refused: the upstream's store is shared behind one key and would serve it.
+    The ids are read from this parse (:func:`~proxy.core.creators.parsed_ids`), never from a second one."""
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
     await svc.owners.check(arrival.identity.digest, parsed_ids(req))
     await warm_keys(req)
@@ -218,10 +218,10 @@ async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamErr
     """Lease the plan's lane and pump one response on it; the lane keeps its head on the way out."""
     hold = x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
     channel = Channel(x.req.previous_response_id, hold_back_s=hold)
-    frames = [_planned(x, plan)]  # issue 12: pump takes the only reference, frees it once sent
+    frames = [_planned(x, plan)]  # pump takes the only reference, frees it once sent
     sent, failure = len(frames[0]), None
     if x.down.lease is not None and not x.svc.settings.pool.fragment_bytes:
-        await x.down.lease.whole_frame(sent)  # issue 19: its masked copy is paid for too
+        await x.down.lease.whole_frame(sent)  # its masked copy is paid for too
     try:
         with x.svc.streams.pumping(x.down, channel):
             async with x.svc.pool.lease(plan) as turn:
@@ -267,7 +267,7 @@ def _replay(x: Exchange, plan: Plan, channel: Channel, replay: Replay) -> bool:
 
 async def _over_http(x: Exchange, reason: Reason | None, adopt: bool = False) -> web.StreamResponse:
     """Plain HTTP passthrough: slower, never wrong. ``adopt``: the completed response becomes
-    the conversation's head (issue 23: its later turns are continued)."""
+    the conversation's head (its later turns are continued)."""
     x.rec.over_http(reason, x.down.upstream_wait)
     x.down.headers["x-upshift-mode"] = Mode.PASSTHROUGH
     if (unsupported := http_unsupported(x.req)) is not None:
@@ -278,7 +278,7 @@ async def _over_http(x: Exchange, reason: Reason | None, adopt: bool = False) ->
 
 
 async def _http_continuation(x: Exchange, plan: Plan) -> web.StreamResponse:
-    """A stored head with no lane now (issue 23): ``previous_response_id`` + the new items over
+    """A stored head with no lane now: ``previous_response_id`` + the new items over
     plain HTTP; the upstream hydrates the stored response. ``previous_response_not_found`` gets
     the app's own body instead (:meth:`Options.continuation`)."""
     x.rec.planned_http(plan)

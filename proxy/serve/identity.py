@@ -177,7 +177,7 @@ def request_identity(app_headers: Mapping[str, str], query: str, settings: Setti
     Raises:
         InvalidRequest: a credential header (``identity.headers``, ``api_key.header``) came more
             than once: the identity would hash one value while the HTTP relay forwards them all,
-            and the upstream may authenticate a value that was never hashed (issue 22).
+            and the upstream may authenticate a value that was never hashed.
     """
     getall = getattr(app_headers, "getall", None)
     if getall is not None:

@@ -1,7 +1,7 @@
 """The memory gate: the async shell around :class:`proxy.core.budget.Budget`.
 
 Every ``POST /v1/responses`` holds a :class:`Lease` (``async with gate.lease(length, ...)``)
-from before its body is read until its answer is written. A body pays as it arrives (issue 21):
+from before its body is read until its answer is written. A body pays as it arrives:
 entering the lease reserves the request's headers, :data:`~proxy.core.budget.MIN_RESERVATION`
 and :data:`~proxy.core.budget.AMPLIFICATION` times one :data:`~proxy.core.budget.STEP` of body
 (all of a body smaller than that); :meth:`Lease.arrived` grows it a step at a time as the bytes

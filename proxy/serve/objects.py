@@ -2,7 +2,7 @@
 stores, stored chat completions, batches, containers, uploads.
 
 Behind an injected key the upstream's store is shared by every tenant, so each such object is
-its creator's, as a response id is (:mod:`proxy.serve.owners`): the ``id`` of a ``POST`` to its
+its creator's, as a response id is (:mod:`proxy.serve.creator_check`): the ``id`` of a ``POST`` to its
 collection (``POST /v1/files``) is recorded with its creator before the app sees it, and a route
 naming one (``GET /v1/files/{id}/content``, ``POST /v1/conversations/{id}/items``) is answered
 only for its owner (another's, or behind an injected key one no process knows: a 404 as for an
@@ -20,7 +20,7 @@ from urllib.parse import unquote_plus
 
 from aiohttp import web
 
-from proxy.core.owners import noun, object_route
+from proxy.core.creators import noun, object_route
 from proxy.errors import ForeignObject, NotShared
 from proxy.serve.handlers import Services
 from proxy.serve.identity import Identity, request_identity

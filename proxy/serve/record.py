@@ -82,7 +82,7 @@ class Record:
     reason: Reason | None = None
     """``None`` is logged as ``""``: nothing to say (a continuation's is ``continuation``)."""
     transport: Transport | None = None
-    """:attr:`Transport.HTTP` for a continuation sent over plain HTTP (issue 23); else ``None``."""
+    """:attr:`Transport.HTTP` for a continuation sent over plain HTTP; else ``None``."""
     items_in: int = 0
     items_sent: int = 0
     items_avoided: int = 0
@@ -95,7 +95,7 @@ class Record:
     upstream_s: float = 0.0
     added_s: float = 0.0
     explanation: Explanation | None = None
-    """Where a miss departed from its best candidate head (issue 11), as :attr:`explainer` computed it."""
+    """Where a miss departed from its best candidate head, as :attr:`explainer` computed it."""
     explained: Reason | None = None
     """The matcher's verdict the explanation was computed for."""
     explainer: Callable[[], Explanation | None] | None = None
@@ -188,7 +188,7 @@ class Record:
             self.planned(Mode.FULL, plan.reason if first else self.reason, n_items, 0)
 
     def planned_http(self, plan: Plan) -> None:
-        """The plan stage of a continuation over plain HTTP (issue 23)."""
+        """The plan stage of a continuation over plain HTTP."""
         self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items or []), plan.items_avoided)
         self.transport = Transport.HTTP
 
@@ -276,7 +276,7 @@ class Record:
                 loop.call_soon(self._explain_then_emit)
                 return
             if _EXPLAINING[0] < _MAX_EXPLAINING:
-                # issue 22: a large one in a thread of its own, one at a time, never on the
+                # a large one in a thread of its own, one at a time, never on the
                 # event loop (its items and a kept body may be compared); the line follows.
                 _EXPLAINING[0] += 1
                 loop.run_in_executor(_EXPLAINER, self._explain).add_done_callback(self._explained)

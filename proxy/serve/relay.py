@@ -6,7 +6,7 @@ only after the upstream accepted, so a refused upstream upgrade is answered with
 (426 when there is none: the de-facto "use HTTP instead" signal), never a hang, 404 or 405.
 Frames go through unchanged in both directions; close codes propagate both ways.
 
-Inside the sidecar's limits (issue 22): an app message may be as large as the upstream's own
+Inside the sidecar's limits: an app message may be as large as the upstream's own
 frame budget (``limits.ws_frame_budget_bytes``) and a request body (``limits.max_body_bytes``;
 larger: close 1009, refused from the frame header, never read), a session's messages are paid
 for in the memory budget as their bytes are read, before aiohttp assembles them
@@ -21,7 +21,7 @@ direction for ``pool.idle_close_seconds`` is closed (1001), as an idle pooled so
 tenant cannot keep slots it does not use.
 Every app frame is read as one JSON object (what does not parse, or repeats a key naming an id,
 gets an ``invalid_request_error`` event and goes nowhere); one naming a ``previous_response_id``
-must name the identity's own response (:mod:`proxy.serve.owners`), else it gets the upstream's
+must name the identity's own response (:mod:`proxy.serve.creator_check`), else it gets the upstream's
 ``previous_response_not_found`` event;
 every ``response.created`` the upstream sends is recorded as the identity's.
 """
@@ -40,15 +40,15 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
 from proxy import contracts
+from proxy.core.creators import PARSE_INLINE, created_id, read_request
 from proxy.core.fair import tenant_of
-from proxy.core.owners import PARSE_INLINE, created_id, read_request
 from proxy.core.reasons import Mode, RequestOutcome, Route
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
 from proxy.ops.metrics import ERRORS, INFLIGHT
+from proxy.serve.creator_check import OwnerBook
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.identity import Identity
 from proxy.serve.memory import MemoryRefused, MessageMeter
-from proxy.serve.owners import OwnerBook
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body, new_request_id
 from proxy.upstream.ws import open_websocket
@@ -92,7 +92,7 @@ async def relay_websocket(request: web.Request) -> web.StreamResponse:
         refusal = _over_socket_limits(svc, identity)
         if refusal is not None:
             return await _refuse_session(request, headers, rec, refusal)
-        # issue 22: a relay's upstream socket counts against the pool's socket limits.
+        # a relay's upstream socket counts against the pool's socket limits.
         svc.relay_sessions[identity.digest] += 1
         try:
             return await _session(request, svc, identity, headers, rec, started)
@@ -145,7 +145,7 @@ async def _upgraded(
         rec.status = 426
         return web.Response(status=426, body=json_body(exc.body()), content_type="application/json", headers=headers)
     rec.added_s = time.perf_counter() - started
-    # issue 22: no app message larger than what the upstream itself accepts in a frame, nor
+    # no app message larger than what the upstream itself accepts in a frame, nor
     # than a request body may be (what the memory budget is sized for); aiohttp refuses a
     # larger one from its frame header (close 1009), before reading its payload.
     limits = svc.settings.limits
@@ -331,7 +331,7 @@ async def _send_error(ws: web.WebSocketResponse, exc: ProxyError, status: int, s
 
 async def _may_send(ws: web.WebSocketResponse, data: bytes | str, owners: OwnerBook, identity: str) -> bool:
     """Whether the app's frame may go upstream. It is read as the upstream reads it
-    (:func:`~proxy.core.owners.read_request`): a frame that is not one JSON object, or repeats a
+    (:func:`~proxy.core.creators.read_request`): a frame that is not one JSON object, or repeats a
     key naming an id, gets an ``invalid_request_error`` event; a ``previous_response_id``
     (``response.create``, ``response.steer``) must name the identity's own response, else the
     upstream's own ``previous_response_not_found``. A refused frame goes nowhere."""

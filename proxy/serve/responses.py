@@ -3,8 +3,8 @@
 under ``/v1/responses/{id}/``), plus the other ``POST /v1/responses/...`` routes whose body may
 carry a ``previous_response_id`` (``/compact``, ``/input_tokens``).
 
-Each asks the owner book (:mod:`proxy.serve.owners`) before anything is forwarded (a body is
-read as one JSON object by :func:`~proxy.core.owners.read_request`: one that does not parse, or
+Each asks the owner book (:mod:`proxy.serve.creator_check`) before anything is forwarded (a body is
+read as one JSON object by :func:`~proxy.core.creators.read_request`: one that does not parse, or
 repeats a key naming an id, gets a 400 and is not forwarded): a response
 id another identity created is answered with the upstream's own 404 for an unknown id (a
 ``previous_response_id`` with its 400 ``previous_response_not_found``), and behind an injected
@@ -19,7 +19,7 @@ import time
 
 from aiohttp import web
 
-from proxy.core.owners import PARSE_INLINE, NamedIds, read_request
+from proxy.core.creators import PARSE_INLINE, NamedIds, read_request
 from proxy.core.reasons import Mode, Route
 from proxy.errors import ForeignResponseRoute, RequestError
 from proxy.serve.handlers import SERVICES, refuse

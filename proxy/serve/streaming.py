@@ -111,9 +111,9 @@ class Downstream:
             update them until the answer starts.
         started: ``time.perf_counter()`` when the request arrived.
         lease: The request's memory lease: :func:`pump` shrinks it to the body once the frame
-            is sent (issue 12).
+            is sent.
         on_id: Told the id of each response :func:`pump` moves, before the app can see it
-            (issue 22: the id's owner is recorded first).
+            (the id's owner is recorded first).
         obfuscation: False when the app asked for no ``obfuscation`` on deltas: it is taken out.
     """
 
@@ -215,7 +215,7 @@ class Downstream:
     async def settle(self, channel: Channel) -> None:
         """Send the answer now if the response ended with its output released: that answer is
         :func:`proxy.core.answer.finished`'s, whatever :func:`~proxy.core.answer.decide` is asked
-        next (issue 24). The shell calls it before the lane's lease ends, and the lease's exit
+        next. The shell calls it before the lane's lease ends, and the lease's exit
         records the conversation's head in the same loop callback as the last write: the app's
         next turn is read only after that, so it cannot race the head (only a write that waited
         for a slow app to read leaves a window, and a turn in it is planned on what is recorded:
@@ -264,12 +264,12 @@ async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Do
     """Send the frame and move its response's events to the app until the channel is done.
 
     :attr:`Downstream.on_id` is told the response's id when its ``response.created`` arrives,
-    before that event can reach the app (issue 22: the id's owner is known before the app could
+    before that event can reach the app (the id's owner is known before the app could
     name it).
 
     ``frames`` holds the one frame, and pump empties it: the caller keeps no reference, so the
     frame is freed as soon as it is sent, not when the response ends, and the request's memory
-    lease (:attr:`Downstream.lease`) shrinks to the body (issue 12).
+    lease (:attr:`Downstream.lease`) shrinks to the body.
 
     Returns when the terminal event arrived; what the app gets for it (if it was held) is the
     caller's decision.
@@ -302,7 +302,7 @@ async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Do
             continue
         down.upstream_wait = before + lane.upstream_seconds
         now = clock()
-        # Events that arrived together leave together (issue 24): one wake-up and one write
+        # Events that arrived together leave together: one wake-up and one write
         # (one wakeup of the app) per read of the upstream socket, however many events it
         # carried; never held back while upstream is silent. After the terminal event the
         # loop ends and the last batch goes below.
@@ -417,7 +417,7 @@ _DECODE_STEP = 256 * 1024
 
 
 class BodyClock:
-    """When a body must have arrived (issue 21): complete within ``body_timeout_seconds`` of its
+    """When a body must have arrived: complete within ``body_timeout_seconds`` of its
     head, and, once ``body_grace_seconds`` of reading passed, at ``body_min_bytes_per_second``
     on average at least, never silent for longer than the grace. Time spent waiting for memory
     stops the rate clock (the sidecar, not the app, held the body back then).
@@ -536,7 +536,7 @@ async def read_body(
     request: web.Request, limit: int, lease: Lease | None = None, clock: BodyClock | None = None
 ) -> bytes:
     """Read the body, refusing more than ``limit`` bytes while reading (never unbounded), in
-    time (``clock``, issue 21).
+    time (``clock``).
 
     With a memory ``lease`` (issues 12, 21): the body pays as it arrives: the lease grows a step
     ahead of the bytes read (the rest stays unread, in the kernel, while memory is short). A

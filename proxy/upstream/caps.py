@@ -1,4 +1,4 @@
-"""The learned socket caps, shared by the workers of one machine (issue 23).
+"""The learned socket caps, shared by the workers of one machine.
 
 A worker whose upgrade was refused with 429 writes what its planner learned
 (:class:`~proxy.core.planner.SocketCap`: the cap, ``retry-after`` + backoff, the next probe) to

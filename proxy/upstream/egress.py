@@ -181,7 +181,7 @@ def check_proxy_url(url: str) -> None:
     """Refuse a proxy URL websockets would refuse (a path, query or fragment, a user without a
     password, no host), as websockets checks it, at startup: otherwise the first WebSocket
     upgrade fails with websockets' ``InvalidProxy``, whose text is the whole URL, password and
-    all (issue 22). The message names the URL without its credentials.
+    all. The message names the URL without its credentials.
 
     Raises:
         ConfigError: with the reason and the redacted URL.

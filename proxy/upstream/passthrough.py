@@ -138,7 +138,7 @@ def http_continuation_body(req: ParsedRequest, response_id: str | None, items: l
 
 
 def _cleartext(url: str) -> bool:
-    """An ``http://``/``ws://`` upstream that is not loopback (issue 21: warned at startup)."""
+    """An ``http://``/``ws://`` upstream that is not loopback (warned at startup)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "ws"):
         return False
@@ -201,7 +201,7 @@ class Options:
         items): its answer captured (to become the head), the anchor shown to the app as it sent
         it (none: ``null``), as over a socket; if the upstream does not know the anchor
         (``previous_response_not_found``, before anything reached the app), ``full``, the app's
-        own body, is sent instead (issue 23)."""
+        own body, is sent instead."""
         rewrite = (b'"previous_response_id":' + orjson.dumps(anchor), b'"previous_response_id":null')
         return cls(capture=True, on_id=on_id, fallback=full, rewrite=rewrite)
 
@@ -211,7 +211,7 @@ _NO_OPTIONS = Options()
 
 async def timed_stream(content: Any, clock: BodyClock) -> AsyncIterator[bytes]:
     """A body relayed as it arrives (the other ``/v1`` routes: uploads, batches) under the same
-    deadlines as a ``POST /v1/responses`` body (issue 21): :class:`BodyTimeout` once it stalls
+    deadlines as a ``POST /v1/responses`` body: :class:`BodyTimeout` once it stalls
     or trickles, so it never holds an HTTP relay slot for longer than the body deadline."""
     watch = BodyWatch(clock, content)
     try:
@@ -309,10 +309,10 @@ class Passthrough:
             body: The body if already read (``POST /v1/responses``); else it streams from the app.
             started: ``time.perf_counter()`` at arrival, for ``x-upshift-overhead-ms``.
             options: What else to do with the answer: ``capture`` keeps a stored request's
-                completed answer to adopt as a head (issue 23); ``on_id`` is told the response id
+                completed answer to adopt as a head; ``on_id`` is told the response id
                 of a 2xx answer (the top-level ``id`` of a JSON body,
                 ``response.id`` of the first SSE event) before the bytes that complete it are
-                written to the app; the bytes themselves pass unchanged (issue 22).
+                written to the app; the bytes themselves pass unchanged.
 
         Returns:
             The answer, already sent; a JSON error (502 unreachable, 504 timeout) if the upstream
@@ -342,7 +342,7 @@ class Passthrough:
             return Forwarded(refused, exc.status, 0, 0.0, time.perf_counter() - started)
         authorization = self.keys.authorization(request.headers.get("Authorization"))
         data: bytes | AsyncIterator[bytes] | None = body
-        if body is None and request.body_exists:  # issue 21: a streamed body has deadlines too
+        if body is None and request.body_exists:  # a streamed body has deadlines too
             data = timed_stream(request.content, BodyClock(self.settings.limits, asyncio.get_running_loop().time()))
         out_headers = _forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
         if rewrite is not None or capture:
@@ -400,7 +400,7 @@ class Passthrough:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
                 lowered = name.lower()
-                # issue 21: never a CORS grant to a web page (access-control-*).
+                # never a CORS grant to a web page (access-control-*).
                 if lowered not in _RESPONSE_DROP and not lowered.startswith("access-control-"):
                     response.headers.add(name, value)
             swap = _Swap(*rewrite) if rewrite is not None and "Content-Encoding" not in upstream.headers else None

@@ -29,10 +29,10 @@ import orjson
 
 from proxy.config import Settings
 from proxy.core.conversation import HeadTable
+from proxy.core.creators import OwnerRegistry
 from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
 from proxy.core.lanes import LaneKey, LaneState, SocketState
-from proxy.core.owners import OwnerRegistry
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
 from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
@@ -96,7 +96,7 @@ def _live(planner: Planner) -> int:
     return planner.socket_counts[SocketState.OPEN] + planner.socket_counts[SocketState.RETIRING]
 
 
-# The socket and lane gauges are read from the planners when scraped (issue 24): a turn pays
+# The socket and lane gauges are read from the planners when scraped: a turn pays
 # nothing for them, and a scrape sees the counts as they are.
 for _child, _count in (
     (SOCKETS.labels("open"), _live),
@@ -256,7 +256,7 @@ class Pool:
             owners,
         )
         self.owners = self.planner.owners
-        """Who created each response id (:class:`~proxy.core.owners.OwnerRegistry`)."""
+        """Who created each response id (:class:`~proxy.core.creators.OwnerRegistry`)."""
         self.caps = CapFile(p.cap_state_dir)
         """The learned socket caps shared with the other workers of this machine."""
         self._clock = clock
@@ -473,7 +473,7 @@ class Pool:
 
     def adopt_http(self, identity: Identity, req: ParsedRequest, body: bytes) -> None:
         """The answer of a stored request sent over plain HTTP (SSE or JSON): its completed
-        response becomes a head without a lane (issue 23: its later turns are continued)."""
+        response becomes a head without a lane (its later turns are continued)."""
         response = completed_response(body)
         if response is not None:
             self.planner.adopt(identity.digest, req, response, self._clock())

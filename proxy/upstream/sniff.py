@@ -1,4 +1,4 @@
-"""The response id of an answer relayed over HTTP, found as its bytes pass (issue 22).
+"""The response id of an answer relayed over HTTP, found as its bytes pass.
 
 The bytes reach the app unchanged; the sniffer only looks at a bounded head of them: a JSON
 body's top-level ``id``, or ``response.id`` of an SSE stream's first event, decoded by the one
@@ -7,7 +7,7 @@ SSE reader (:mod:`proxy.wire.sse`).
 
 from __future__ import annotations
 
-from proxy.core.owners import SNIFF_LIMIT, member_string
+from proxy.core.creators import SNIFF_LIMIT, member_string
 from proxy.wire import sse
 
 __all__ = ["IdSniffer"]

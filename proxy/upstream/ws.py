@@ -221,7 +221,7 @@ class Inbox:
 
     async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]:
         """Every event already here, or, if none, every event of the next read that brings
-        one: one wake-up per read of the socket, however many events it carried (issue 24).
+        one: one wake-up per read of the socket, however many events it carried.
 
         Raises:
             UpstreamClosed | UpstreamProtocolError: the socket failed (and nothing is left).
@@ -415,8 +415,8 @@ class UpstreamSocket(asyncio.BufferedProtocol):
                 self._flush()
                 return
             # pool.fragment_bytes: the masked copy and the write buffer hold one fragment at a
-            # time, not the whole frame (issue 12), at the price of a framing the official
-            # clients never use (issue 19).
+            # time, not the whole frame, at the price of a framing the official
+            # clients never use.
             view = memoryview(frame)
             for at in range(0, len(frame), fragment):
                 await self._drain()

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import pytest
 
-from proxy.ingress.owners import QUERY_PATH
+from proxy.ingress.creator_queries import QUERY_PATH
 from tests.security.support import ALICE, BOB, Tenant, injected_env, start_process
 from tests.sidecar import SidecarProcess
 from upshift_emulator import Emulator

@@ -190,7 +190,7 @@ async def test_an_owner_query_not_signed_with_the_cluster_secret_is_refused(
     # The attack: a process that is not a replica (no secret) asks a replica whose an id is,
     # with a bare marker, a marker signed with another secret, and a replayed genuine-looking
     # one. Each gets the 404 of an unknown route, never a verdict.
-    from proxy.ingress.owners import QUERY_PATH
+    from proxy.ingress.creator_queries import QUERY_PATH
     from proxy.ingress.peerauth import PeerAuth
 
     (tmp_path / "secret").write_text("tenants-cluster-secret-0123456789\n")

@@ -1,7 +1,7 @@
-"""Response-id owners across workers and replicas (issue 22), without a new datastore.
+"""Who created a response id, asked across workers and replicas, without a new datastore.
 
 The process that returns a response id to an app records its creator first
-(:mod:`proxy.serve.owners`). A later request naming that id may land anywhere (SO_REUSEPORT
+(:mod:`proxy.serve.creator_check`). A later request naming that id may land anywhere (SO_REUSEPORT
 spreads connections over the workers, a load balancer over the replicas, and chained requests
 are never forwarded). So a process that does not know an id asks the others, in parallel:
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.core.owners import NamedIds, OwnerRegistry, created_id, member_string, read_request, request_ids
+from proxy.core.creators import NamedIds, OwnerRegistry, created_id, member_string, read_request, request_ids
 from proxy.core.reasons import OwnerVerdict
 from proxy.errors import InvalidRequest
 from proxy.upstream.sniff import IdSniffer

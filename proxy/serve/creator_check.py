@@ -1,8 +1,8 @@
-"""The owner check every id-bearing route makes (issue 22): local registry first, then peers.
+"""The owner check every id-bearing route makes: local registry first, then peers.
 
-:class:`OwnerBook` wraps the process's :class:`~proxy.core.owners.OwnerRegistry` (the pool's,
+:class:`OwnerBook` wraps the process's :class:`~proxy.core.creators.OwnerRegistry` (the pool's,
 which its planner tells of every head) and, in a cluster, a :class:`RemoteOwners` that asks
-the other workers and replicas (:mod:`proxy.ingress.owners`): the id's creator recorded it
+the other workers and replicas (:mod:`proxy.ingress.creator_queries`): the id's creator recorded it
 before the app could see it, so wherever a later request lands, some process knows. Behind an injected key the check
 fails closed: an id no process knows is refused, as the upstream refuses an unknown id.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from proxy.core.owners import NamedIds, OwnerRegistry, noun
+from proxy.core.creators import NamedIds, OwnerRegistry, noun
 from proxy.core.reasons import ObjectKind, OwnerVerdict
 from proxy.errors import ForeignObject, ForeignResponse, NotShared
 
@@ -67,7 +67,7 @@ class OwnerBook:
 
     async def check(self, identity: str, named: NamedIds) -> None:
         """Refuse a request naming what ``identity`` may not name (the ids
-        :func:`~proxy.core.owners.request_ids` read from it).
+        :func:`~proxy.core.creators.request_ids` read from it).
 
         Raises:
             ForeignResponse: its ``previous_response_id`` is not ``identity``'s.
