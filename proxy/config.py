@@ -158,9 +158,11 @@ class PoolSettings:
     reseed_bytes: int = 64 * 1024 * 1024
     """Memory for the contexts re-seeding keeps (request bodies and outputs), least recently used
     out first."""
-    http_connections: int = 256
+    http_connections: int = 4096
     """HTTP requests in flight to the upstream at once (the plain-HTTP relay's connection pool);
-    more wait for a slot, and the wait counts in the added latency."""
+    more wait for a slot, and the wait counts in the added latency. As many as the listener
+    admits connections (``listener.max_connections``): a bound below the app's own concurrency
+    makes turns wait that the app, sending straight to the upstream, would not."""
     wait_seconds: float = 1.0
     """The longest a request waits for a free lane when every lane it may use is busy, before it
     goes over HTTP (``pool_full``); within it a turn waits only while that is expected to pay
