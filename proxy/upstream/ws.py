@@ -45,7 +45,6 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.kernel import received_ago, tcp_socket
 from proxy.redact import redact_urls
 from proxy.serve.identity import USER_AGENT
 from proxy.upstream.egress import egress_for
@@ -195,15 +194,13 @@ class Inbox:
         self.seen = False
         """An event of this lane arrived."""
         self.arrived = 0.0
-        """``time.perf_counter()`` when the kernel received the read that brought this lane's
-        latest event (the upstream's time ends there, however late the sidecar's loop reads it
-        and hands it on)."""
+        """``time.perf_counter()`` when the socket read this lane's latest event (the upstream's
+        time ends there, however late the sidecar's loop hands it on)."""
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, raw: bytes, event: dict[str, Any], at: float = 0.0) -> None:
-        """Hand on one event; ``at``: when the kernel received the read that brought it."""
+    def put(self, raw: bytes, event: dict[str, Any]) -> None:
         self.seen = True
-        self.arrived = at or time.perf_counter()
+        self.arrived = time.perf_counter()
         if self.draining:
             if event.get("type") in _TERMINAL and self.on_drained is not None:
                 callback, self.on_drained = self.on_drained, None
@@ -339,10 +336,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         self._closer: asyncio.TimerHandle | None = None
         self._close_rcvd: Close | None = None
         self._buffer = _read_buffer()
-        self._tcp: Any = None
-        self._read_at = 0.0
         self.transport, self.protocol, held = ws_take_over(ws, self)
-        self._tcp = tcp_socket(self.transport)
         self._library = bool(self.protocol.extensions) or bool(held)
         """Frames read by websockets' protocol (an extension was negotiated, or the library
         holds bytes after the handshake); else by :class:`FrameReader`."""
@@ -473,7 +467,6 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         """The bytes of one read."""
         if self.error is not None:
             return  # after a failure nothing more is processed
-        self._read_at = time.perf_counter() - received_ago(self._tcp)
         results = self._reader.feed(data)
         if self._library:
             self._flush()  # the library's own answers: pongs, the close reply
@@ -522,7 +515,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
                 self._on_signal(route.signal)
             inbox = self.inboxes.get(route.lane)
             if inbox is not None:  # else its reader never opened an inbox (nothing waits for it)
-                inbox.put(raw, event, self._read_at)
+                inbox.put(raw, event)
         elif isinstance(route, Unroutable):
             self._fail(
                 UpstreamClosed(
