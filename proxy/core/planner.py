@@ -639,19 +639,23 @@ class Planner:
         wait; else plain HTTP now."""
         if plan.kind is not PlanKind.WAIT or waiting is None:
             return plan
-        if plan.growing:
-            # Lanes a moment away (a handshake, a probe): the new head waits for them, as its
-            # next turns continue from the lane's memory (a head adopted from plain HTTP would
-            # make its next turn a hydration, the upstream re-reading its store).
+        if plan.growing and not (plan.over_http or req.adoptable):
+            # A stored new conversation need not wait for a handshake: over plain HTTP now, its
+            # answer is adopted as its head (below, after a brief wait).
             if self._grow(waiting, now):
                 return plan
             return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL, close=plan.close)
         # What the send itself gains on a lane; not what its later turns might, which a head
         # kept by a scarce lane seldom gets (the next new conversation evicts it).
         saving = self.estimates.saving(identity, Send.HTTP_FULL, len(req.body), on_lane=Send.FULL)
-        if self._wait(waiting, now, self._soonest(identity, now, waiting), saving, self.limits.wait_seconds):
+        if (
+            self._brief(waiting, now)
+            if plan.growing
+            else self._wait(waiting, now, self._soonest(identity, now, waiting), saving, self.limits.wait_seconds)
+        ):
             return plan
-        return Plan(PlanKind.HTTP, PassthroughReason.WAIT_NOT_WORTH_IT, close=plan.close)
+        reason = PassthroughReason.POOL_FULL if plan.growing else PassthroughReason.WAIT_NOT_WORTH_IT
+        return Plan(PlanKind.HTTP, reason, close=plan.close)
 
     def _go_now(self, identity: str, now: float, may_open: bool, head: LaneKey) -> Plan:
         """A ``store: false`` head (on lane ``head``) that does not wait (on) for its busy
