@@ -24,7 +24,6 @@ import contextlib
 import os
 import ssl
 import stat
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -110,7 +109,6 @@ class GuardedHandler(RequestHandler):
         "_header_timer",
         "_refused",
         "adopted",
-        "arrived",
         "head_end",
         "private",
         "received",
@@ -135,9 +133,6 @@ class GuardedHandler(RequestHandler):
         """Offset (in ``received``) where the current request's head ended; -1: not known."""
         self.request_line = b""
         """The current request's first line, as received."""
-        self.arrived = 0.0
-        """``time.perf_counter()`` when the current request's first bytes were read: where the
-        sidecar's own time for it starts (:mod:`proxy.ingress.reception`)."""
         self._head: bytearray | None = None
         self._head_start = 0
         self._last_payload: Any = None
@@ -205,7 +200,6 @@ class GuardedHandler(RequestHandler):
             if not idle:
                 return  # a body (or a pipelined request: ``holds_only`` then says no)
             self._head_start, self.head_end, self.request_line = start, -1, b""
-            self.arrived = time.perf_counter()
             end = data.find(b"\r\n\r\n")  # the first bytes of a request: usually its whole head
             if end < 0:
                 self._head = bytearray(data[:_HEAD_SCAN])

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -183,7 +182,7 @@ class Inbox:
     *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
     """
 
-    __slots__ = ("_waiter", "arrived", "draining", "error", "frames", "lane", "on_drained", "seen")
+    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "seen")
 
     def __init__(self, lane: str | None) -> None:
         self.lane = lane
@@ -193,14 +192,10 @@ class Inbox:
         self.on_drained: Callable[[], None] | None = None
         self.seen = False
         """An event of this lane arrived."""
-        self.arrived = 0.0
-        """``time.perf_counter()`` when the socket read this lane's latest event (the upstream's
-        time ends there, however late the sidecar's loop hands it on)."""
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, raw: bytes, event: dict[str, Any]) -> None:
         self.seen = True
-        self.arrived = time.perf_counter()
         if self.draining:
             if event.get("type") in _TERMINAL and self.on_drained is not None:
                 callback, self.on_drained = self.on_drained, None
