@@ -240,6 +240,7 @@ class Server:
             heads=heads,
             wait_seconds=limits.memory_wait_seconds,
             max_body_bytes=limits.max_body_bytes,
+            whole_frames=not settings.pool.fragment_bytes,
         )
         api_app = build_app(self.services, self.ingress)
         self.guard = Guard(settings.listener)

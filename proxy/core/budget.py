@@ -338,11 +338,16 @@ class Budget:
             return self._admit()
         return Effects()
 
-    def done_reading(self, ticket: Ticket) -> Effects:
-        """The ticket's body is complete: it leaves the bodies being read (and never grows again)."""
-        ticket.need = ticket.held
+    def done_reading(self, ticket: Ticket, still: int = 0) -> Effects:
+        """The ticket's body is complete: its body never grows again. It still promises the
+        ``still`` bytes it was admitted for beyond the body (the copy of a frame sent whole),
+        counted like a body's rest until taken or :meth:`settle`: bodies admitted together can
+        all be sent, not only read (else each, read, waits for a frame step the others hold)."""
+        ticket.need = max(min(ticket.need, ticket.held + max(still, 0)), ticket.held)
+        ticket.promise, ticket.slow = -1, False
         if ticket in self._reading:
-            del self._reading[ticket]
+            if ticket.need <= ticket.held:
+                del self._reading[ticket]
             return self._admit()
         return Effects()
 

@@ -298,6 +298,8 @@ class MemoryGate:
         prefixes: The prefix cache whose kept bodies draw from the budget (its keeper is set here).
         heads: What counts the heads (``len``), each costing ``HEAD_COST``.
         wait_seconds: Longest wait for memory before a 429.
+        max_body_bytes: Bodies declared larger are refused unread (0: the derived limit).
+        whole_frames: Frames go upstream in one piece (``pool.fragment_bytes`` 0).
     """
 
     def __init__(
@@ -308,8 +310,12 @@ class MemoryGate:
         heads: Sized | None = None,
         wait_seconds: float,
         max_body_bytes: int = 0,
+        whole_frames: bool = False,
     ) -> None:
         self.derived = derived
+        self.whole_frames = whole_frames
+        """Frames go upstream whole (``pool.fragment_bytes`` 0): a body's promise includes the
+        frame's copy (:meth:`Lease.whole_frame`)."""
         self.max_body_bytes = max_body_bytes
         """Bodies declared larger are not reserved for: the reader refuses them (413) unread."""
         self.budget = Budget(derived.capacity)
@@ -575,6 +581,8 @@ class Lease:
         self.waited = 0.0
         """Seconds spent waiting for memory (the body's rate clock does not run meanwhile)."""
         self._limit = length if length is not None else gate.body_limit
+        self.frame = 0
+        """Budget bytes promised beyond the body for its frame's copy (:meth:`whole_frame`)."""
         self._ticket: Ticket | None = None
 
     @property
@@ -587,6 +595,11 @@ class Lease:
         need = AMPLIFICATION * self._limit + self.base
         if self.length is None:  # a promise of unknown size: at most what an empty budget holds
             need = max(min(need, self.gate.budget.capacity - self.gate.budget.heads), AMPLIFICATION * first + self.base)
+        elif self.gate.whole_frames and self.length > WHOLE_FRAME_EXTRA_ABOVE:
+            # Its frame's copy comes after the body (whole_frame): promised with it (as far as
+            # an empty budget holds it), so that admitted bodies can all be sent, not only read.
+            self.frame = max(min(self.length // 2, self.gate.budget.capacity - self.gate.budget.heads - need), 0)
+            need += self.frame
         # While it waits, the start of the body is in the server's read buffers already.
         buffered = min(self.length if self.length is not None else _BUFFERED, _BUFFERED) + MIN_RESERVATION
         loop = asyncio.get_running_loop()
@@ -625,7 +638,8 @@ class Lease:
         deliverable = rate * left if rate > 0 else 0.0
         rest = max(self._limit - self.covered, 0)
         promise = AMPLIFICATION * int(min(rest, deliverable))
-        return promise, self.length is not None and sent + deliverable < self._limit
+        slow = self.length is not None and sent + deliverable < self._limit
+        return promise + (0 if slow else self.frame), slow
 
     async def arrived(self, size: int) -> None:
         """``size`` bytes of body are read: pay for the next step before more is read, waiting
@@ -636,7 +650,7 @@ class Lease:
             return
         ticket = self._ticket
         assert ticket is not None, "arrived outside the lease"
-        most = (ticket.need - self.base) // AMPLIFICATION  # the body this ticket may ever hold
+        most = (ticket.need - self.frame - self.base) // AMPLIFICATION  # the body this ticket may ever hold
         if size > most:
             MEMORY_REFUSALS.labels("too_large").inc()
             raise MemoryTooLarge("The request body grew larger than the sidecar's memory budget can hold.")
@@ -662,7 +676,7 @@ class Lease:
             return
         budget = self.gate.budget
         self.gate._reading.pop(ticket, None)
-        self.gate._apply(budget.done_reading(ticket))
+        self.gate._apply(budget.done_reading(ticket, self.frame))
         if self.covered > size:
             self.gate._apply(budget.settle(ticket, AMPLIFICATION * size + self.base))
             self.covered = size
@@ -672,7 +686,10 @@ class Lease:
         0, the default): while websockets masks it into a copy and the transport buffers what
         the socket does not take at once, it costs ~2.5x its size (tracemalloc, 15 MiB frame),
         half a frame more than :data:`AMPLIFICATION` pays for beside the body and its items.
-        Reserve that half until :meth:`sent` (waiting for memory like a body step)."""
+        Reserve that half until :meth:`sent` (waiting for memory like a body step). With a gate
+        of ``whole_frames`` it was promised with the body (:attr:`frame`), so the bodies admitted
+        together can all take it: a body read in full never waits for a frame step that only
+        other bodies read in full could free."""
         ticket = self._ticket
         if ticket is None or size <= WHOLE_FRAME_EXTRA_ABOVE:
             return

@@ -91,6 +91,24 @@ def test_bodies_being_read_are_admitted_only_while_all_can_complete_at_once() ->
     assert budget.idle and budget.in_flight == 0
 
 
+def test_a_body_read_still_promises_its_frame_copy_until_it_is_taken() -> None:
+    # Bodies whose frame goes upstream whole take half a frame more once read: admitted
+    # without it, two bodies read in full plus the heads waiting with their buffered starts
+    # left no room for either frame step, and nothing else could free memory (the cgroup test
+    # then waited the full memory_wait_seconds and 429'd).
+    budget = Budget(200)
+    a, _ = budget.ask(40, key="t", need=90 + 20)  # 90 of body, 20 of frame copy
+    b, _ = budget.ask(40, key="t", need=90 + 20)
+    assert (a.verdict, b.verdict) == (Verdict.GRANTED, Verdict.WAITING)  # 2 x 110 > 200
+    assert budget.grow(a, 50)[0]
+    budget.done_reading(a, 20)
+    assert a.need == a.held + 20 and budget.reading == [a]  # the frame step is still promised
+    assert b.verdict is Verdict.WAITING  # b's 110 + a's 20 still promised > the 110 free
+    assert budget.grow(a, 20)[0]  # the frame step
+    budget.settle(a, 40)  # sent: the body only
+    assert b.verdict is Verdict.GRANTED and budget.reading == [b]
+
+
 def test_a_queued_growth_is_granted_when_memory_frees_and_can_be_given_up() -> None:
     budget = Budget(100)
     other, _ = budget.ask(60)
