@@ -330,6 +330,17 @@ def script(p: Pod, hosts: Path, work: Path) -> str:
         lines.append(f"mount --bind {q(src)} {q(root + dst)}")
         if ro:
             lines.append(f"mount -o remount,bind,ro {q(root + dst)}")
+    # The stand-ins for the image's /opt/venv may lie under a volume's mount path (a venv or a
+    # checkout under /tmp, where the gateway mounts an emptyDir): shown again on top, read-only.
+    hidden = {
+        str(place)
+        for place in (python_home, Path(sys.prefix), Path(sys.base_prefix), ROOT)
+        if any(str(place) == dst or str(place).startswith(dst.rstrip("/") + "/") for _, dst, _ in mounts)
+    }
+    for place in sorted(hidden):
+        lines.append(f"mkdir -p {q(root + place)}")
+        lines.append(f"mount --bind {q(place)} {q(root + place)}")
+        lines.append(f"mount -o remount,bind,ro {q(root + place)}")
     setpriv = [
         shutil.which("setpriv") or "setpriv",
         f"--reuid={p.uid}",
