@@ -63,7 +63,10 @@ def _attribute_docs(source: str) -> dict[str, str]:
 
 
 def _docs_of(module: Any) -> dict[str, str]:
-    return _attribute_docs(Path(module.__file__).read_text(encoding="utf-8"))
+    # The source beside the module: in the compiled build ``__file__`` is the extension module.
+    path = Path(module.__file__)
+    source = path.with_name(path.name.split(".", 1)[0] + ".py")
+    return _attribute_docs(source.read_text(encoding="utf-8"))
 
 
 def _rst(text: str) -> str:
