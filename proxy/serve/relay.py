@@ -63,7 +63,6 @@ RELAY_REFUSED_CODE = 1013
 """Close code of a relay session refused at the socket limits (RFC 6455 "Try Again Later")."""
 _MAX_REASON = 123
 """A close frame's reason is at most 123 bytes."""
-_NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def sendable_code(code: int | None) -> int:
