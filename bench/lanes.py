@@ -13,10 +13,12 @@ with its default settings against both: nothing tells it the cap or the lanes.
 The emulator (``fast`` model preset: 50 ms overhead, 150 ms to first token, 1,000 tokens/s) runs
 as its own process and refuses a key's 33rd open WebSocket with 429 + ``retry-after`` (the field's
 ~32 connections per key); the sidecar runs with its defaults. Each conversation is a 6-turn tool
-loop, full history every turn (``stream: false``, so the answer's ``x-upshift-overhead-ms`` is
-the sidecar's whole added time), with 50–400 ms of client tool time between turns. Reported:
-continuation rate of turns 2..6, HTTP fallbacks, errors, p50/p99 added latency, peak sockets and
-busy lanes (sampled from ``/metrics``), refused upgrades, and the machine's load.
+loop, full history every turn (``stream: false``), with 50–400 ms of client tool time between
+turns. Reported: continuation rate of turns 2..6, HTTP fallbacks, errors, p50/p99 added latency
+read from the app's clock (the time the app waited for each answer minus the upstream's own time
+for it, from the sidecar's access line), beside what the sidecar itself reported
+(``x-upshift-overhead-ms``), peak sockets and busy lanes (sampled from ``/metrics``), refused
+upgrades, and the machine's load.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from .direct import access_lines
 from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
 
 KEY = "sk-bench-lanes-0123456789abcdef"
@@ -69,6 +72,9 @@ async def one_run(conversations: int, turns: int, seed: int, upstream: str = "la
     await side.ready()
     rng = random.Random(seed)
     added: list[float] = []
+    """What the sidecar reported (``x-upshift-overhead-ms``)."""
+    seen: list[tuple[str, float]] = []
+    """``(request_id, ms)``: what the app waited for each answer."""
     modes: dict[str, int] = {}
     continued = later = errors = 0
     peaks = {"sockets": 0.0, "lanes": 0.0}
@@ -87,14 +93,17 @@ async def one_run(conversations: int, turns: int, seed: int, upstream: str = "la
         await asyncio.sleep(rng.uniform(0, 0.5))
         for turn in range(turns):
             body = {"model": "gpt-6.1-sol", "input": items, "store": store}
+            began = time.perf_counter()
             async with http.post(side.base_url + "/responses", json=body,
                                  headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
                 data = await resp.json()
+                waited = (time.perf_counter() - began) * 1000
                 mode = resp.headers.get("x-upshift-mode", "?")
                 if resp.status != 200:
                     errors += 1
                     return
                 added.append(float(resp.headers.get("x-upshift-overhead-ms", "0")))
+                seen.append((resp.headers.get("x-request-id", ""), waited))
             modes[mode] = modes.get(mode, 0) + 1
             if turn:
                 later += 1
@@ -117,6 +126,8 @@ async def one_run(conversations: int, turns: int, seed: int, upstream: str = "la
     refused = sum(k.get("refused", 0) for k in stats.get("keys", {}).values())
     side.stop()
     emu.stop()
+    lines = access_lines(side.log_path)
+    app = [ms - lines[rid]["upstream_ms"] for rid, ms in seen if rid in lines]
     return {
         "upstream": upstream,
         "store": store,
@@ -126,8 +137,10 @@ async def one_run(conversations: int, turns: int, seed: int, upstream: str = "la
         "modes": modes,
         "http_fallbacks": modes.get("passthrough", 0),
         "errors": errors,
-        "added_ms_p50": round(statistics.median(added), 3) if added else 0.0,
-        "added_ms_p99": round(_q(added, 0.99), 3),
+        "added_ms_p50": round(statistics.median(app), 3) if app else 0.0,
+        "added_ms_p99": round(_q(app, 0.99), 3),
+        "reported_added_ms_p50": round(statistics.median(added), 3) if added else 0.0,
+        "reported_added_ms_p99": round(_q(added, 0.99), 3),
         "peak_sockets": peaks["sockets"],
         "peak_busy_lanes": peaks["lanes"],
         "refused_upgrades": refused,

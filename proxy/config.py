@@ -164,8 +164,9 @@ class PoolSettings:
     admits connections (``listener.max_connections``): a bound below the app's own concurrency
     makes turns wait that the app, sending straight to the upstream, would not."""
     wait_seconds: float = 1.0
-    """How long a request waits for a free lane when every lane it may use is busy, before it
-    goes over HTTP (``pool_full``). While the identity's sockets are still opening or probing
+    """The longest a request waits for a free lane when every lane it may use is busy, before it
+    goes over HTTP (``pool_full``); within it a turn waits only while that is expected to pay
+    (``proxy/core/waiting.py``, else ``wait_not_worth_it``). While the identity's sockets are still opening or probing
     their lanes (a burst of new conversations), the wait counts from when that stops, at most
     ``timeouts.connect_seconds`` later."""
     idle_close_seconds: float = 900.0
@@ -193,7 +194,8 @@ class PoolSettings:
     reached), continue it over plain HTTP with ``previous_response_id`` + the new items instead
     of its full history (the upstream hydrates the stored response)."""
     http_continuation_after_seconds: float = 0.01
-    """How long such a turn waits for a lane before the HTTP continuation."""
+    """How long such a turn waits for lanes a moment away (a socket opening or probing its
+    lanes) before the HTTP continuation; for busy lanes it waits only while that pays."""
     cap_probe_seconds: float = 600.0
     """After an upgrade was refused for the socket cap (429), how long before one upgrade above
     the learned cap tries whether the limit was raised."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from aiohttp import ClientRequest, ClientTimeout, UnixConnector, web
+from aiohttp import ClientRequest, ClientResponse, ClientTimeout, UnixConnector, web
 from aiohttp.client_exceptions import UnixClientConnectorError
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.web_protocol import RequestHandler
@@ -127,6 +127,14 @@ def wrap_upgraded_reader(request: web.BaseRequest, wrap: Any) -> None:
     if not callable(getattr(reader, "feed_data", None)):
         raise ContractBroken("aiohttp: RequestHandler._payload_parser (an upgraded connection's reader) is gone")
     protocol._payload_parser = wrap(reader)
+
+
+def client_response_transport(response: ClientResponse) -> asyncio.Transport | None:
+    """The transport a client answer came on, also once its connection went back to the pool
+    (a small answer read whole with its headers releases it before the caller sees it):
+    ``ClientResponse._protocol``'s transport, ``None`` if it is closed."""
+    transport = getattr(getattr(response, "_protocol", None), "transport", None)
+    return cast("asyncio.Transport | None", transport)
 
 
 class CheckedUnixConnector(UnixConnector):

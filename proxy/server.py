@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.metadata
 import ipaddress
 import logging
@@ -346,6 +347,11 @@ async def serve(server: Server, *, name: str = "", stop: asyncio.Event | None = 
         log.error("%scannot listen: %s", f"{name} " if name else "", exc)
         await server.stop()
         return 1
+    # What start-up built (modules, settings, tables, the compiled matcher) lives as long as the
+    # process: frozen out of the collector, whose full passes under load would walk it all
+    # again and again on the event loop.
+    gc.collect()
+    gc.freeze()
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

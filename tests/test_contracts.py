@@ -100,6 +100,24 @@ async def test_site_internals(runner: web.AppRunner) -> None:
             await session.get(f"http://127.0.0.1:{site.port}/x")
 
 
+async def test_a_client_answers_transport_outlives_its_release(runner: web.AppRunner) -> None:
+    """A small answer read whole with its headers has released its connection by the time the
+    caller sees it; the transport it came on is still found (and is the connection's socket)."""
+    site = HardenedTCPSite(runner, "127.0.0.1", 0, Guard(ListenerSettings()))
+    await site.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"http://127.0.0.1:{site.port}/x", data=b"x")
+            transport = contracts.client_response_transport(resp)
+            assert transport is not None, f"{AIOHTTP}: ClientResponse._protocol.transport is gone"
+            sock = transport.get_extra_info("socket")
+            assert sock.getpeername()[1] == site.port
+            assert await resp.text() == "hi"
+            resp.release()
+    finally:
+        await site.stop()
+
+
 async def test_headers_go_with_the_first_write(runner: web.AppRunner) -> None:
     assert getattr(web.StreamResponse(), "_send_headers_immediately", None) is True, AIOHTTP
 

@@ -66,9 +66,10 @@ from proxy.core.lanes import (
     lane_step,
     socket_step,
 )
-from proxy.core.reasons import Hit, MissReason, PassthroughReason
+from proxy.core.reasons import Hit, MissReason, PassthroughReason, WaitOutcome
 from proxy.core.request import ParsedRequest, build_frame
 from proxy.core.reseed import Kept, KeptContexts
+from proxy.core.waiting import Estimates, Send, Waiting, WaitRule, wait_seconds
 
 __all__ = [
     "LaneLimits",
@@ -154,6 +155,14 @@ class LaneLimits:
     reseed_bytes: int = 64 * 1024 * 1024
     cap_probe_seconds: float = 600.0
     """After a cap refusal, how long until one upgrade above the learned cap probes again."""
+    wait_seconds: float = 1.0
+    """The longest any turn waits for a lane (``pool.wait_seconds``)."""
+    connect_seconds: float = 10.0
+    """How much longer a wait for lanes a moment away (a handshake) may last (``timeouts.connect_seconds``)."""
+    http_continuations: bool = True
+    """A stored head with no lane may be continued over plain HTTP (``pool.http_continuations``)."""
+    http_continuation_after_seconds: float = 0.01
+    """How long a stored turn waits for lanes a moment away before its HTTP continuation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +299,10 @@ class Planner:
         """A socket routed a ``stream_id`` since named lanes were last turned off."""
         self._early_closes = 0
         """Fresh sockets closed before their first event on a named lane since the last proof."""
+        self._queued: Counter[str] = Counter()
+        """Turns waiting for a busy lane, by identity (their queue)."""
+        self.estimates = Estimates()
+        """Measured lane busy times and upstream times, per identity (the waiting rule's inputs)."""
         self.kept = KeptContexts(limits.reseed_bytes)
         """Contexts of ``store: false`` heads, for re-seeding (empty unless ``reseed``)."""
         self._reseeding: set[LaneKey] = set()
@@ -396,7 +409,14 @@ class Planner:
     # -- the plan --------------------------------------------------------------------------
 
     def plan(
-        self, identity: str, req: ParsedRequest, now: float, *, replay: bool = False, may_open: bool = True
+        self,
+        identity: str,
+        req: ParsedRequest,
+        now: float,
+        *,
+        replay: bool = False,
+        may_open: bool = True,
+        waiting: Waiting | None = None,
     ) -> Plan:
         """Decide the next attempt of ``req``; a returned lane is reserved (BUSY).
 
@@ -406,7 +426,26 @@ class Planner:
             now: Monotonic time.
             replay: A replay after a failure: always the full input, never a continuation.
             may_open: Whether a new socket may be opened (false after one failed to open).
+            waiting: The turn's wait, kept by the pool across its plans: with it, a turn whose
+                lane cannot be had now waits only while that is worth it (:meth:`_wait`) and
+                the plan says until when (:attr:`Waiting.deadline`); without it, a ``WAIT``
+                plan only says that no lane can be had now.
         """
+        plan = self._situation(identity, req, now, replay, may_open, waiting)
+        if waiting is not None:
+            if plan.kind is not PlanKind.WAIT:
+                self.unqueue(waiting)
+                if waiting.deadline is not None and plan.lane is not None:
+                    waiting.outcome = WaitOutcome.LANE
+            elif waiting.rule is WaitRule.BUSY:
+                self.queue(identity, waiting)
+        if plan.kind is PlanKind.HTTP_CONTINUE and not self.limits.http_continuations:
+            return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED, close=plan.close)
+        return plan
+
+    def _situation(
+        self, identity: str, req: ParsedRequest, now: float, replay: bool, may_open: bool, waiting: Waiting | None
+    ) -> Plan:
         self._now = now
         if req.previous_response_id is not None:
             anchor = self.heads.anchor_for(identity, req.previous_response_id)
@@ -414,9 +453,11 @@ class Planner:
             if lane is not None and not self._sockets[lane.key[0]].exclusive:
                 self._begin(lane, now)
                 return Plan(PlanKind.FULL, MissReason.APP_CHAINED, lane.key)
-            return self._full(identity, now, MissReason.APP_CHAINED, may_open)
+            return self._new_head(
+                identity, req, now, self._full(identity, now, MissReason.APP_CHAINED, may_open), waiting
+            )
         if replay:
-            return self._full(identity, now, None, may_open)
+            return self._new_head(identity, req, now, self._full(identity, now, None, may_open), waiting)
         self.heads.expire(now)
         lookup = self.heads.lookup(identity, req, now, self._usable)
         match = lookup.match
@@ -424,14 +465,15 @@ class Planner:
             plan = self._full(identity, now, lookup.reason, may_open)
             # Against an upstream without lanes (one response per socket: a lane frees only
             # when a whole response ends), a stored new conversation that must wait goes over
-            # plain HTTP after the short wait instead; its response is adopted as a head.
+            # plain HTTP instead; its response is adopted as a head.
             over_http = plan.kind is PlanKind.WAIT and req.store and not self.named_lanes
-            return replace(
+            plan = replace(
                 plan,
                 dropped_reasoning=lookup.dropped_reasoning,
                 dropped_phase=lookup.dropped_phase,
                 over_http=over_http,
             )
+            return self._new_head(identity, req, now, plan, waiting)
         self.heads.touch(match.anchor, now)
         key = _lane_key(match.anchor)
         lane = self._idle_lane(key)
@@ -458,18 +500,49 @@ class Planner:
             dropped_phase=lookup.dropped_phase,
         )
         head = self.heads.get(key)
+        size = len(req.body)
         if lane is not None and (head is None or not head.store):
             # Its own lane is free but its socket carries another response and may not
-            # multiplex: a store: false head waits for it (elsewhere it would be a full send).
-            return Plan(PlanKind.WAIT, MissReason.NO_HEAD)
+            # multiplex: a store: false head waits for it while that is expected to pay off
+            # (elsewhere it is a full send), then goes in full now.
+            sock = self._sockets[key[0]]
+            expected = self.estimates.remaining(identity, now - sock.used_at)
+            saving = self.estimates.saving(identity, Send.FULL, size)
+            if waiting is None:
+                return Plan(PlanKind.WAIT, MissReason.NO_HEAD)
+            if self._wait(waiting, now, expected, saving, self.limits.wait_seconds):
+                return Plan(PlanKind.WAIT, MissReason.NO_HEAD)
+            return self._go_now(identity, now, may_open, key)
         if lane is not None and self._sockets[key[0]].demux.probing:
             # Its socket is probing its lanes (a named lane's first event is on its way): the
-            # proof is a moment away and its own lane keeps the cache; wait for it, briefly.
-            return replace(cont, kind=PlanKind.WAIT, over_http=True)
+            # proof is a moment away and its own lane keeps the cache.
+            wait = replace(cont, kind=PlanKind.WAIT, over_http=True)
+            if waiting is None:
+                return wait
+            sock = self._sockets[key[0]]
+            expected = self.estimates.remaining(identity, now - sock.used_at)
+            saving = self._stored_saving(identity, size)
+            if self._wait(waiting, now, expected, saving, self.limits.wait_seconds):
+                return wait
+            return replace(cont, kind=PlanKind.HTTP_CONTINUE)
         plan = self._full(identity, now, MissReason.NO_HEAD, may_open)
         if plan.lane is None:
-            if plan.kind is PlanKind.WAIT:
-                return replace(cont, kind=PlanKind.WAIT, close=plan.close, over_http=True)
+            if plan.kind is not PlanKind.WAIT:
+                return replace(cont, kind=PlanKind.HTTP_CONTINUE, close=plan.close)
+            wait = replace(cont, kind=PlanKind.WAIT, close=plan.close, over_http=True, growing=plan.growing)
+            if waiting is None:
+                return wait
+            if plan.growing:  # lanes a moment away: a short wait, then HTTP
+                if self._brief(waiting, now):
+                    return wait
+            elif self._wait(
+                waiting,
+                now,
+                self._soonest(identity, now, waiting),
+                self._stored_saving(identity, size),
+                self.limits.wait_seconds,
+            ):
+                return wait
             return replace(cont, kind=PlanKind.HTTP_CONTINUE, close=plan.close)
         taken = self.lane(plan.lane)
         assert taken is not None
@@ -477,6 +550,122 @@ class Planner:
         return replace(
             cont, lane=plan.lane, open_socket=plan.open_socket, hydrated=True, close=plan.close, warm=plan.warm
         )
+
+    # -- waiting (proxy/core/waiting.py) ------------------------------------------------------
+
+    def _wait(self, waiting: Waiting, now: float, expected: float, saving: float, limit: float) -> bool:
+        """Whether the turn waits (on) for a busy lane: its deadline is set when it starts to
+        (:func:`~proxy.core.waiting.wait_seconds`, the time already spent counted against the
+        saving and the bound), and it waits until then."""
+        if waiting.rule is not WaitRule.BUSY:
+            spent = now - waiting.started if waiting.deadline is not None else 0.0
+            seconds = wait_seconds(expected, saving - spent, limit - spent)
+            if seconds <= 0.0:
+                waiting.outcome = WaitOutcome.WAIT_NOT_WORTH_IT
+                return False
+            waiting.rule, waiting.deadline = WaitRule.BUSY, now + seconds
+        assert waiting.deadline is not None
+        if now < waiting.deadline:
+            return True
+        waiting.outcome = WaitOutcome.WAIT_EXPIRED
+        return False
+
+    def _brief(self, waiting: Waiting, now: float) -> bool:
+        """A stored turn whose lanes are a moment away (a handshake, a probe: nothing measured
+        says how long) waits ``pool.http_continuation_after_seconds`` at most (from when it
+        asked), then goes over HTTP, which it can at once."""
+        if waiting.rule is not WaitRule.BRIEF:
+            waiting.rule = WaitRule.BRIEF
+            waiting.deadline = waiting.started + self.limits.http_continuation_after_seconds
+        assert waiting.deadline is not None
+        if now < waiting.deadline:
+            return True
+        waiting.outcome = WaitOutcome.WAIT_EXPIRED
+        return False
+
+    def _grow(self, waiting: Waiting, now: float) -> bool:
+        """A wait for lanes a moment away (a handshake, a probe): ``pool.wait_seconds`` counts
+        from when the growing stops, at most ``timeouts.connect_seconds`` later."""
+        lim = self.limits
+        cap = waiting.started + lim.wait_seconds + lim.connect_seconds
+        waiting.rule, waiting.deadline = WaitRule.GROW, min(now + lim.wait_seconds, cap)
+        waiting.growing = True
+        if now < waiting.deadline:
+            return True
+        waiting.outcome = WaitOutcome.WAIT_EXPIRED
+        return False
+
+    def _stored_saving(self, identity: str, size: int) -> float:
+        """What a stored head's lane saves against the alternative it has now (an HTTP
+        continuation, or the full input over HTTP when those are off)."""
+        alternative = Send.HTTP_CONTINUE if self.limits.http_continuations else Send.HTTP_FULL
+        return self.estimates.saving(identity, alternative, size)
+
+    def _soonest(self, identity: str, now: float, waiting: Waiting) -> float:
+        """Expected seconds until a lane of ``identity``'s busy sockets frees for this turn:
+        the turns already waiting for one go first (each socket frees one after another, every
+        busy time, in the order its current response is expected to end)."""
+        ahead = self._queued[identity] - (1 if waiting.queued else 0)
+        busy = self.estimates.busy(identity)
+        left = sorted(
+            self.estimates.remaining(identity, now - s.used_at)
+            for s in self._by_identity.get(identity, {}).values()
+            if s.live and s.active
+        )
+        if not left:
+            return busy
+        rounds, slot = divmod(max(ahead, 0), len(left))
+        return left[slot] + rounds * busy
+
+    def queue(self, identity: str, waiting: Waiting) -> None:
+        """``waiting`` waits for one of ``identity``'s busy lanes (its place in the queue)."""
+        if not waiting.queued:
+            waiting.queued = True
+            waiting.identity = identity
+            self._queued[identity] += 1
+
+    def unqueue(self, waiting: Waiting) -> None:
+        """The turn's wait ended (a plan, or the request went away): it leaves the queue."""
+        if waiting.queued:
+            waiting.queued = False
+            self._queued[waiting.identity] -= 1
+            if self._queued[waiting.identity] <= 0:
+                del self._queued[waiting.identity]
+
+    def _new_head(self, identity: str, req: ParsedRequest, now: float, plan: Plan, waiting: Waiting | None) -> Plan:
+        """A request that needs a new head (new conversation, app-chained, replay) and found
+        no lane now: it waits for lanes a moment away (bounded), for busy ones only while what
+        a lane saves (the full send over a socket against plain HTTP) exceeds the expected
+        wait; else plain HTTP now."""
+        if plan.kind is not PlanKind.WAIT or waiting is None:
+            return plan
+        if plan.growing:
+            # Lanes a moment away (a handshake, a probe): the new head waits for them, as its
+            # next turns continue from the lane's memory (a head adopted from plain HTTP would
+            # make its next turn a hydration, the upstream re-reading its store).
+            if self._grow(waiting, now):
+                return plan
+            return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL, close=plan.close)
+        # What the send itself gains on a lane; not what its later turns might, which a head
+        # kept by a scarce lane seldom gets (the next new conversation evicts it).
+        saving = self.estimates.saving(identity, Send.HTTP_FULL, len(req.body), on_lane=Send.FULL)
+        if self._wait(waiting, now, self._soonest(identity, now, waiting), saving, self.limits.wait_seconds):
+            return plan
+        return Plan(PlanKind.HTTP, PassthroughReason.WAIT_NOT_WORTH_IT, close=plan.close)
+
+    def _go_now(self, identity: str, now: float, may_open: bool, head: LaneKey) -> Plan:
+        """A ``store: false`` head (on lane ``head``) that does not wait (on) for its busy
+        lane: its full input on a free lane now (whose answer replaces the head: one head per
+        conversation), else over plain HTTP."""
+        plan = self._full(identity, now, MissReason.WAIT_NOT_WORTH_IT, may_open)
+        if plan.kind is PlanKind.WAIT:
+            return Plan(PlanKind.HTTP, PassthroughReason.WAIT_NOT_WORTH_IT, close=plan.close)
+        if plan.lane is None:
+            return plan
+        taken = self.lane(plan.lane)
+        assert taken is not None
+        taken.from_head = head
+        return plan
 
     def _full(self, identity: str, now: float, reason: Hit | MissReason | None, may_open: bool) -> Plan:
         close: list[int] = []
@@ -839,6 +1028,8 @@ class Planner:
             return []  # the socket closed meanwhile
         if lane.state in (LaneState.BUSY, LaneState.DRAINING):
             self._end(sock, lane, LaneEvent.FINISH)
+            if response is not None:
+                self.estimates.observe_busy(sock.identity, now - lane.used_at)  # since its _begin
         lane.used_at = now
         origin, lane.from_head = lane.from_head, None
         if response is not None and req is not None:

@@ -31,6 +31,7 @@ __all__ = [
     "RequestOutcome",
     "Route",
     "Tolerance",
+    "WaitOutcome",
 ]
 
 
@@ -73,6 +74,9 @@ class MissReason(enum.StrEnum):
     produced, or the echo after it differs from that head's output."""
     POOL_FULL = "pool_full"
     """No lane could be had within the limits and the wait bound: sent over HTTP."""
+    WAIT_NOT_WORTH_IT = "wait_not_worth_it"
+    """Its head's lane was busy and expected to free later than the continuation would save
+    (or it waited that long and the lane was still busy): sent in full at once."""
 
 
 class ObjectKind(enum.StrEnum):
@@ -127,8 +131,21 @@ class PassthroughReason(enum.StrEnum):
     """A new upstream socket could not be opened and no other lane was free."""
     POOL_FULL = "pool_full"
     """Every lane the identity may have stayed busy for ``pool.wait_seconds``."""
+    WAIT_NOT_WORTH_IT = "wait_not_worth_it"
+    """No lane was free and waiting for one was expected to cost more than it saves: sent now."""
     FRAME_TOO_BIG = "frame_too_big"
     """The upstream closed the socket with 1009 on this frame: replayed over HTTP."""
+
+
+class WaitOutcome(enum.StrEnum):
+    """How a turn's wait for a lane ended (the access line's ``wait``)."""
+
+    LANE = "lane"
+    """It waited and got a lane."""
+    WAIT_NOT_WORTH_IT = "wait_not_worth_it"
+    """Its lane was busy and expected to free later than what the lane saves: it went now."""
+    WAIT_EXPIRED = "wait_expired"
+    """It waited as long as its lane was expected to take to free; the lane was still busy: it went now."""
 
 
 class ErrorCode(enum.StrEnum):

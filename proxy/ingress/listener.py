@@ -24,6 +24,7 @@ import contextlib
 import os
 import ssl
 import stat
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from aiohttp.web_server import Server as LowServer
 from proxy import contracts
 from proxy.config import ListenerSettings
 from proxy.core.reasons import ListenerClose
+from proxy.kernel import received_ago, tcp_socket
 from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
 
 __all__ = ["Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
@@ -108,7 +110,9 @@ class GuardedHandler(RequestHandler):
         "_armed_at",
         "_header_timer",
         "_refused",
+        "_sock",
         "adopted",
+        "arrived",
         "head_end",
         "private",
         "received",
@@ -133,6 +137,12 @@ class GuardedHandler(RequestHandler):
         """Offset (in ``received``) where the current request's head ended; -1: not known."""
         self.request_line = b""
         """The current request's first line, as received."""
+        self.arrived = 0.0
+        """``time.perf_counter()`` when the kernel received the current request's bytes (as
+        :func:`proxy.kernel.received_ago` tells when they are first read): where the sidecar's own time
+        for it starts (:mod:`proxy.ingress.reception`). Time the bytes spent in the kernel
+        waiting for the loop (a busy loop, a connection in the accept queue) is the sidecar's."""
+        self._sock: Any = None
         self._head: bytearray | None = None
         self._head_start = 0
         self._last_payload: Any = None
@@ -152,6 +162,8 @@ class GuardedHandler(RequestHandler):
         LISTENER_CONNECTIONS.inc()
         # Once per connection (a syscall under uvloop), not per request.
         self.private = isinstance(transport.get_extra_info("sockname"), str | bytes)
+        if not self.private:
+            self._sock = tcp_socket(transport)
         super().connection_made(transport)
         self._arm()
 
@@ -200,6 +212,7 @@ class GuardedHandler(RequestHandler):
             if not idle:
                 return  # a body (or a pipelined request: ``holds_only`` then says no)
             self._head_start, self.head_end, self.request_line = start, -1, b""
+            self.arrived = time.perf_counter() - received_ago(self._sock)
             end = data.find(b"\r\n\r\n")  # the first bytes of a request: usually its whole head
             if end < 0:
                 self._head = bytearray(data[:_HEAD_SCAN])

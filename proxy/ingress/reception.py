@@ -57,7 +57,7 @@ class Reception:
     def __init__(self, request: web.Request, svc: Services) -> None:
         self.request = request
         self.svc = svc
-        self.started = time.perf_counter()
+        self.started = arrived_at(request)
         self.rec = Record(new_request_id())
         # the body must be complete within limits.body_timeout_seconds of the head (and
         # keep a minimum rate), waiting for memory included.
@@ -77,7 +77,9 @@ class Reception:
             raise
         finally:
             INFLIGHT.dec()
-            if not self.rec.added_s:
+            if not self.rec.added_s or self.rec.upstream_s:
+                # Up to the answer's end (a stream's last byte is written by now), minus only
+                # the upstream's own time: the sidecar's queueing after the answer began counts.
                 self.rec.added_s = max(time.perf_counter() - self.started - self.rec.upstream_s, 0.0)
             self.rec.finish()
 
@@ -173,6 +175,16 @@ class Reception:
 def _sent(request: web.Request) -> int:
     """Bytes of the body the app sent so far (received from the socket, read or not)."""
     return int(request.content.total_raw_bytes)
+
+
+def arrived_at(request: web.Request) -> float:
+    """``time.perf_counter()`` when the request's first bytes were read (the hardened
+    listener's protocol notes it, :class:`~proxy.ingress.listener.GuardedHandler`), else now:
+    the sidecar's time starts there, not when its handler got to run (under load, the loop's
+    queueing before the handler is the sidecar's too)."""
+    now = time.perf_counter()
+    arrived = getattr(request.protocol, "arrived", 0.0)
+    return arrived if isinstance(arrived, float) and 0.0 < arrived <= now else now
 
 
 def _head_size(request: web.Request) -> int:

@@ -30,6 +30,7 @@ from proxy.core.reasons import (
     Route,
     ServiceTier,
     Tolerance,
+    WaitOutcome,
 )
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "OWNER_MISSES",
     "PASSTHROUGH",
     "POOL_WAIT",
+    "LANE_WAITS",
     "REGISTRY",
     "REPLAYS",
     "REQUESTS",
@@ -234,6 +236,14 @@ POOL_WAIT = Histogram(
     registry=REGISTRY,
 )
 """pool: lanes | http."""
+
+LANE_WAITS = Counter(
+    "upshift_lane_waits_total",
+    "Turns whose lane was busy, by how their wait ended or why they did not wait (proxy/core/waiting.py).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+"""outcome: a :class:`~proxy.core.reasons.WaitOutcome`."""
 
 SOCKET_AGE_AT_ROTATION = Histogram(
     "upshift_socket_age_at_rotation_seconds",
@@ -436,7 +446,7 @@ _STATES = frozenset({"open", "busy", "idle", "connecting", "draining", "up", "do
 LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "route": _values(Route),
     "mode": _values(Mode),
-    "outcome": _values(RequestOutcome, ForwardOutcome) | {"failed"},  # upshift_reseeds_total: ok | failed
+    "outcome": _values(RequestOutcome, ForwardOutcome, WaitOutcome) | {"failed"},  # upshift_reseeds_total: ok | failed
     "reason": _values(
         MissReason, PassthroughReason, ReplayCause, ForwardOutcome, MemoryRefusal, BodyAbort, BrowserRefusal
     )

@@ -190,7 +190,7 @@ async def _perform(x: Exchange) -> web.StreamResponse:
     """Plan → lease a lane → pump → answer; a failure before output is replayed once."""
     x.prefix = hash_prefix_in_thread(x.req)
     while True:
-        plan, _waited = await x.svc.pool.plan(x.identity, x.req, replay=x.attempt > 0)
+        plan = x.rec.waited(*await x.svc.pool.plan(x.identity, x.req, replay=x.attempt > 0))
         if plan.kind is PlanKind.HTTP:  # a stored new conversation's answer is adopted as a head
             return await _over_http(x, plan.reason, adopt=x.req.adoptable)
         if plan.kind is PlanKind.HTTP_CONTINUE:
@@ -294,6 +294,7 @@ async def _relay(x: Exchange, body: bytes, options: Options) -> Forwarded:
     conversation's head."""
     d = x.down
     fwd = await x.svc.passthrough.forward(d.request, headers=d.headers, body=body, started=d.started, options=options)
+    x.svc.pool.measured_http(x.identity, x.req, fwd, continued=body is not x.req.body)
     if fwd.captured is not None:
         x.svc.pool.adopt_http(x.identity, x.req, fwd.captured)
     return fwd

@@ -30,8 +30,10 @@ from proxy.core.reasons import (
     Route,
     ServiceTier,
     Tolerance,
+    WaitOutcome,
 )
 from proxy.core.request import Transport
+from proxy.core.waiting import Waiting
 from proxy.ops.log import access_log
 from proxy.ops.metrics import (
     ADDED_LATENCY,
@@ -42,6 +44,7 @@ from proxy.ops.metrics import (
     HTTP_CONTINUATIONS,
     HYDRATED,
     INPUT_ITEMS_AVOIDED,
+    LANE_WAITS,
     PASSTHROUGH,
     REPLAYS,
     REQUESTS,
@@ -65,6 +68,8 @@ ones in :data:`_EXPLAINER`."""
 _MAX_EXPLAINING = 64
 """Explanations waiting or running at most; beyond, a miss's line goes out unexplained."""
 _EXPLAINING = [0]
+_MISSED_OVER_HTTP = frozenset({PassthroughReason.POOL_FULL, PassthroughReason.WAIT_NOT_WORTH_IT})
+"""Passthrough reasons that are also continuation misses (a conversation's turn found no lane)."""
 
 
 @dataclass(slots=True, init=False)
@@ -98,6 +103,10 @@ class Record:
     tier_requested: ServiceTier | None = None
     tier_served: ServiceTier | None = None
     """The service tiers of a response that ended on a socket (:meth:`tiers`)."""
+    wait_s: float = 0.0
+    """Seconds the request waited for a lane or a handshake (the sidecar's time)."""
+    wait: WaitOutcome | None = None
+    """How its wait for a lane ended, or why it did not wait (``None``: no lane was busy)."""
 
     # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
 
@@ -121,6 +130,8 @@ class Record:
         explanation: Explanation | None = None,
         explained: Reason | None = None,
         explainer: Callable[[], Explanation | None] | None = None,
+        wait_s: float = 0.0,
+        wait: WaitOutcome | None = None,
     ) -> None:
         self.request_id = request_id
         self.route = route
@@ -141,10 +152,21 @@ class Record:
         self.explained = explained
         self.explainer = explainer
         self.tier_requested = self.tier_served = None
+        self.wait_s = wait_s
+        self.wait = wait
 
     def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
         """The plan stage: how the attempt goes upstream."""
         self.mode, self.reason, self.items_sent, self.items_avoided = mode, reason, items_sent, items_avoided
+
+    def waited(self, plan: Plan, waiting: Waiting) -> Plan:
+        """The wait stage: how long the attempt waited for a lane or a handshake, and how its
+        wait for a lane ended (or why it did not wait); returns the plan it waited for."""
+        self.wait_s += waiting.seconds
+        if waiting.outcome is not None:
+            self.wait = waiting.outcome
+            child(LANE_WAITS, waiting.outcome).inc()
+        return plan
 
     def planned_lane(self, plan: Plan, n_items: int, first: bool) -> None:
         """The plan stage of an attempt on a lane (``first``: not a replay): continued with the
@@ -287,7 +309,7 @@ class Record:
         elif exp.reason:
             self.reason = exp.reason
         child(REQUESTS, self.route, self.mode, self.outcome).inc()
-        missed = self.mode == Mode.FULL or self.reason == PassthroughReason.POOL_FULL
+        missed = self.mode == Mode.FULL or self.reason in _MISSED_OVER_HTTP
         if self.mode == Mode.CONTINUATION:
             INPUT_ITEMS_AVOIDED.inc(self.items_avoided)
         elif self.reason and not self.replays and missed:
@@ -312,6 +334,8 @@ class Record:
                 "replays": self.replays,
                 "upstream_ms": round(self.upstream_s * 1000, 3),
                 "added_ms": round(self.added_s * 1000, 3),
+                "wait_ms": round(self.wait_s * 1000, 3),
+                **({"wait": self.wait.value} if self.wait else {}),
                 **({"transport": self.transport.value} if self.transport else {}),
                 **(
                     {"tier_requested": self.tier_requested, "tier_served": self.tier_served}

@@ -6,10 +6,11 @@ upstream socket (all the events it brought; or per released batch), the upstream
 unchanged. ``stream: false``: nothing is written until the terminal event; then one JSON body.
 
 ``x-upshift-overhead-ms`` is the sidecar's own time up to the moment the headers go out: wall
-time since the request arrived minus the time spent waiting on the upstream (inside
-:meth:`Inbox.burst`). For a stream that is the overhead before the first byte; the access log
-and ``upshift_added_latency_seconds`` record the same measure at the end of the response. A
-failed first attempt that is replayed counts as the sidecar's time, not upstream's.
+time since the request's first bytes arrived minus the upstream's own time (from the frame's
+send to the arrival at the socket of the latest event, :attr:`LeasedLane.upstream_seconds`):
+the sidecar's queueing, before the handler ran or after an event arrived and before the loop
+handed it on, is its own. For a stream that is the overhead before the first byte; the access
+log and ``upshift_added_latency_seconds`` record the same measure at the end of the response.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class Downstream:
         self.gone = False
         """The app went away mid-stream; the rest of the response is drained, not written."""
         self.upstream_wait = 0.0
-        """Seconds spent waiting on the upstream."""
+        """The upstream's own seconds (from each frame's send to its latest event's arrival)."""
         self.bytes_out = 0
         """SSE bytes written to the app."""
         self._last = b""
@@ -253,6 +254,10 @@ class LeasedLane(Protocol):
 
     async def send(self, frame: bytes) -> None: ...
     async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]: ...
+    @property
+    def upstream_seconds(self) -> float:
+        """The upstream's own time so far: from the send to the latest event's arrival at the socket."""
+        ...
 
 
 async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Downstream, idle_timeout: float) -> None:
@@ -272,6 +277,7 @@ async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Do
     Raises:
         UpstreamClosed | UpstreamTimeout | UpstreamProtocolError: from the socket or a bad frame.
     """
+    before = down.upstream_wait  # an earlier attempt's upstream time (a replay)
     await lane.send(frames.pop())
     if down.lease is not None:
         down.lease.sent()
@@ -284,18 +290,17 @@ async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Do
         # hold-back): then they go to the app, and a later loss is surfaced, not replayed.
         deadline = channel.deadline()
         wait = idle_timeout if deadline is None else max(0.0, min(idle_timeout, deadline - clock()))
-        waited = clock()
         try:
             events = await lane.burst(wait)
         except UpstreamTimeout:
-            down.upstream_wait += clock() - waited
+            down.upstream_wait = before + lane.upstream_seconds
             if deadline is None or wait >= idle_timeout:
                 raise  # a real idle timeout
             released = channel.on_timer(clock())
             if released and stream:
                 await down.write(released)
             continue
-        down.upstream_wait += clock() - waited
+        down.upstream_wait = before + lane.upstream_seconds
         now = clock()
         # Events that arrived together leave together: one wake-up and one write
         # (one wakeup of the app) per read of the upstream socket, however many events it

@@ -30,10 +30,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy import contracts
 from proxy.config import Settings, merge_query
 from proxy.core.reasons import BodyAbort
 from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
 from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeout, UpstreamUnavailable
+from proxy.kernel import received_ago, tcp_socket
 from proxy.ops.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
@@ -396,6 +398,9 @@ class Passthrough:
                 return full
         t_headers = time.perf_counter()
         captured: bytes | None = None
+        # When the kernel received the answer's latest bytes: the upstream's time ends there.
+        sock = tcp_socket(contracts.client_response_transport(upstream))
+        t_last = time.perf_counter() - received_ago(sock)
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -422,6 +427,7 @@ class Passthrough:
                         on_id(rid)  # type: ignore[misc]  # on_id is set whenever sniffer is
                     await response.write(swap.feed(held) if swap is not None else held)
                 async for chunk in upstream.content.iter_any():
+                    t_last = time.perf_counter() - received_ago(sock)
                     if sniffer is not None and not sniffer.done and (rid := sniffer.feed(chunk)) is not None:
                         on_id(rid)  # type: ignore[misc]  # on_id is set whenever sniffer is
                     out = swap.feed(chunk) if swap is not None else chunk
@@ -443,7 +449,9 @@ class Passthrough:
                 log.info("passthrough stream ended early: %s", type(exc).__name__)
                 if request.transport is not None:
                     request.transport.close()
-        upstream_seconds = time.perf_counter() - t_send - prep
+        # The upstream's time: from the send to its last bytes' arrival in the kernel; the loop's
+        # lag before reading them and the writes to the app after are the sidecar's.
+        upstream_seconds = max(t_last - t_send, 0.0)
         return Forwarded(response, upstream.status, sent, upstream_seconds, added, captured=captured)
 
     def _body_late(self, exc: BodyTimeout, headers: dict[str, str], started: float, t_send: float) -> Forwarded:

@@ -22,7 +22,6 @@ import random
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -38,6 +37,7 @@ from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
 from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
+from proxy.core.waiting import Send, Waiting
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
 from proxy.ops.metrics import (
     LANES,
@@ -51,6 +51,7 @@ from proxy.ops.metrics import (
 )
 from proxy.serve.identity import Identity
 from proxy.upstream.caps import CapFile
+from proxy.upstream.passthrough import Forwarded
 from proxy.upstream.ws import Inbox, UpstreamSocket, open_websocket
 from proxy.wire import sse
 
@@ -109,6 +110,10 @@ for _child, _count in (
     _child.set_function(_gauge(_count))
 
 
+_MEASURED = {PlanKind.CONTINUE: Send.CONTINUE, PlanKind.FULL: Send.FULL}
+"""What a turn's upstream time is a sample of, by its plan (a hydrated continuation: nothing)."""
+
+
 class SocketUse(enum.Enum):
     """A socket as the pool's counts see it (``busy``: at least one lane in flight)."""
 
@@ -121,12 +126,27 @@ class SocketUse(enum.Enum):
 class Turn:
     """One response on one lane, lent by :meth:`Pool.lease`."""
 
-    __slots__ = ("inbox", "key", "prefix_state", "req", "response", "retire", "socket", "terminal")
+    __slots__ = (
+        "inbox",
+        "key",
+        "measured",
+        "prefix_state",
+        "req",
+        "response",
+        "retire",
+        "sent_at",
+        "socket",
+        "terminal",
+    )
 
-    def __init__(self, key: LaneKey, socket: UpstreamSocket, inbox: Inbox) -> None:
+    def __init__(self, key: LaneKey, socket: UpstreamSocket, inbox: Inbox, measured: Send | None = None) -> None:
         self.key = key
         self.socket = socket
         self.inbox = inbox
+        self.measured = measured
+        """What the upstream's time for this response is a sample of (``None``: none)."""
+        self.sent_at = 0.0
+        """``time.perf_counter()`` when the frame was handed to the socket."""
         self.terminal = False
         self.response: dict[str, Any] | None = None
         self.req: ParsedRequest | None = None
@@ -140,7 +160,16 @@ class Turn:
 
     async def send(self, frame: bytes) -> None:
         """Send the ``response.create`` frame."""
+        self.sent_at = time.perf_counter()
         await self.socket.send(frame, self.key[1])
+
+    @property
+    def upstream_seconds(self) -> float:
+        """The upstream's own time so far: from the frame's send to the arrival at the socket
+        of the last event read (the terminal one once the response ended), wherever the
+        sidecar's loop then was."""
+        arrived = self.inbox.arrived
+        return max(arrived - self.sent_at, 0.0) if self.sent_at and arrived else 0.0
 
     async def recv(self, timeout: float) -> tuple[bytes, dict[str, Any]]:
         """The lane's next event ``(raw, parsed)``."""
@@ -218,6 +247,10 @@ class Pool:
                 reseed=p.reseed,
                 reseed_bytes=p.reseed_bytes,
                 cap_probe_seconds=p.cap_probe_seconds,
+                wait_seconds=p.wait_seconds,
+                connect_seconds=settings.timeouts.connect_seconds,
+                http_continuations=p.http_continuations,
+                http_continuation_after_seconds=p.http_continuation_after_seconds,
             ),
             heads,
             owners,
@@ -273,57 +306,46 @@ class Pool:
 
     # -- plans ---------------------------------------------------------------------------------
 
-    async def plan(self, identity: Identity, req: ParsedRequest, *, replay: bool = False) -> tuple[Plan, float]:
+    async def plan(self, identity: Identity, req: ParsedRequest, *, replay: bool = False) -> tuple[Plan, Waiting]:
         """The next attempt of ``req``, with its lane reserved and its socket open.
 
-        Waits (at most ``pool.wait_seconds``) when every lane the identity may use is busy, and
-        for the handshake of a new socket (while the identity's sockets are still opening or
-        probing their lanes, ``pool.wait_seconds`` counts from when that stops, at most
-        ``timeouts.connect_seconds`` later); a refused or failed handshake never fails the
-        request: it takes another lane or goes over HTTP.
+        Executes the planner's plans: a ``WAIT`` is waited until the planner's deadline for the
+        turn (:class:`~proxy.core.waiting.Waiting`, decided by the waiting rule) or until a lane
+        frees, whichever is first, then the turn is planned again; a new socket's handshake is
+        waited for; a refused or failed handshake never fails the request: it takes another
+        lane or goes over HTTP.
 
         Returns:
-            The plan (``CONTINUE``/``FULL`` with a lane, or ``HTTP``), and the seconds spent
-            waiting for a lane or a handshake (the sidecar's time, not the upstream's).
+            The plan (``CONTINUE``/``FULL`` with a lane, ``HTTP`` or ``HTTP_CONTINUE``), and the
+            turn's wait: how it ended and :attr:`Waiting.seconds`, the time spent waiting for a
+            lane or a handshake (the sidecar's time, not the upstream's).
         """
         started = self._clock()
+        waiting = Waiting(started)
         self._identities[identity.digest] = identity
+        try:
+            return await self._plan(identity, req, replay, waiting)
+        finally:
+            self.planner.unqueue(waiting)  # a request gone mid-wait leaves its queue too
+
+    async def _plan(
+        self, identity: Identity, req: ParsedRequest, replay: bool, waiting: Waiting
+    ) -> tuple[Plan, Waiting]:
         may_open = True
-        deadline: float | None = None
         while True:
             now = self._clock()
             if self._closed:
-                return Plan(PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE), now - started
-            plan = self.planner.plan(identity.digest, req, now, replay=replay, may_open=may_open)
+                return self._planned(Plan(PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE), waiting, now)
+            plan = self.planner.plan(identity.digest, req, now, replay=replay, may_open=may_open, waiting=waiting)
             self._close_soon(plan.close)
-            if plan.kind is PlanKind.HTTP_CONTINUE and not self.settings.pool.http_continuations:
-                return Plan(PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED), now - started
             if plan.kind is PlanKind.WAIT:
-                pool = self.settings.pool
-                if plan.growing:  # lanes a moment away (a handshake, a probe): the wait has not begun
-                    cap = started + pool.wait_seconds + self.settings.timeouts.connect_seconds
-                    deadline = min(now + pool.wait_seconds, cap)
-                deadline = deadline if deadline is not None else now + pool.wait_seconds
-                if plan.over_http and pool.http_continuations:
-                    # Stored: a short wait for a lane, then an HTTP continuation (a new head: a
-                    # plain HTTP send whose response is adopted, see adopt_http).
-                    switch = started + pool.http_continuation_after_seconds
-                    if now >= switch:
-                        POOL_WAIT.labels("lanes").observe(now - started)
-                        if plan.response_id is None:
-                            return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL), now - started
-                        return replace(plan, kind=PlanKind.HTTP_CONTINUE, over_http=False), now - started
-                    await self._wait_change(min(switch, deadline) - now)
-                    continue
-                if now >= deadline:
-                    POOL_WAIT.labels("lanes").observe(now - started)
-                    return Plan(PlanKind.HTTP, PassthroughReason.POOL_FULL), now - started
-                await self._wait_change(deadline - now)
+                assert waiting.deadline is not None, "a WAIT without a deadline"
+                await self._wait_change(waiting.deadline - now)
                 continue
             if plan.warm is not None:
                 self._start_open(plan.warm, identity)
             if plan.lane is None:
-                return plan, now - started
+                return self._planned(plan, waiting, now)
             sid = plan.lane[0]
             if plan.open_socket:
                 self._start_open(sid, identity)
@@ -337,10 +359,14 @@ class Pool:
                 except asyncio.CancelledError:
                     self.planner.finished(plan.lane, self._clock())
                     raise
-            waited = self._clock() - started
-            if deadline is not None:
-                POOL_WAIT.labels("lanes").observe(waited)
-            return plan, waited
+            return self._planned(plan, waiting, self._clock())
+
+    @staticmethod
+    def _planned(plan: Plan, waiting: Waiting, now: float) -> tuple[Plan, Waiting]:
+        waiting.seconds = now - waiting.started
+        if waiting.deadline is not None:
+            POOL_WAIT.labels("lanes").observe(waiting.seconds)
+        return plan, waiting
 
     async def _wait_change(self, timeout: float) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -377,7 +403,8 @@ class Pool:
         if sock is None or sock.error is not None:
             self.planner.finished(key, self._clock())
             raise sock.error if sock is not None and sock.error else UpstreamClosed("The upstream socket closed.")
-        return Turn(key, sock, sock.open_inbox(key[1]))
+        measured = None if plan.hydrated else _MEASURED.get(plan.kind)
+        return Turn(key, sock, sock.open_inbox(key[1]), measured)
 
     def _returned(self, turn: Turn, exc: BaseException | None) -> None:
         """The lease of ``turn`` ended, by ``exc`` if it failed (which goes on up)."""
@@ -399,6 +426,13 @@ class Pool:
         sock, inbox, key = turn.socket, turn.inbox, turn.key
         if turn.terminal or sock.error is not None:
             sock.close_inbox(inbox)
+            record = self.planner.socket(key[0])
+            if turn.response is not None and turn.req is not None and turn.measured is not None and record is not None:
+                # Measured as an HTTP send is (from the send until the answer was relayed), so
+                # the two compare like with like, the sidecar's own loop in both.
+                self.planner.estimates.observe_upstream(
+                    record.identity, turn.measured, len(turn.req.body), time.perf_counter() - turn.sent_at
+                )
             close = self.planner.finished(
                 key,
                 self._clock(),
@@ -429,6 +463,13 @@ class Pool:
         """The upstream does not take ``stream_id``: default lanes only for a while."""
         if self.planner.lanes_refused(self._clock()):
             LANES_FALLBACKS.inc()
+
+    def measured_http(self, identity: Identity, req: ParsedRequest, fwd: Forwarded, *, continued: bool) -> None:
+        """The upstream answered ``req`` over plain HTTP (an HTTP continuation if ``continued``
+        and it did not fall back to the whole input): a sample of what a lane saves against it."""
+        if fwd.status == 200:
+            send = Send.HTTP_CONTINUE if continued and not fwd.fell_back else Send.HTTP_FULL
+            self.planner.estimates.observe_upstream(identity.digest, send, len(req.body), fwd.upstream_seconds)
 
     def adopt_http(self, identity: Identity, req: ParsedRequest, body: bytes) -> None:
         """The answer of a stored request sent over plain HTTP (SSE or JSON): its completed

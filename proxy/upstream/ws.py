@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.kernel import received_ago, tcp_socket
 from proxy.redact import redact_urls
 from proxy.serve.identity import USER_AGENT
 from proxy.upstream.egress import egress_for
@@ -182,7 +184,7 @@ class Inbox:
     *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
     """
 
-    __slots__ = ("_waiter", "draining", "error", "frames", "lane", "on_drained", "seen")
+    __slots__ = ("_waiter", "arrived", "draining", "error", "frames", "lane", "on_drained", "seen")
 
     def __init__(self, lane: str | None) -> None:
         self.lane = lane
@@ -192,10 +194,16 @@ class Inbox:
         self.on_drained: Callable[[], None] | None = None
         self.seen = False
         """An event of this lane arrived."""
+        self.arrived = 0.0
+        """``time.perf_counter()`` when the kernel received the read that brought this lane's
+        latest event (the upstream's time ends there, however late the sidecar's loop reads it
+        and hands it on)."""
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, raw: bytes, event: dict[str, Any]) -> None:
+    def put(self, raw: bytes, event: dict[str, Any], at: float = 0.0) -> None:
+        """Hand on one event; ``at``: when the kernel received the read that brought it."""
         self.seen = True
+        self.arrived = at or time.perf_counter()
         if self.draining:
             if event.get("type") in _TERMINAL and self.on_drained is not None:
                 callback, self.on_drained = self.on_drained, None
@@ -331,7 +339,10 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         self._closer: asyncio.TimerHandle | None = None
         self._close_rcvd: Close | None = None
         self._buffer = _read_buffer()
+        self._tcp: Any = None
+        self._read_at = 0.0
         self.transport, self.protocol, held = ws_take_over(ws, self)
+        self._tcp = tcp_socket(self.transport)
         self._library = bool(self.protocol.extensions) or bool(held)
         """Frames read by websockets' protocol (an extension was negotiated, or the library
         holds bytes after the handshake); else by :class:`FrameReader`."""
@@ -462,6 +473,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         """The bytes of one read."""
         if self.error is not None:
             return  # after a failure nothing more is processed
+        self._read_at = time.perf_counter() - received_ago(self._tcp)
         results = self._reader.feed(data)
         if self._library:
             self._flush()  # the library's own answers: pongs, the close reply
@@ -510,7 +522,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
                 self._on_signal(route.signal)
             inbox = self.inboxes.get(route.lane)
             if inbox is not None:  # else its reader never opened an inbox (nothing waits for it)
-                inbox.put(raw, event)
+                inbox.put(raw, event, self._read_at)
         elif isinstance(route, Unroutable):
             self._fail(
                 UpstreamClosed(

@@ -158,7 +158,11 @@ async def test_an_upstream_that_rejects_stream_id_falls_back_to_one_lane_per_soc
         fallbacks = metric("upshift_lane_fallbacks_total")
         async with aiohttp.ClientSession(trust_env=False) as http:
             convs = [Conversation(http, sc.base_url, emu, name=f"{mode}{i}") for i in range(3)]
-            await _turns(convs)  # the 2nd and 3rd go on named lanes, are refused, and replayed
+            # The 1st keeps the default lane's head; the 2nd probes a named lane, is refused and
+            # replayed; the 3rd waits for the probe's verdict (lanes a moment away). (Sent all at
+            # once, the 2nd and 3rd would go over plain HTTP rather than wait behind the 1st.)
+            await convs[0].turn()
+            await _turns(convs[1:])
             assert metric("upshift_lane_fallbacks_total") == fallbacks + 1, mode
             assert not sc.pool.planner.named_lanes
             records = await _turns(convs)
@@ -174,7 +178,11 @@ async def test_stream_limit_reached_retires_the_lane(make_emulator: EmulatorFact
     before = replays("stream_limit")
     async with aiohttp.ClientSession(trust_env=False) as http:
         convs = [Conversation(http, sc.base_url, emu, name=f"s{i}") for i in range(3)]
-        await _turns(convs)  # default, u1 (allowed), u2 (over the emulator's limit: replayed)
+        # default, then u1 (allowed, the probe) while u2 waits for its verdict, then u2 (over the
+        # emulator's limit: replayed); all at once, the 2nd and 3rd would go over plain HTTP
+        # rather than wait behind the 1st on an unproven socket.
+        await convs[0].turn()
+        await _turns(convs[1:])
         await _turns(convs)
     assert replays("stream_limit") == before + 1
     assert max(c.named_streams for c in emu.stats.connections.values()) == 1
