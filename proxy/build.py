@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "creators", "fastparse", "items", "lanes", "planner", "rawjson", "reasons", "request",
+        "creators", "fastparse", "items", "lanes", "named_ids", "planner", "rawjson", "reasons", "request",
         "reseed", "retry", "sse",
     )),
     "proxy.wire.sse",

@@ -30,7 +30,7 @@ from proxy.core.conversation import HeadTable
 from proxy.core.creators import OwnerRegistry
 from proxy.core.explainer import MissExplainer
 from proxy.core.reasons import Mode, Route
-from proxy.errors import RequestError, invalid_url_body
+from proxy.errors import MemoryRefused, RequestError, invalid_url_body
 from proxy.ingress.browsers import browser_guard
 from proxy.ingress.creator_queries import install as install_owner_routes
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, canonical_paths, post_responses
@@ -97,19 +97,20 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
     rec = Record(new_request_id(), route=Route.OTHER, mode=Mode.PASSTHROUGH)
     svc = request.app[SERVICES]
     try:
-        try:  # the stored objects the path names are the caller's, or the route is refused
-            options = await object_guard(svc, request)
-        except RequestError as exc:
-            response = refuse(exc, {"x-request-id": rec.request_id}, rec, started)
+        try:  # the stored objects the path and body name are the caller's, or the route is refused
+            async with object_guard(svc, request) as (options, body):
+                fwd = await svc.passthrough.forward(
+                    request,
+                    headers={"x-request-id": rec.request_id, "x-upshift-mode": "passthrough"},
+                    body=body,
+                    started=started,
+                    options=options,
+                )
+        except (RequestError, MemoryRefused) as exc:
+            shown = exc.headers(rec.request_id) if isinstance(exc, MemoryRefused) else {"x-request-id": rec.request_id}
+            response = refuse(exc, shown, rec, started)
             rec.status = response.status
             return response
-        fwd = await svc.passthrough.forward(
-            request,
-            headers={"x-request-id": rec.request_id, "x-upshift-mode": "passthrough"},
-            body=None,
-            started=started,
-            options=options,
-        )
         rec.status, rec.bytes_sent = fwd.status, fwd.bytes_sent
         rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
         return fwd.response

@@ -4,7 +4,8 @@
 which its planner tells of every head) and, in a cluster, a :class:`RemoteOwners` that asks
 the other workers and replicas (:mod:`proxy.ingress.creator_queries`): the id's creator recorded it
 before the app could see it, so wherever a later request lands, some process knows. Behind an injected key the check
-fails closed: an id no process knows is refused, as the upstream refuses an unknown id.
+fails closed: an id no process knows is refused, as the upstream refuses an unknown id. Owners are
+tenants (:mod:`proxy.core.creators`): every digest given here counts by its tenant.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from proxy.core.creators import NamedIds, OwnerRegistry, noun
+from proxy.core.creators import OwnerRegistry
+from proxy.core.named_ids import NamedIds, noun
 from proxy.core.reasons import ObjectKind, OwnerVerdict
-from proxy.errors import ForeignObject, ForeignResponse, NotShared
+from proxy.errors import ForeignObject, ForeignResponse
 
 __all__ = ["OwnerBook", "RemoteOwners"]
 
@@ -48,6 +50,11 @@ class OwnerBook:
         """``identity`` created ``response_id`` (call before the app can see the id)."""
         self.registry.note(identity, response_id)
 
+    def adopt(self, identity: str, object_id: str) -> None:
+        """``identity`` may name ``object_id``, seen in an answer under an object it owns, unless
+        another tenant already owns it (:meth:`~proxy.core.creators.OwnerRegistry.adopt`)."""
+        self.registry.adopt(identity, object_id)
+
     async def verdict(self, identity: str, response_id: str) -> OwnerVerdict:
         """Whose ``response_id`` is: this process's record, else the peers'."""
         found = self.registry.verdict(identity, response_id)
@@ -55,26 +62,25 @@ class OwnerBook:
             found = await self.remote.verdict(identity, response_id)
         return found
 
-    async def allows(self, identity: str, response_id: str, *also: str) -> bool:
-        """Whether ``identity`` may name ``response_id`` (its own; unknown only when not strict).
-
-        ``also``: other digests the same caller's ids are recorded under (the caller's identity
-        without its query string: ``GET /v1/responses/{id}?stream=true`` is the creator's own)."""
-        verdicts = {await self.verdict(who, response_id) for who in (identity, *also)}
-        if OwnerVerdict.OWN in verdicts:
-            return True
-        return verdicts == {OwnerVerdict.UNKNOWN} and not self.strict
+    async def allows(self, identity: str, object_id: str) -> bool:
+        """Whether ``identity`` may name ``object_id``: its tenant's own; one of unknown owner
+        only when not strict. (The owner is the tenant: the query string and the optional
+        headers of the caller play no part.)"""
+        found = await self.verdict(identity, object_id)
+        return found is OwnerVerdict.OWN or (found is OwnerVerdict.UNKNOWN and not self.strict)
 
     async def check(self, identity: str, named: NamedIds) -> None:
         """Refuse a request naming what ``identity`` may not name (the ids
-        :func:`~proxy.core.creators.request_ids` read from it).
+        :func:`~proxy.core.named_ids.read_request` read from it).
 
         Raises:
             ForeignResponse: its ``previous_response_id`` is not ``identity``'s.
-            ForeignObject: its ``conversation``, a ``file_id`` of its input or a
-                ``vector_store_ids`` entry of its tools is not ``identity``'s.
-            NotShared: behind an injected key, an ``item_reference`` input (items have no
-                recorded owner) unless ``items`` are shared.
+            ForeignObject: its ``conversation``, an ``item_reference`` input, or any object id
+                below its top level (a ``file_id``, ``vector_store_ids``, a code interpreter's
+                ``container``, a nested response id, ...) is not ``identity``'s and its kind is
+                not shared. An item is ``identity``'s when the sidecar saw it created for
+                ``identity``: an output item of its response, an item of its conversation;
+                behind an injected key any other item id is refused.
         """
         rid = named.previous_response_id
         if rid is not None and not await self.allows(identity, rid):
@@ -83,17 +89,10 @@ class OwnerBook:
         if conversation is not None and ObjectKind.CONVERSATIONS not in self.shared:
             if not await self.allows(identity, conversation):
                 raise ForeignObject(noun(ObjectKind.CONVERSATIONS), conversation, param="conversation")
-        for kind, ids, param in (
-            (ObjectKind.FILES, named.files, "input"),
-            (ObjectKind.VECTOR_STORES, named.vector_stores, "tools"),
-        ):
-            if kind not in self.shared:
-                for object_id in ids:
-                    if not await self.allows(identity, object_id):
-                        raise ForeignObject(noun(kind), object_id, param=param)
-        if named.items and self.strict and ObjectKind.ITEMS not in self.shared:
-            raise NotShared(
-                "Behind the sidecar's injected key an item_reference could name any tenant's item;"
-                " an operator allows it with identity.shared_objects: [items].",
-                param="input",
-            )
+        if ObjectKind.ITEMS not in self.shared:
+            for item in named.items:
+                if not await self.allows(identity, item):
+                    raise ForeignObject(noun(ObjectKind.ITEMS), item, param="input")
+        for kind, object_id, param in named.objects:
+            if kind not in self.shared and not await self.allows(identity, object_id):
+                raise ForeignObject(noun(kind), object_id, param=param)

@@ -34,8 +34,8 @@ from proxy.config import Settings
 from proxy.core.answer import Answer, Attempt, Kept, decide, kept
 from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
-from proxy.core.creators import parsed_ids
 from proxy.core.explainer import MissExplainer
+from proxy.core.named_ids import parsed_ids
 from proxy.core.planner import Plan, PlanKind
 from proxy.core.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
@@ -178,7 +178,7 @@ async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     """The fast parse (skips the history prefix this identity's previous turn already sent);
     another tenant's ``previous_response_id`` (or, behind an injected key, one no process knows)
     is refused: the upstream's store is shared behind one key and would serve it.
-    The ids are read from this parse (:func:`~proxy.core.creators.parsed_ids`), never from a second one."""
+    The ids are read from this parse (:func:`~proxy.core.named_ids.parsed_ids`), never from a second one."""
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
     await svc.owners.check(arrival.identity.digest, parsed_ids(req))
     await warm_keys(req)

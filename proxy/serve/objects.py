@@ -1,71 +1,114 @@
-"""Stored objects other than responses behind the ``/v1`` relay: conversations, files, vector
-stores, stored chat completions, batches, containers, uploads.
+"""Stored objects other than responses behind the ``/v1`` relay: conversations, items, files,
+vector stores, stored chat completions, batches, containers, uploads.
 
 Behind an injected key the upstream's store is shared by every tenant, so each such object is
-its creator's, as a response id is (:mod:`proxy.serve.creator_check`): the ``id`` of a ``POST`` to its
-collection (``POST /v1/files``) is recorded with its creator before the app sees it, and a route
-naming one (``GET /v1/files/{id}/content``, ``POST /v1/conversations/{id}/items``) is answered
-only for its owner (another's, or behind an injected key one no process knows: a 404 as for an
-unknown id). A list of the collection (``GET /v1/files``) would show every tenant's objects: behind
-an injected key it is refused (403 ``not_shared``). ``identity.shared_objects`` opens a kind to
-every tenant (lists answered, ids unchecked).
+its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
 
-The owner of an object (and of a response) is who created it: its credential, not the query
-string of a later read (``?limit=``, ``?stream=true&starting_after=N``): :func:`owner_digests`.
+* **Created, recorded.** The ``id`` of a ``POST`` to its collection (``POST /v1/files``; of a
+  streamed ``POST /v1/chat/completions``, the ``id`` of its first chunk) is recorded with its
+  creator before the app sees it; so are the objects a request under an object the caller owns
+  creates or shows it (:func:`~proxy.core.named_ids.answer_ids`: the items of
+  ``/v1/conversations/{id}/items``, the file of ``POST /v1/uploads/{id}/complete``, a batch's
+  output and error files), whose answer is read whole (up to
+  :data:`~proxy.core.creators.SNIFF_LIMIT`) before any byte of it reaches the app. Those are
+  recorded only when no tenant owns them yet: an answer never takes an id from its creator.
+* **Named, checked.** A route naming one (``GET /v1/files/{id}/content``, ``POST
+  /v1/conversations/{id}/items``) is answered only for its owner; so is a JSON body naming one
+  (``file_id`` of ``POST /v1/vector_stores/{id}/files``, ``file_ids`` of a file batch, a
+  ``conversation``, ``item_reference`` or ``input_file_id``...): the body is read under the
+  request's memory lease and parsed once (:func:`~proxy.core.named_ids.read_request`), a body
+  that does not parse is refused, and the bytes read are what is forwarded. Another tenant's
+  object, and behind an injected key one no process knows, is a 404 as for an unknown id.
+* **Listed, refused.** A list of the collection (``GET /v1/files``) would show every tenant's
+  objects: behind an injected key it is refused (403 ``not_shared``).
+
+``identity.shared_objects`` opens a kind to every tenant (lists answered, ids unchecked). The
+owner is the tenant (:mod:`proxy.core.creators`): not the query string of a later read
+(``?limit=``, ``?stream=true&starting_after=N``) nor an optional header.
+
+Multipart and binary bodies (file uploads, upload parts) are relayed unread: they carry new
+content, not ids.
 """
 
 from __future__ import annotations
 
-from urllib.parse import unquote_plus
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.core.creators import noun, object_route
+from proxy.core.named_ids import PARSE_INLINE, ObjectRoute, answer_ids, noun, object_route, read_request
+from proxy.core.reasons import ObjectKind
 from proxy.errors import ForeignObject, NotShared
 from proxy.serve.handlers import Services
-from proxy.serve.identity import Identity, request_identity
+from proxy.serve.identity import Identity
+from proxy.serve.memory import Lease
+from proxy.serve.streaming import BodyClock, read_body
 from proxy.upstream.passthrough import Options
 
-__all__ = ["guard", "owner_digests"]
+__all__ = ["guard"]
 
-_UPSTREAM_PARAMETERS = frozenset({"api-version"})
-"""Query parameters the upstream needs on every request of an identity (Azure's): kept in the
-owner's identity; every other parameter is how to read, not whose."""
-
-
-def owner_digests(svc: Services, request: web.Request, identity: Identity) -> tuple[str, ...]:
-    """The digests the caller's ids are recorded under: its identity's, and, when its query
-    string carries more than the upstream's own parameters, its identity without them."""
-    raw = request.rel_url.raw_query_string
-    if not raw:
-        return (identity.digest,)
-    pairs = raw.split("&")
-    kept = [pair for pair in pairs if unquote_plus(pair.partition("=")[0]) in _UPSTREAM_PARAMETERS]
-    if len(kept) == len(pairs):
-        return (identity.digest,)
-    owner = request_identity(request.headers, "&".join(kept), svc.settings, svc.keys)
-    return (identity.digest, owner.digest)
+_UNREAD_TYPES = ("multipart/", "application/octet-stream", "audio/", "image/", "video/")
+"""Bodies relayed as they arrive, unread: new content (an upload), never a reference to an object."""
+_CHAT_CHUNK_ID = ("id",)
+"""Where a streamed chat completion's id is: the top-level ``id`` of its first chunk."""
 
 
-async def guard(svc: Services, request: web.Request) -> Options | None:
+def _reads_body(request: web.Request) -> bool:
+    """A body the upstream reads as JSON (a JSON type, or none said): its ids are checked."""
+    if request.method not in ("POST", "PUT", "PATCH") or not request.body_exists:
+        return False
+    kind = request.headers.get("Content-Type", "").strip().lower()
+    return not kind.startswith(_UNREAD_TYPES)
+
+
+@contextlib.asynccontextmanager
+async def guard(svc: Services, request: web.Request) -> AsyncIterator[tuple[Options | None, bytes | None]]:
     """Check a ``/v1`` request of the relay against the owners of the objects it names.
 
-    Returns:
-        The relay's options when the answer creates an object (its id is recorded), else ``None``.
+    Yields:
+        The relay's options (an id of the answer is recorded) or ``None``, and the body when it
+        was read to be checked (forward exactly it), else ``None`` (it streams from the app).
+        The body's memory lease is held until the block ends.
 
     Raises:
-        InvalidRequest: a credential header came twice (the identity).
-        ForeignObject: the path names an object that is not the caller's.
+        InvalidRequest: a credential header came twice (the identity); a read body does not
+            parse as one JSON object, or repeats a key once it names an id.
+        ForeignObject: the path or body names an object that is not the caller's.
         NotShared: behind an injected key, a list of a collection not shared.
+        BodyTooLarge, BodyTimeout, MemoryRefused: reading the body (as on ``POST /v1/responses``).
     """
     route = object_route(request.method, request.path)
-    if route is None or route.kind in svc.owners.shared:
-        return None
+    checked = route is not None and route.kind not in svc.owners.shared
+    reads = svc.owners.strict and _reads_body(request)
+    if not checked and not reads:
+        yield None, None
+        return
     identity = svc.identity(request)
-    digests = owner_digests(svc, request, identity)
+    options: Options | None = None
+    if route is not None and checked:
+        options = await _path(svc, request, identity, route)
+    if not reads:
+        yield options, None
+        return
+    async with _lease(svc, request, identity) as (lease, clock):
+        body = await read_body(request, svc.settings.limits.max_body_bytes, lease, clock)
+        named = read_request(body) if len(body) <= PARSE_INLINE else await asyncio.to_thread(read_request, body)
+        await svc.owners.check(identity.digest, named)
+        yield options, body
+
+
+async def _path(svc: Services, request: web.Request, identity: Identity, route: ObjectRoute) -> Options | None:
+    """The check of the object the path names (or of its collection); the options recording
+    what the answer creates."""
+    owner = identity.digest
     if route.object_id is not None:
-        if not await svc.owners.allows(digests[0], route.object_id, *digests[1:]):
+        if not await svc.owners.allows(owner, route.object_id):
             raise ForeignObject(noun(route.kind), route.object_id)
+        paths = answer_ids(route, request.method)
+        if paths:
+            return Options(on_id=lambda object_id: svc.owners.adopt(owner, object_id), answer=paths)
         return None
     if route.lists and svc.owners.strict:
         raise NotShared(
@@ -73,6 +116,25 @@ async def guard(svc: Services, request: web.Request) -> Options | None:
             f" an operator shares them with identity.shared_objects: [{route.kind}]."
         )
     if route.creates:
-        owner = digests[-1]
-        return Options(on_id=lambda object_id: svc.owners.note(owner, object_id))
+        sse = _CHAT_CHUNK_ID if route.kind is ObjectKind.CHAT_COMPLETIONS else None
+        return Options(on_id=lambda object_id: svc.owners.note(owner, object_id), sse_id=sse)
     return None
+
+
+@contextlib.asynccontextmanager
+async def _lease(
+    svc: Services, request: web.Request, identity: Identity
+) -> AsyncIterator[tuple[Lease | None, BodyClock]]:
+    """The memory lease a read body is held under (as ``POST /v1/responses`` is) and its clock."""
+    clock = BodyClock(svc.settings.limits, asyncio.get_running_loop().time())
+    if svc.memory is None:
+        yield None, clock
+        return
+    lease = svc.memory.lease(
+        request.content_length,
+        key=identity.tenant,
+        deadline=clock.deadline,
+        keyless=identity.keyless,
+    )
+    async with lease as held:
+        yield held, clock

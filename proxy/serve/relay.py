@@ -40,8 +40,9 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
 from proxy import contracts
-from proxy.core.creators import PARSE_INLINE, created_id, read_request
+from proxy.core.creators import created_id
 from proxy.core.fair import tenant_of
+from proxy.core.named_ids import PARSE_INLINE, read_request
 from proxy.core.reasons import Mode, RequestOutcome, Route
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
 from proxy.ops.metrics import ERRORS, INFLIGHT
@@ -330,7 +331,7 @@ async def _send_error(ws: web.WebSocketResponse, exc: ProxyError, status: int, s
 
 async def _may_send(ws: web.WebSocketResponse, data: bytes | str, owners: OwnerBook, identity: str) -> bool:
     """Whether the app's frame may go upstream. It is read as the upstream reads it
-    (:func:`~proxy.core.creators.read_request`): a frame that is not one JSON object, or repeats a
+    (:func:`~proxy.core.named_ids.read_request`): a frame that is not one JSON object, or repeats a
     key naming an id, gets an ``invalid_request_error`` event; a ``previous_response_id``
     (``response.create``, ``response.steer``) must name the identity's own response, else the
     upstream's own ``previous_response_not_found``. A refused frame goes nowhere."""

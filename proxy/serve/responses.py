@@ -4,7 +4,7 @@ under ``/v1/responses/{id}/``), plus the other ``POST /v1/responses/...`` routes
 carry a ``previous_response_id`` (``/compact``, ``/input_tokens``).
 
 Each asks the owner book (:mod:`proxy.serve.creator_check`) before anything is forwarded (a body is
-read as one JSON object by :func:`~proxy.core.creators.read_request`: one that does not parse, or
+read as one JSON object by :func:`~proxy.core.named_ids.read_request`: one that does not parse, or
 repeats a key naming an id, gets a 400 and is not forwarded): a response
 id another identity created is answered with the upstream's own 404 for an unknown id (a
 ``previous_response_id`` with its 400 ``previous_response_not_found``), and behind an injected
@@ -19,11 +19,10 @@ import time
 
 from aiohttp import web
 
-from proxy.core.creators import PARSE_INLINE, NamedIds, read_request
+from proxy.core.named_ids import PARSE_INLINE, NamedIds, read_request
 from proxy.core.reasons import Mode, Route
 from proxy.errors import ForeignResponseRoute, RequestError
 from proxy.serve.handlers import SERVICES, refuse
-from proxy.serve.objects import owner_digests
 from proxy.serve.record import Record
 from proxy.serve.streaming import new_request_id, read_body
 
@@ -54,7 +53,7 @@ async def _named(request: web.Request) -> web.StreamResponse:
             if request.method == "POST" and "tail" not in request.match_info and rid in _NOT_IDS:
                 body = await read_body(request, svc.settings.limits.max_body_bytes)
                 await svc.owners.check(identity.digest, await _read(body))
-            elif not await svc.owners.allows(identity.digest, rid, *owner_digests(svc, request, identity)[1:]):
+            elif not await svc.owners.allows(identity.digest, rid):
                 raise ForeignResponseRoute(rid)
         except RequestError as exc:
             response = refuse(exc, headers, rec, started)

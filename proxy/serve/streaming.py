@@ -69,6 +69,8 @@ def json_body(obj: Any) -> bytes:
 
 
 _LAST = frozenset(TERMINAL) | {"response.done"}
+_CREATIONS = frozenset({"response.created", "response.output_item.added"})
+"""Events that show the app a new id (the response's, an output item's: ``item_reference``)."""
 """Event types after which nothing more is written: their write also ends the body."""
 
 
@@ -112,8 +114,8 @@ class Downstream:
         started: ``time.perf_counter()`` when the request arrived.
         lease: The request's memory lease: :func:`pump` shrinks it to the body once the frame
             is sent.
-        on_id: Told the id of each response :func:`pump` moves, before the app can see it
-            (the id's owner is recorded first).
+        on_id: Told the id of each response :func:`pump` moves and of its output items,
+            before the app can see them (the id's owner is recorded first).
         obfuscation: False when the app asked for no ``obfuscation`` on deltas: it is taken out.
     """
 
@@ -263,9 +265,9 @@ class LeasedLane(Protocol):
 async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Downstream, idle_timeout: float) -> None:
     """Send the frame and move its response's events to the app until the channel is done.
 
-    :attr:`Downstream.on_id` is told the response's id when its ``response.created`` arrives,
-    before that event can reach the app (the id's owner is known before the app could
-    name it).
+    :attr:`Downstream.on_id` is told the response's id when its ``response.created`` arrives
+    (an output item's on ``response.output_item.added``), before that event can reach the app
+    (the id's owner is known before the app could name it).
 
     ``frames`` holds the one frame, and pump empties it: the caller keeps no reference, so the
     frame is freed as soon as it is sent, not when the response ends, and the request's memory
@@ -307,8 +309,8 @@ async def pump(lane: LeasedLane, frames: list[bytes], channel: Channel, down: Do
         # carried; never held back while upstream is silent. After the terminal event the
         # loop ends and the last batch goes below.
         for raw, event in events:
-            if on_id is not None and event.get("type") == "response.created":
-                created = event.get("response")
+            if on_id is not None and (kind := event.get("type")) in _CREATIONS:
+                created = event.get("response" if kind == "response.created" else "item")
                 rid = created.get("id") if isinstance(created, dict) else None
                 if isinstance(rid, str):
                     on_id(rid)

@@ -32,6 +32,7 @@ from yarl import URL
 
 from proxy import contracts
 from proxy.config import Settings, merge_query
+from proxy.core.creators import SNIFF_LIMIT
 from proxy.core.reasons import BodyAbort
 from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
 from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeout, UpstreamUnavailable
@@ -41,7 +42,7 @@ from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource
 from proxy.serve.streaming import BodyClock, BodyWatch
 from proxy.upstream.egress import egress_for
-from proxy.upstream.sniff import IdSniffer
+from proxy.upstream.sniff import IdSniffer, answer_members
 
 __all__ = ["HOP_BY_HOP", "Forwarded", "Passthrough", "error_response"]
 
@@ -196,6 +197,11 @@ class Options:
     """Sent instead when the upstream answers ``previous_response_not_found`` before any byte."""
     rewrite: tuple[bytes, bytes] | None = None
     """``(old, new)`` bytes swapped in the answer (an HTTP continuation's anchor)."""
+    sse_id: tuple[str, ...] | None = None
+    """Where ``on_id`` finds the id in the first event of an SSE answer (``None``: ``response.id``)."""
+    answer: tuple[tuple[str, ...], ...] = ()
+    """Members of a 2xx JSON answer told to ``on_id`` (``"*"``: every element of a list): the
+    answer is read whole (up to ``SNIFF_LIMIT``) before any byte of it reaches the app."""
 
     @classmethod
     def continuation(cls, anchor: str, full: bytes, on_id: Callable[[str], None] | None = None) -> Options:
@@ -347,7 +353,7 @@ class Passthrough:
         if body is None and request.body_exists:  # a streamed body has deadlines too
             data = timed_stream(request.content, BodyClock(self.settings.limits, asyncio.get_running_loop().time()))
         out_headers = _forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
-        if rewrite is not None or capture:
+        if rewrite is not None or capture or opts.answer:
             out_headers["Accept-Encoding"] = "identity"  # its bytes are rewritten or read on the way
         sent = len(body) if body is not None else request.content_length or 0
         t_send = time.perf_counter()
@@ -417,8 +423,14 @@ class Passthrough:
             response.headers["x-upshift-overhead-ms"] = f"{added * 1000:.3f}"
             await response.prepare(request)
             sniffer = None
+            pending: list[bytes] | None = None  # an answer whose ids are read whole first
             if on_id is not None and 200 <= upstream.status < 300:
-                sniffer = IdSniffer(sse=upstream.headers.get("Content-Type", "").startswith("text/event-stream"))
+                is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+                if opts.answer and not is_sse:
+                    pending = []
+                else:
+                    sniffer = IdSniffer(sse=is_sse, sse_path=opts.sse_id)
+            pending_size = 0
             try:
                 kept: list[bytes] | None = [] if capture and upstream.status == 200 else None
                 kept_size = 0
@@ -436,7 +448,18 @@ class Passthrough:
                         kept_size += len(out)
                         if kept_size > CAPTURE_BYTES:
                             kept = None
+                    if pending is not None:
+                        pending.append(out)
+                        pending_size += len(out)
+                        if pending_size <= SNIFF_LIMIT:
+                            continue
+                        out, pending = b"".join(pending), None  # too large: its ids stay unknown
                     await response.write(out)
+                if pending is not None:
+                    whole = b"".join(pending)
+                    for object_id in answer_members(whole, opts.answer):
+                        on_id(object_id)  # type: ignore[misc]  # on_id is set whenever pending is
+                    await response.write(whole)
                 if swap is not None:
                     rest = swap.rest()
                     if kept is not None:

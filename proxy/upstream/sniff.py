@@ -7,10 +7,24 @@ SSE reader (:mod:`proxy.wire.sse`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import orjson
+
 from proxy.core.creators import SNIFF_LIMIT, member_string
+from proxy.core.named_ids import members
 from proxy.wire import sse
 
-__all__ = ["IdSniffer"]
+__all__ = ["IdSniffer", "answer_members"]
+
+
+def answer_members(body: bytes, paths: tuple[tuple[str, ...], ...]) -> Iterator[str]:
+    """The strings at ``paths`` of a whole JSON answer (none if it does not parse)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return iter(())
+    return members(parsed, paths)
 
 
 class IdSniffer:
@@ -20,10 +34,12 @@ class IdSniffer:
         sse: The answer is ``text/event-stream`` (the id is ``response.id`` of its first
             event); else a JSON body (its top-level ``id``).
         limit: Bytes looked at, at most.
+        sse_path: Where the id is in the first event instead (``("id",)``: a chat completion chunk).
     """
 
-    def __init__(self, *, sse: bool, limit: int = SNIFF_LIMIT) -> None:
+    def __init__(self, *, sse: bool, limit: int = SNIFF_LIMIT, sse_path: tuple[str, ...] | None = None) -> None:
         self.limit = limit
+        self._path = sse_path or ("response", "id")
         self.done = False
         """Found, or given up: later chunks are not looked at."""
         self._seen = 0
@@ -44,7 +60,7 @@ class IdSniffer:
                 events, self.done = [], True
             if events:
                 self.done = True
-                found = member_string(events[0].data, ("response", "id"))
+                found = member_string(events[0].data, self._path)
         else:
             self._buffer += piece
             start = self._buffer.lstrip()[:1]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.core.creators import NamedIds, OwnerRegistry, created_id, member_string, read_request, request_ids
+from proxy.core.creators import OwnerRegistry, created_id, member_string
+from proxy.core.named_ids import NamedIds, read_request, request_ids
 from proxy.core.reasons import OwnerVerdict
 from proxy.errors import InvalidRequest
 from proxy.upstream.sniff import IdSniffer
