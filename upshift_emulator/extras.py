@@ -18,6 +18,7 @@ from .errors import ApiError, not_found
 from .http import json_response
 from .oracle import Segment, normalize_input
 from .state import Conversation
+from .stores import CHAT_COMPLETIONS
 
 __all__ = ["routes"]
 
@@ -72,10 +73,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     usage = {"prompt_tokens": len(orjson.dumps(messages)) // 4, "completion_tokens": len(text) // 4}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     head = {"id": ident, "created": created, "model": body["model"]}
+    message: dict[str, JSON] = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
+    completion = {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
+    if body.get("store") is True:
+        request.app[CHAT_COMPLETIONS][ident] = (request[OWNER], completion)
     if body.get("stream") is not True:
-        message: dict[str, JSON] = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
-        return json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
+        return json_response(completion)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
     deltas = [{"role": "assistant", "content": ""}, {"content": text}, {}]

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import control, extras, http, network
+from . import control, extras, http, network, stores
 from .appkeys import FAULTS, OWNER, REGISTRY, STARTED, STATE, Registry
 from .config import EmulatorConfig
 from .errors import ApiError, invalid_api_key
@@ -106,6 +106,7 @@ def build_app(state: EmulatorState, faults: FaultQueue) -> web.Application:
     app.on_response_prepare.append(_network_out)
     app.add_routes(http.routes)
     app.add_routes(extras.routes)
+    stores.install(app)
     app.add_routes(control.routes)
     for route in [*http.routes, *extras.routes]:  # Azure OpenAI's v1 paths: /openai/v1/...
         if isinstance(route, web.RouteDef):
