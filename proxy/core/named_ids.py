@@ -96,6 +96,15 @@ _REFERENCE = "item_reference"
 _OPAQUE = frozenset({"metadata"})
 """Members that are the app's own data: no id in them is resolved by the upstream."""
 _NAMES = frozenset({*ID_KEYS, _REFERENCE})
+_GROUPS: tuple[tuple[bytes, tuple[str, ...]], ...] = (
+    (b"file_id", ("file_id", "file_ids", "input_file_id")),
+    (b'_file"', ("training_file", "validation_file")),
+    (b"vector_store_id", ("vector_store_id", "vector_store_ids")),
+    (b"container", ("container", "container_id")),
+    (b"item_reference", ("item_reference",)),
+)
+"""The nested names by a part they share: one search for each part, then one for each whole name
+(a quoted string) only where the part was found (a body is searched a few times, not once a name)."""
 _CHECKED = frozenset({*_NAMES, "input", "type", "id", "content", "tools"})
 """Keys an object may never repeat (the upstream may keep the first of two, orjson keeps the last);
 once a body names an id below its top level, no object of it may repeat any key."""
@@ -224,7 +233,7 @@ def request_ids(fields: dict[str, Any], items: Sequence[Any], raw: bytes, start:
         conversation_id = conversation.get("id")
     else:
         conversation_id = conversation
-    spelled = _spelled(raw, start, fields)
+    spelled = _spelled(raw, start)
     refs: list[str] = []
     objects: list[tuple[str, str, str]] = []
     if spelled:
@@ -267,13 +276,19 @@ def _walk(value: Any, param: str, kind: str | None, objects: list[tuple[str, str
                     stack.append((member, ID_KEYS.get(key)))
 
 
-def _spelled(raw: bytes, start: int, fields: dict[str, Any]) -> frozenset[str]:
-    """The checked names ``raw[start:]`` may spell below its top level: those found literally (a
-    whole JSON string), and any spelled with a ``\\u00XX`` escape of ``_`` or a letter (the only
-    other way to spell them). A top-level ``previous_response_id`` or ``conversation`` spelled
-    once, literally, in a whole body is that member only. Errs towards more names, never fewer."""
-    found = {name for name in _NAMES if raw.find(b'"' + name.encode() + b'"', start) >= 0}
-    escaped: set[str] = set()
+def _spelled(raw: bytes, start: int) -> frozenset[str]:
+    """The checked names ``raw[start:]`` may spell: the nested ones found literally (a whole JSON
+    string), and any spelled with a ``\\u00XX`` escape of ``_`` or a letter (the only other way
+    to spell them; a top-level name so spelled too). Errs towards more names, never fewer. (A
+    ``conversation`` or ``previous_response_id`` below the top level is read when the body is
+    walked, but no upstream reads one there: it alone does not make the body walked.)"""
+    found = {
+        name
+        for needle, names in _GROUPS
+        if raw.find(needle, start) >= 0
+        for name in names
+        if raw.find(b'"' + name.encode() + b'"', start) >= 0
+    }
     if _ESCAPE.search(raw, start) is not None:
         for match in _ESCAPED_NAME.finditer(raw, start):
             try:
@@ -281,12 +296,8 @@ def _spelled(raw: bytes, start: int, fields: dict[str, Any]) -> frozenset[str]:
             except orjson.JSONDecodeError:
                 return _NAMES  # an escape that does not decode alone: any name, to be safe
             if name in _NAMES:
-                escaped.add(name)
-    for key in _TOP_KEYS:
-        if key in found and key in fields and not start and key not in escaped:
-            if raw.count(b'"' + key.encode() + b'"') == 1:
-                found.discard(key)
-    return frozenset(found | escaped)
+                found.add(name)
+    return frozenset(found)
 
 
 def _suspect(fields: dict[str, Any], raw: bytes, start: int, spelled: frozenset[str]) -> bool:

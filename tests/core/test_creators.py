@@ -20,6 +20,18 @@ def test_verdicts() -> None:
     assert owners.verdict("bob", "resp_x") is OwnerVerdict.UNKNOWN
 
 
+def test_the_owner_is_the_tenant_and_an_answer_never_takes_an_id_from_its_creator() -> None:
+    owners = OwnerRegistry(10)
+    alice_one, alice_two, bob = "a" * 16 + "1" * 48, "a" * 16 + "2" * 48, "b" * 16 + "1" * 48
+    owners.note(alice_one, "resp_a")  # two identities of one tenant (another query string or project)
+    assert owners.verdict(alice_two, "resp_a") is OwnerVerdict.OWN
+    assert owners.verdict(bob, "resp_a") is OwnerVerdict.FOREIGN
+    owners.adopt(bob, "resp_a")  # seen in an answer of Bob's: the creator keeps it
+    assert owners.verdict(alice_one, "resp_a") is OwnerVerdict.OWN
+    owners.adopt(bob, "msg_b")
+    assert owners.verdict(bob, "msg_b") is OwnerVerdict.OWN and owners.held(bob) == 1
+
+
 def test_a_flood_of_one_identity_evicts_only_its_own_ids() -> None:
     owners = OwnerRegistry(100)
     for n in range(10):
