@@ -26,7 +26,7 @@ its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
 owner is the tenant (:mod:`proxy.core.creators`): not the query string of a later read
 (``?limit=``, ``?stream=true&starting_after=N``) nor an optional header.
 
-Multipart and binary bodies (file uploads, upload parts) are relayed unread: they carry new
+Multipart, form and binary bodies (file uploads, upload parts) are relayed unread: they carry new
 content, not ids.
 """
 
@@ -49,7 +49,14 @@ from proxy.upstream.passthrough import Options
 
 __all__ = ["guard"]
 
-_UNREAD_TYPES = ("multipart/", "application/octet-stream", "audio/", "image/", "video/")
+_UNREAD_TYPES = (
+    "multipart/",
+    "application/x-www-form-urlencoded",
+    "application/octet-stream",
+    "audio/",
+    "image/",
+    "video/",
+)
 """Bodies relayed as they arrive, unread: new content (an upload), never a reference to an object."""
 _CHAT_CHUNK_ID = ("id",)
 """Where a streamed chat completion's id is: the top-level ``id`` of its first chunk."""
