@@ -69,9 +69,10 @@ class OwnerRegistry:
 
     @classmethod
     def for_heads(cls, max_heads: int) -> OwnerRegistry:
-        """Sized for a head table of ``max_heads``: four ids a head (a head's own, those of
-        incomplete and HTTP answers around it), at least 1024."""
-        return cls(max(4 * max_heads, 1024))
+        """Sized for a head table of ``max_heads``: sixteen ids a head (a head's own, those of
+        incomplete and HTTP answers around it, and the output items of each, which an
+        ``item_reference`` may name), at least 4096."""
+        return cls(max(16 * max_heads, 4096))
 
     def __len__(self) -> int:
         return len(self._owner)

@@ -1,6 +1,7 @@
-"""Who created a response id, asked across workers and replicas, without a new datastore.
+"""Who created an object id (a response, an item, a file, ...), asked across workers and
+replicas, without a new datastore.
 
-The process that returns a response id to an app records its creator first
+The process that returns an object id to an app records its creator's tenant first
 (:mod:`proxy.serve.creator_check`). A later request naming that id may land anywhere (SO_REUSEPORT
 spreads connections over the workers, a load balancer over the replicas, and chained requests
 are never forwarded). So a process that does not know an id asks the others, in parallel:
@@ -17,11 +18,12 @@ are never forwarded). So a process that does not know an id asks the others, in 
   with no replicas answers only its own workers, so no client learns whether an id exists.
 
 ``GET /_upshift/owner?id=<response id>&identity=<digest>`` answers ``{"verdict": "own" |
-"foreign" | "unknown"}`` for that pair (never an identity): ``foreign`` only for the process
-that created the id, so the first answer that is not ``unknown`` decides. A peer that does not
-answer within ``cluster.connect_timeout_seconds`` counts as ``unknown`` and is skipped for
-``cluster.down_seconds``; behind an injected key an id that stays unknown is refused (the safe
-direction: its creator is down, or its record was evicted).
+"foreign" | "unknown"}`` for that pair, compared by the identity's tenant (never an identity):
+``foreign`` only for the process that created the id, so the first answer that is not
+``unknown`` decides. A peer that does not answer within ``cluster.connect_timeout_seconds``
+counts as ``unknown`` and is skipped for ``cluster.down_seconds``; behind an injected key an id
+that stays unknown is refused (the safe direction: its creator is down, or its record was
+evicted).
 
 The narrow hook into the cluster (:class:`proxy.ingress.cluster.Cluster`) is read-only: its
 ``members``/``self_url`` (the replica set), ``worker`` (the private sockets), ``query_peer()``

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from proxy.core.named_ids import PARSE_INLINE, ObjectRoute, answer_ids, noun, object_route, read_request
 from proxy.core.reasons import ObjectKind
-from proxy.errors import ForeignObject, NotShared
+from proxy.errors import ClientGone, ForeignObject, InvalidRequest, NotShared
 from proxy.serve.handlers import Services
 from proxy.serve.identity import Identity
 from proxy.serve.memory import Lease
@@ -100,7 +100,10 @@ async def guard(svc: Services, request: web.Request) -> AsyncIterator[tuple[Opti
         yield options, None
         return
     async with _lease(svc, request, identity) as (lease, clock):
-        body = await read_body(request, svc.settings.limits.max_body_bytes, lease, clock)
+        try:
+            body = await read_body(request, svc.settings.limits.max_body_bytes, lease, clock)
+        except ClientGone:  # nobody reads the answer: a refusal, not a bug of ours
+            raise InvalidRequest("The app closed its connection before its request body was complete.") from None
         named = read_request(body) if len(body) <= PARSE_INLINE else await asyncio.to_thread(read_request, body)
         await svc.owners.check(identity.digest, named)
         yield options, body

@@ -119,7 +119,7 @@ def test_first_turn_opens_a_socket_and_the_next_continues_on_its_lane() -> None:
 
 def test_every_head_the_planner_records_or_adopts_is_its_identitys_and_the_registry_is_bounded() -> None:
     p = Planner(LaneLimits(), HeadTable(max_heads=1, ttl_seconds=3600))
-    assert p.owners.capacity == 1024  # four ids a head, at least 1024
+    assert p.owners.capacity == 4096  # sixteen ids a head, at least 4096
     r = req([user("go")])
     complete(p, opened(p, p.plan("alice", r, 0.0)), r, "resp_1", 1.0, call(1))
     p.adopt("alice", req([user("stored")], store=True), response("resp_http", call(2)), 2.0)
@@ -130,7 +130,7 @@ def test_every_head_the_planner_records_or_adopts_is_its_identitys_and_the_regis
     # The heaviest identity's oldest id went first: bob's flood never evicts alice's ids.
     assert p.owners.owner_of("resp_1") == "alice" and p.owners.owner_of("resp_http") == "alice"
     assert p.owners.owner_of("r0") is None and p.owners.owner_of(f"r{p.owners.capacity - 1}") == "bob"
-    assert Planner(LaneLimits(), HeadTable(max_heads=1000, ttl_seconds=1)).owners.capacity == 4000
+    assert Planner(LaneLimits(), HeadTable(max_heads=1000, ttl_seconds=1)).owners.capacity == 16000
 
 
 def test_conversations_spread_over_sockets_then_share_them_through_lanes() -> None:
