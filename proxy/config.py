@@ -96,8 +96,9 @@ class IdentitySettings:
     """Behind an injected key, stored objects every tenant may reach (``conversations``,
     ``items``, ``files``, ``vector_stores``, ``chat_completions``, ``batches``, ``containers``,
     ``uploads``): their list routes are answered and their ids are not checked. Not listed (the
-    default): each object is its creator's, a list route is refused (403 ``not_shared``) and so is
-    an ``item_reference`` input."""
+    default): each object is its creator's tenant's (an ``item_reference`` input names an item the
+    sidecar saw created for the caller, else it is refused as an unknown id) and a list route is
+    refused (403 ``not_shared``)."""
 
 
 @dataclass(frozen=True, slots=True)

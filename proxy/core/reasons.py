@@ -85,7 +85,9 @@ class ObjectKind(enum.StrEnum):
 
     CONVERSATIONS = "conversations"
     ITEMS = "items"
-    """``item_reference`` inputs (refused behind an injected key unless shared)."""
+    """Items an ``item_reference`` input names: its tenant's when the sidecar saw it created for
+    the caller (an output item, an item added to its conversation), else refused behind an
+    injected key unless shared."""
     FILES = "files"
     VECTOR_STORES = "vector_stores"
     CHAT_COMPLETIONS = "chat_completions"
@@ -185,8 +187,8 @@ class ErrorCode(enum.StrEnum):
     """A route or body named a stored object (a conversation, file, ...) of another identity (or,
     behind an injected key, of no known identity): answered 404 as for an unknown id."""
     NOT_SHARED = "not_shared"
-    """Behind an injected key, a list of every tenant's objects or an ``item_reference`` that
-    ``identity.shared_objects`` does not open: 403."""
+    """Behind an injected key, a list of every tenant's objects that ``identity.shared_objects``
+    does not open: 403."""
 
 
 class BodyAbort(enum.StrEnum):
