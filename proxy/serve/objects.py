@@ -13,11 +13,14 @@ its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
   :data:`~proxy.core.creators.SNIFF_LIMIT`) before any byte of it reaches the app. Those are
   recorded only when no tenant owns them yet: an answer never takes an id from its creator.
 * **Named, checked.** A route naming one (``GET /v1/files/{id}/content``, ``POST
-  /v1/conversations/{id}/items``) is answered only for its owner; so is a JSON body naming one
+  /v1/conversations/{id}/items``) is answered only for its owner; so is a body naming one
   (``file_id`` of ``POST /v1/vector_stores/{id}/files``, ``file_ids`` of a file batch, a
   ``conversation``, ``item_reference`` or ``input_file_id``...): the body is read under the
   request's memory lease and parsed once (:func:`~proxy.core.named_ids.read_request`), a body
-  that does not parse is refused, and the bytes read are what is forwarded. Another tenant's
+  that does not parse is refused, and the bytes read are what is forwarded. What type a body
+  declares does not decide (an upstream may parse JSON whatever the type says): every body but an
+  upload to a route that takes uploads is read, and one declared as an upload (multipart,
+  binary) is checked when it starts like JSON. Another tenant's
   object, and behind an injected key one no process knows, is a 404 as for an unknown id.
 * **Listed, refused.** A list of the collection (``GET /v1/files``) would show every tenant's
   objects: behind an injected key it is refused (403 ``not_shared``).
@@ -26,8 +29,9 @@ its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
 owner is the tenant (:mod:`proxy.core.creators`): not the query string of a later read
 (``?limit=``, ``?stream=true&starting_after=N``) nor an optional header.
 
-Multipart, form and binary bodies (file uploads, upload parts) are relayed unread: they carry new
-content, not ids.
+Uploads (a multipart, form or binary body to ``/v1/files``, ``/v1/uploads/``, ``/v1/audio/``,
+``/v1/images/``, ``/v1/containers/``, ``/v1/videos``) are relayed as they arrive, unread: they
+carry new content, not ids.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from proxy.upstream.passthrough import Options
 
 __all__ = ["guard"]
 
-_UNREAD_TYPES = (
+_UPLOAD_TYPES = (
     "multipart/",
     "application/x-www-form-urlencoded",
     "application/octet-stream",
@@ -57,17 +61,28 @@ _UNREAD_TYPES = (
     "image/",
     "video/",
 )
-"""Bodies relayed as they arrive, unread: new content (an upload), never a reference to an object."""
+"""Content types of an upload (new content, never a reference to an object)."""
+_UPLOAD_ROUTES = ("/v1/files", "/v1/uploads/", "/v1/audio/", "/v1/images/", "/v1/containers/", "/v1/videos")
+"""Routes that take uploads: a body of an upload type is relayed to them as it arrives, unread."""
 _CHAT_CHUNK_ID = ("id",)
 """Where a streamed chat completion's id is: the top-level ``id`` of its first chunk."""
 
 
+def _is_upload(request: web.Request) -> bool:
+    kind = request.headers.get("Content-Type", "").strip().lower()
+    return kind.startswith(_UPLOAD_TYPES)
+
+
 def _reads_body(request: web.Request) -> bool:
-    """A body the upstream reads as JSON (a JSON type, or none said): its ids are checked."""
+    """A body whose ids are checked: every body of a ``POST``/``PUT``/``PATCH`` but an upload to
+    a route that takes uploads (an upstream may parse JSON whatever type a body declares)."""
     if request.method not in ("POST", "PUT", "PATCH") or not request.body_exists:
         return False
-    kind = request.headers.get("Content-Type", "").strip().lower()
-    return not kind.startswith(_UNREAD_TYPES)
+    return not (_is_upload(request) and request.path.startswith(_UPLOAD_ROUTES))
+
+
+def _looks_like_json(body: bytes) -> bool:
+    return body.lstrip(b" \t\r\n")[:1] in (b"{", b"[")
 
 
 @contextlib.asynccontextmanager
@@ -104,8 +119,11 @@ async def guard(svc: Services, request: web.Request) -> AsyncIterator[tuple[Opti
             body = await read_body(request, svc.settings.limits.max_body_bytes, lease, clock)
         except ClientGone:  # nobody reads the answer: a refusal, not a bug of ours
             raise InvalidRequest("The app closed its connection before its request body was complete.") from None
-        named = read_request(body) if len(body) <= PARSE_INLINE else await asyncio.to_thread(read_request, body)
-        await svc.owners.check(identity.digest, named)
+        if not _is_upload(request) or _looks_like_json(body):
+            # Declared JSON (or nothing), or JSON declared as something else: read as JSON, and
+            # refused when it does not parse as one object.
+            named = read_request(body) if len(body) <= PARSE_INLINE else await asyncio.to_thread(read_request, body)
+            await svc.owners.check(identity.digest, named)
         yield options, body
 
 

@@ -138,6 +138,13 @@ async def test_an_object_id_in_the_body_of_another_route_is_the_creators(
     assert_openai_error(
         await call(http, "POST", v1 + f"/vector_stores/{bob_store}/files", BOB, b'{"file_id": NaN}'), 400
     )
+    # The type a body declares does not decide: an upstream may parse JSON whatever it says.
+    async with http.post(
+        v1 + f"/vector_stores/{bob_store}/files",
+        data=orjson.dumps({"file_id": alice_file}),
+        headers={**auth(BOB), "Content-Type": "application/octet-stream"},
+    ) as resp:
+        refused(Reply(resp.status, resp.headers, await resp.read()), "file", alice_file, "file_id")
     # Over the relay too.
     frame = {"type": "response.create", "model": MODEL, "input": "run it", "tools": [interpreter]}
     events = await relay_turn(http, proc.api, BOB, frame)
