@@ -217,6 +217,16 @@ class Options:
 _NO_OPTIONS = Options()
 
 
+def _sniffed(sniffer: IdSniffer, chunk: bytes, on_id: Callable[[str], None] | None) -> None:
+    """Tell ``on_id`` the ids ``chunk`` shows (before the chunk is written to the app)."""
+    if on_id is None:
+        return
+    if (rid := sniffer.feed(chunk)) is not None:
+        on_id(rid)
+    for item in sniffer.take():
+        on_id(item)
+
+
 async def timed_stream(content: Any, clock: BodyClock) -> AsyncIterator[bytes]:
     """A body relayed as it arrives (the other ``/v1`` routes: uploads, batches) under the same
     deadlines as a ``POST /v1/responses`` body: :class:`BodyTimeout` once it stalls
@@ -429,19 +439,20 @@ class Passthrough:
                 if opts.answer and not is_sse:
                     pending = []
                 else:
-                    sniffer = IdSniffer(sse=is_sse, sse_path=opts.sse_id)
+                    items = is_sse and opts.sse_id is None  # a response's stream: its output items too
+                    sniffer = IdSniffer(sse=is_sse, sse_path=opts.sse_id, items=items)
             pending_size = 0
             try:
                 kept: list[bytes] | None = [] if capture and upstream.status == 200 else None
                 kept_size = 0
                 if held:
-                    if sniffer is not None and (rid := sniffer.feed(held)) is not None:
-                        on_id(rid)  # type: ignore[misc]  # on_id is set whenever sniffer is
+                    if sniffer is not None:
+                        _sniffed(sniffer, held, on_id)
                     await response.write(swap.feed(held) if swap is not None else held)
                 async for chunk in upstream.content.iter_any():
                     t_last = time.perf_counter() - received_ago(sock)
-                    if sniffer is not None and not sniffer.done and (rid := sniffer.feed(chunk)) is not None:
-                        on_id(rid)  # type: ignore[misc]  # on_id is set whenever sniffer is
+                    if sniffer is not None and not sniffer.done:
+                        _sniffed(sniffer, chunk, on_id)
                     out = swap.feed(chunk) if swap is not None else chunk
                     if kept is not None:
                         kept.append(out)

@@ -1,8 +1,9 @@
 """The response id of an answer relayed over HTTP, found as its bytes pass.
 
 The bytes reach the app unchanged; the sniffer only looks at a bounded head of them: a JSON
-body's top-level ``id``, or ``response.id`` of an SSE stream's first event, decoded by the one
-SSE reader (:mod:`proxy.wire.sse`).
+body's top-level ``id``, or ``response.id`` of an SSE stream's first event (and the ``item.id``
+of its ``response.output_item.added`` events), decoded by the one SSE reader
+(:mod:`proxy.wire.sse`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,24 @@ class IdSniffer:
             event); else a JSON body (its top-level ``id``).
         limit: Bytes looked at, at most.
         sse_path: Where the id is in the first event instead (``("id",)``: a chat completion chunk).
+        items: An SSE answer's ``response.output_item.added`` events are read on (within
+            ``limit``) for their ``item.id`` (:meth:`take`): an output item the app may name in an
+            ``item_reference``.
     """
 
-    def __init__(self, *, sse: bool, limit: int = SNIFF_LIMIT, sse_path: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self, *, sse: bool, limit: int = SNIFF_LIMIT, sse_path: tuple[str, ...] | None = None, items: bool = False
+    ) -> None:
         self.limit = limit
         self._path = sse_path or ("response", "id")
         self.done = False
-        """Found, or given up: later chunks are not looked at."""
+        """Found (and no items watched), or given up: later chunks are not looked at."""
         self._seen = 0
         self._buffer = b""
         self._decoder = _decoder(limit) if sse else None
+        self._items = items and sse
+        self._first = True
+        self._found: list[str] = []
 
     def feed(self, chunk: bytes) -> str | None:
         """The id, once the bytes seen so far show it (at most once); else ``None``."""
@@ -58,9 +67,17 @@ class IdSniffer:
                 events = self._decoder.feed(piece)
             except sse.EventTooLarge:
                 events, self.done = [], True
-            if events:
-                self.done = True
+            if events and self._first:
+                self._first = False
                 found = member_string(events[0].data, self._path)
+                self.done = not self._items
+                events = events[1:]
+            if self._items:
+                for event in events:
+                    if _ITEM_ADDED in event.data[:256]:
+                        item = member_string(event.data, ("item", "id"))
+                        if item is not None:
+                            self._found.append(item)
         else:
             self._buffer += piece
             start = self._buffer.lstrip()[:1]
@@ -74,6 +91,14 @@ class IdSniffer:
         if self.done:
             self._buffer, self._decoder = b"", None
         return found
+
+    def take(self) -> list[str]:
+        """The output item ids found since the last call."""
+        found, self._found = self._found, []
+        return found
+
+
+_ITEM_ADDED = b'"response.output_item.added"'
 
 
 def _decoder(limit: int) -> sse.Decoder:

@@ -234,14 +234,21 @@ async def test_output_items_of_the_callers_responses_are_its_to_reference(
     frame = {"type": "response.create", "model": MODEL, "input": [user("over the relay")], "store": True}
     events = await relay_turn(http, proc.api, ALICE, frame)
     relayed = next(e["item"]["id"] for e in events if e["type"] == "response.output_item.added")
+    # A response in a conversation is relayed over plain HTTP: its streamed output items too.
+    conv = (await call(http, "POST", v1 + "/conversations", ALICE, {})).json["id"]
+    body = {"model": MODEL, "conversation": conv, "input": [user("in a conversation")], "stream": True}
+    streamed = await post(http, v1, body, key=ALICE)
+    assert streamed.status == 200 and streamed.headers.get("x-upshift-mode") == "passthrough", streamed.raw[:300]
+    added = [b for b in streamed.raw.split(b"\n\n") if b"response.output_item.added" in b]
+    in_conversation = orjson.loads(added[0].split(b"data: ", 1)[1])["item"]["id"]
     before = forwarded(emulator)
-    for named in (item, relayed):
+    for named in (item, relayed, in_conversation):
         body = {"model": MODEL, "input": [{"type": "item_reference", "id": named}, user("again")]}
         refused(await post(http, v1, body, key=BOB), "item", named, "input")
         events = await relay_turn(http, proc.api, BOB, {"type": "response.create", **body})
         assert [e["type"] for e in events] == ["error"] and events[0]["error"]["code"] == "object_not_found", events
     assert forwarded(emulator) == before
-    for named in (item, relayed):  # the control: Alice's own, over HTTP and the relay
+    for named in (item, relayed, in_conversation):  # the control: Alice's own, over HTTP and the relay
         body = {"model": MODEL, "input": [{"type": "item_reference", "id": named}, user("again")]}
         reply = await post(http, v1, body, key=ALICE)
         assert reply.status == 200, reply.raw[:300]
