@@ -8,7 +8,10 @@ import sys
 import time
 
 import pytest
+from aiohttp import web
 
+from proxy.config import ListenerSettings
+from proxy.ingress.listener import Guard, HardenedTCPSite
 from proxy.kernel import KERNEL_TICK_MS, AcceptDrain, received_ago, tcp_socket
 from tests.loops import LOOP_KINDS, loop_runner
 
@@ -106,6 +109,30 @@ def test_a_closed_drain_accepts_nothing_and_leaves_the_server_listening(loop_kin
         await server.wait_closed()
         with pytest.raises(ConnectionRefusedError):  # the drain's duplicate kept nothing open
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+    with loop_runner(loop_kind) as runner:
+        runner.run(scenario())
+
+
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
+def test_the_api_listener_takes_a_burst_of_connections_at_once_and_closes_its_drain(loop_kind: str) -> None:
+    async def scenario() -> None:
+        runner = web.AppRunner(web.Application(), handle_signals=False)
+        await runner.setup()
+        guard = Guard(ListenerSettings())
+        site = HardenedTCPSite(runner, "127.0.0.1", 0, guard)
+        await site.start()
+        clients = [socket.create_connection(("127.0.0.1", site.port)) for _ in range(60)]  # the loop is busy
+        try:
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert guard.open == 60  # uvloop's server alone: about one a turn
+        finally:
+            for client in clients:
+                client.close()
+            await runner.cleanup()
+        with pytest.raises(ConnectionRefusedError):  # no descriptor of the listener left open
+            socket.create_connection(("127.0.0.1", site.port), timeout=1).close()
 
     with loop_runner(loop_kind) as runner:
         runner.run(scenario())
