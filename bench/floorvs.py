@@ -13,7 +13,9 @@ tool time between turns.
 
 Reported per run: per-turn p50/p99 at the app (its own clock) and the whole run's time, errors,
 the relay's CPU seconds, and for upshift the share of later turns continued and its added time
-read from the app's clock (the app's time minus the upstream's own time from the access line).
+read from the app's clock (the app's time minus the upstream's own time from the access line),
+the time its turns waited for a lane or a handshake (the access line's ``wait_ms``) and the
+added time of the conversations' first turns (new connections, new heads) apart.
 The emulator's time for a continued turn is the same for both relays (the context is cached on
 its connection either way), so the difference of the app's per-turn times is the difference of
 the relays' added times. The machine's load is read before and after each run.
@@ -114,7 +116,12 @@ async def run(relay: str, emu: EmulatorProc, logs: Path, n: int, turns: int, see
         kept = [(rid, ms) for rid, ms in ids if rid in lines]
         added = [ms - lines[rid]["upstream_ms"] for rid, ms in kept]
         reported = [lines[rid]["added_ms"] for rid, _ in kept]
+        waited = [float(lines[rid].get("wait_ms") or 0.0) for rid, _ in kept]
+        first = [ms - lines[rid]["upstream_ms"] for rid, ms in kept if lines[rid]["reason"] == "no_head"]
         result.update(
+            wait_ms_p50=round(statistics.median(waited), 1) if waited else None,
+            wait_ms_p99=round(q(waited, 0.99), 1) if waited else None,
+            first_turn_added_ms_p99=round(q(first, 0.99), 1) if first else None,
             added_ms_p50=round(statistics.median(added), 1) if added else None,
             added_ms_p99=round(q(added, 0.99), 1) if added else None,
             reported_added_ms_p50=round(statistics.median(reported), 1) if reported else None,

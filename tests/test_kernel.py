@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import time
 
 import pytest
+from aiohttp import web
 
-from proxy.kernel import KERNEL_TICK_MS, received_ago, tcp_socket
+from proxy.config import ListenerSettings
+from proxy.ingress.listener import Guard, HardenedTCPSite
+from proxy.kernel import KERNEL_TICK_MS, AcceptDrain, received_ago, tcp_socket
+from tests.loops import LOOP_KINDS, loop_runner
 
 
 class _Transport:
@@ -42,3 +47,92 @@ def test_a_unix_socket_has_no_kernel_age() -> None:
     with left, right:
         assert tcp_socket(_Transport(left)) is None
         assert received_ago(None) == 0.0
+
+
+class _Counted(asyncio.Protocol):
+    made: list[float] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        _Counted.made.append(time.perf_counter())
+
+
+async def _burst(drain: bool, n: int) -> tuple[int, int]:
+    """``n`` connections queued in the kernel while the loop was busy, then a few turns of the
+    loop: how many it took, and how many the drain accepted."""
+    _Counted.made = []
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_Counted, "127.0.0.1", 0, backlog=1024)
+    accept = AcceptDrain(server.sockets[0], _Counted) if drain else None
+    port = server.sockets[0].getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]  # the loop is busy here
+    try:
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return len(_Counted.made), accept.accepted if accept is not None else 0
+    finally:
+        if accept is not None:
+            accept.close()
+        server.close()
+        await server.wait_closed()
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
+def test_a_burst_of_connections_is_accepted_in_a_few_turns_of_the_loop(loop_kind: str) -> None:
+    # uvloop's server alone accepts one connection per turn (libuv): ten turns, ten of them;
+    # the drain takes the whole queue in one.
+    with loop_runner(loop_kind) as runner:
+        taken, by_drain = runner.run(_burst(True, 60))
+        assert taken == 60
+        assert by_drain > 0
+        if loop_kind == "uvloop":
+            alone, _ = runner.run(_burst(False, 60))
+            assert alone <= 15, alone  # what the drain is for
+
+
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
+def test_a_closed_drain_accepts_nothing_and_leaves_the_server_listening(loop_kind: str) -> None:
+    async def scenario() -> None:
+        _Counted.made = []
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_Counted, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        drain = AcceptDrain(server.sockets[0], _Counted)
+        drain.close()
+        with socket.create_connection(("127.0.0.1", port)):
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert len(_Counted.made) == 1  # the server's own accept
+        assert drain.accepted == 0
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(ConnectionRefusedError):  # the drain's duplicate kept nothing open
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+    with loop_runner(loop_kind) as runner:
+        runner.run(scenario())
+
+
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
+def test_the_api_listener_takes_a_burst_of_connections_at_once_and_closes_its_drain(loop_kind: str) -> None:
+    async def scenario() -> None:
+        runner = web.AppRunner(web.Application(), handle_signals=False)
+        await runner.setup()
+        guard = Guard(ListenerSettings())
+        site = HardenedTCPSite(runner, "127.0.0.1", 0, guard)
+        await site.start()
+        clients = [socket.create_connection(("127.0.0.1", site.port)) for _ in range(60)]  # the loop is busy
+        try:
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert guard.open == 60  # uvloop's server alone: about one a turn
+        finally:
+            for client in clients:
+                client.close()
+            await runner.cleanup()
+        with pytest.raises(ConnectionRefusedError):  # no descriptor of the listener left open
+            socket.create_connection(("127.0.0.1", site.port), timeout=1).close()
+
+    with loop_runner(loop_kind) as runner:
+        runner.run(scenario())

@@ -35,7 +35,7 @@ from aiohttp.web_server import Server as LowServer
 from proxy import contracts
 from proxy.config import ListenerSettings
 from proxy.core.reasons import ListenerClose
-from proxy.kernel import received_ago, tcp_socket
+from proxy.kernel import AcceptDrain, received_ago, tcp_socket
 from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
 
 __all__ = ["Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
@@ -306,6 +306,7 @@ class HardenedTCPSite(web.BaseSite):
         super().__init__(runner, backlog=1024)
         self.host, self.port, self.reuse_port, self.tls = host, port, reuse_port, tls
         self.guard = guard
+        self._drain: AcceptDrain | None = None
 
     @property
     def name(self) -> str:
@@ -315,8 +316,9 @@ class HardenedTCPSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
+        factory = _factory(contracts.site_runner(self), self.guard)
         server = await loop.create_server(
-            _factory(contracts.site_runner(self), self.guard),
+            factory,
             self.host,
             self.port,
             backlog=contracts.site_backlog(self),
@@ -326,6 +328,13 @@ class HardenedTCPSite(web.BaseSite):
         contracts.site_listening(self, server)
         if server.sockets:
             self.port = server.sockets[0].getsockname()[1]
+            # The loop accepts one connection per turn; a burst waits in the kernel otherwise.
+            self._drain = AcceptDrain(server.sockets[0], factory, self.tls)
+
+    async def stop(self) -> None:
+        if self._drain is not None:
+            self._drain.close()
+        await super().stop()
 
 
 class HardenedUnixSite(web.BaseSite):
