@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import Settings, load_settings
+from proxy.config import Settings
+from proxy.config_load import load_settings
 from proxy.errors import ConfigError
 from proxy.ingress.cluster import Cluster, peer_key
 from tests.deploy import kubelet
