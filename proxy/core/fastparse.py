@@ -8,21 +8,47 @@ the shortcut is not certain to agree with a full parse.
 The prefix is verified with a byte comparison while the previous body is still held (a *hot*
 head: a conversation in the middle of its agent loop), otherwise with a SHA-256 digest, whose
 state is carried from turn to turn so each turn hashes only its own new bytes.
+
+:class:`PrefixCache` keeps those prefixes, one per recorded head (told what to add and forget by
+:class:`~proxy.core.conversation.HeadTable`), and the hot bodies among them while memory allows
+(asking its :class:`Keeper`, the memory budget): it finds the prefix a new body starts with and
+hands it to :func:`fast_parse`. It is the only part of the head index that holds request bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left, insort
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
+from proxy.core.fair import FairShares
 from proxy.core.rawjson import InputSpan, blank_back, blank_forward, locate_input, parse_object_part
-from proxy.core.request import Base, ParsedRequest, SettingsBlock, make_request, validate_fields, validate_items
+from proxy.core.request import (
+    Base,
+    ParsedRequest,
+    SettingsBlock,
+    make_request,
+    parse_request,
+    validate_fields,
+    validate_items,
+)
 
-__all__ = ["PROBE", "RawPrefix", "fast_parse", "hash_prefix", "prefix_length", "raw_prefix"]
+__all__ = [
+    "PROBE",
+    "KeptPrefix",
+    "Keeper",
+    "PrefixCache",
+    "RawPrefix",
+    "fast_parse",
+    "hash_prefix",
+    "prefix_length",
+    "raw_prefix",
+]
 
 PROBE = 32
 """Bytes just before a prefix's end that index it (they hold the newest input item)."""
@@ -246,3 +272,202 @@ def _same_settings(
         tail=tail,
         settings=block,
     )
+
+
+class Keeper(Protocol):
+    """Who else accounts for kept bodies (the memory budget, :class:`proxy.serve.memory.MemoryGate`)."""
+
+    def keep(self, anchor: Hashable, size: int) -> bool:
+        """Whether the head of ``anchor`` may keep a body of ``size`` bytes."""
+        ...
+
+    def cooled(self, anchor: Hashable) -> None:
+        """The head of ``anchor`` let its kept body go."""
+        ...
+
+
+@dataclass(slots=True, init=False)
+class KeptPrefix:
+    """What the fast parse needs of one recorded body."""
+
+    identity: str
+    raw: RawPrefix
+    """Byte-level facts about the body (its ``body`` is the hot copy, or ``None`` once cooled)."""
+    n_input: int
+    input_state: Any
+    """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
+
+    def __init__(self, identity: str, raw: RawPrefix, n_input: int, input_state: Any) -> None:
+        self.identity = identity
+        self.raw = raw
+        self.n_input = n_input
+        self.input_state = input_state
+
+
+_BYTES_PER_COMPARE = 512
+"""SHA-256 of this many bytes costs about what comparing one more candidate prefix costs (the
+interpreter's share of a comparison, ~0.3 µs; hashing ~0.7 ns a byte)."""
+
+
+class PrefixCache:
+    """The raw prefixes of recorded request bodies and the hot bodies among them.
+
+    Args:
+        hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
+            in total (the oldest of the identity keeping the most bytes dropped first).
+        hot_seconds: A body is dropped this long after its turn (the next prefix is then
+            verified with its digest: slower, same answer).
+    """
+
+    def __init__(self, *, hot_bytes: int = 256 * 1024 * 1024, hot_seconds: float = 120.0) -> None:
+        self.hot_bytes = hot_bytes
+        self.hot_seconds = hot_seconds
+        self.keeper: Keeper | None = None
+        """Asked before a body is kept, told when one is let go (the memory budget)."""
+        self._prefixes: dict[Hashable, KeptPrefix] = {}
+        self._probes: dict[str, dict[int, dict[bytes, dict[bytes, list[Hashable]]]]] = {}
+        """identity → prefix length → the prefix's last bytes → its digest → anchors. Prefixes of
+        one length and one ending (templated conversations, the same tool output) are told apart
+        by one digest of the new body's bytes, not one comparison each."""
+        self._lengths: dict[str, list[int]] = {}
+        """identity → the prefix lengths of :attr:`_probes`, ascending (kept sorted as they come and
+        go: a parse starts below its body's size, longest first, and sorts nothing)."""
+        self._hot: OrderedDict[Hashable, float] = OrderedDict()
+        self._hot_size = 0
+        self._fair_hot = FairShares()
+        """Kept bodies by identity, by size: at ``hot_bytes`` the heaviest identity's oldest
+        cools first."""
+
+    def __len__(self) -> int:
+        return len(self._prefixes)
+
+    def __repr__(self) -> str:
+        return f"<PrefixCache [{len(self._prefixes)} prefixes, {len(self._hot)} hot, {self._hot_size} bytes]>"
+
+    def parse(self, identity: str, body: bytes) -> ParsedRequest:
+        """Parse ``body``, skipping the prefix a recorded body of ``identity`` already holds.
+
+        Clients re-send their previous body byte for byte up to the end of its input
+        (client-echo.md §1.2). When a prefix's digest matches, only the bytes after it are
+        parsed; otherwise (or on any doubt) the whole body is.
+
+        Raises:
+            InvalidRequest: as :func:`~proxy.core.request.parse_request`.
+        """
+        by_length = self._probes.get(identity)
+        if by_length:
+            lengths = self._lengths[identity]
+            # Longest prefix first (it is the most recent turn of the conversation), and only
+            # those shorter than the body.
+            for k in range(bisect_left(lengths, len(body)) - 1, -1, -1):
+                length = lengths[k]
+                by_digest = by_length[length].get(body[length - PROBE : length])
+                if by_digest is None:
+                    continue
+                for anchor in self._holding(by_digest, body, length):
+                    prefix = self._prefixes[anchor]
+                    fast = fast_parse(prefix.raw, anchor, prefix.n_input, prefix.input_state, body)
+                    if fast is not None:
+                        return fast
+        return parse_request(body)
+
+    def _holding(self, by_digest: dict[bytes, list[Hashable]], body: bytes, length: int) -> list[Hashable]:
+        """The anchors of one length and ending whose prefix ``body`` starts with (every anchor
+        under one digest holds the same bytes; one digest at most can match).
+
+        One prefix (the usual case): compared byte for byte while its body is hot, else by its
+        digest. Several: one digest of ``body``'s bytes finds them when that costs less than
+        comparing each (hashing :data:`_BYTES_PER_COMPARE` bytes costs about one comparison);
+        otherwise each hot one is compared (templated conversations differ early: the
+        comparison stops there) and the cold ones share one digest of ``body``.
+        """
+        if len(by_digest) == 1:
+            anchors = next(iter(by_digest.values()))
+            return anchors if self._prefixes[anchors[0]].raw.starts(body) else []
+        if length < len(by_digest) * _BYTES_PER_COMPARE:
+            return by_digest.get(prefix_digest(body, length), [])
+        digest = None
+        for key, anchors in by_digest.items():
+            raw = self._prefixes[anchors[0]].raw
+            if raw.body is not None:
+                if raw.starts(body):
+                    return anchors
+                continue
+            if digest is None:
+                digest = prefix_digest(body, length)
+            if key == digest:
+                return anchors
+        return []
+
+    def raw(self, anchor: Hashable) -> RawPrefix | None:
+        """The raw prefix kept for ``anchor``."""
+        prefix = self._prefixes.get(anchor)
+        return prefix.raw if prefix is not None else None
+
+    def body(self, anchor: Hashable) -> bytes | None:
+        """The hot body kept for ``anchor``, if still kept."""
+        prefix = self._prefixes.get(anchor)
+        return prefix.raw.body if prefix is not None else None
+
+    def add(self, anchor: Hashable, prefix: KeptPrefix, now: float) -> None:
+        """Keep ``prefix`` under ``anchor`` (which holds none); its body if memory allows."""
+        self._prefixes[anchor] = prefix
+        raw = prefix.raw
+        by_length = self._probes.setdefault(prefix.identity, {})
+        probes = by_length.get(raw.length)
+        if probes is None:
+            probes = by_length[raw.length] = {}
+            insort(self._lengths.setdefault(prefix.identity, []), raw.length)
+        probes.setdefault(raw.probe, {}).setdefault(raw.digest, []).append(anchor)
+        if raw.body is not None and self.keeper is not None and not self.keeper.keep(anchor, len(raw.body)):
+            raw.body = None  # no memory to spare: the digest serves this prefix
+        if raw.body is not None:
+            self._hot[anchor] = now
+            self._hot_size += len(raw.body)
+            self._fair_hot.add(prefix.identity, anchor, len(raw.body))
+            while self._hot_size > self.hot_bytes and self._hot:
+                self.cool(self._fair_hot.victim() or next(iter(self._hot)))
+
+    def take(self, anchor: Hashable) -> KeptPrefix | None:
+        """Forget the prefix of ``anchor`` (its body let go first) and return it."""
+        self.cool(anchor)
+        prefix = self._prefixes.pop(anchor, None)
+        if prefix is None:
+            return None
+        by_length = self._probes[prefix.identity]
+        probes = by_length[prefix.raw.length]
+        by_digest = probes[prefix.raw.probe]
+        by_digest[prefix.raw.digest].remove(anchor)
+        if not by_digest[prefix.raw.digest]:
+            del by_digest[prefix.raw.digest]
+        if not by_digest:
+            del probes[prefix.raw.probe]
+            if not probes:
+                del by_length[prefix.raw.length]
+                lengths = self._lengths[prefix.identity]
+                del lengths[bisect_left(lengths, prefix.raw.length)]
+                if not by_length:
+                    del self._probes[prefix.identity]
+                    del self._lengths[prefix.identity]
+        return prefix
+
+    def cool(self, anchor: Hashable) -> None:
+        """Let go of the body kept for ``anchor``, if any (memory pressure, or its age): the
+        next prefix is then checked with the digest; same answer, slower."""
+        if self._hot.pop(anchor, None) is None:
+            return
+        self._fair_hot.remove(anchor)
+        prefix = self._prefixes.get(anchor)
+        if prefix is not None and prefix.raw.body is not None:
+            self._hot_size -= len(prefix.raw.body)
+            prefix.raw.body = None
+        if self.keeper is not None:
+            self.keeper.cooled(anchor)
+
+    def expire(self, now: float) -> None:
+        """Let go of the bodies older than ``hot_seconds``."""
+        while self._hot:
+            anchor, since = next(iter(self._hot.items()))
+            if now - since < self.hot_seconds:
+                break
+            self.cool(anchor)
