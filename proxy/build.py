@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "creators", "fastparse", "heads", "items", "lanes", "planner", "rawjson", "reasons", "request",
-        "reseed", "retry", "sideindex", "sse",
+        "creators", "fastparse", "fields", "heads", "items", "lanes", "planner", "prefixes", "rawjson",
+        "reasons", "request", "reseed", "retry", "sideindex", "sse",
     )),
     "proxy.wire.sse",
     "proxy.wire.wsframe",

@@ -39,9 +39,10 @@ from typing import Any
 
 from proxy.core.explain import echo_fields, item_digests
 from proxy.core.fair import FairShares
-from proxy.core.fastparse import KeptPrefix, PrefixCache, raw_prefix
+from proxy.core.fastparse import PrefixCache, raw_prefix
 from proxy.core.heads import Head, Listener, Lookup, Match, stronger
 from proxy.core.items import echo_matches, fingerprint, phase_dropped, projection
+from proxy.core.prefixes import KeptPrefix
 from proxy.core.reasons import Hit, MissReason, Tolerance
 from proxy.core.request import ParsedRequest
 from proxy.core.sideindex import BARE_AFTER, BareIndex, CompactionIndex, bare_state, current_turn, digest_of, user_turn

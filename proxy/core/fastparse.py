@@ -7,7 +7,9 @@ the shortcut is not certain to agree with a full parse.
 
 The prefix is verified with a byte comparison while the previous body is still held (a *hot*
 head: a conversation in the middle of its agent loop), otherwise with a SHA-256 digest, whose
-state is carried from turn to turn so each turn hashes only its own new bytes.
+state is carried from turn to turn so each turn hashes only its own new bytes. The members
+around the input array are processed once and shared while later bodies carry the same bytes
+there (:func:`settings_block`); the records kept between turns are in :mod:`proxy.core.prefixes`.
 
 :class:`PrefixCache` keeps those prefixes, one per recorded head (told what to add and forget by
 :class:`~proxy.core.conversation.HeadTable`), and the hot bodies among them while memory allows
@@ -21,102 +23,67 @@ import hashlib
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from proxy.core.fair import FairShares
+from proxy.core.fields import validate_fields, validate_items
+from proxy.core.prefixes import Base, Keeper, KeptPrefix, RawPrefix, SettingsBlock, prefix_digest
 from proxy.core.rawjson import InputSpan, blank_back, blank_forward, locate_input, parse_object_part
-from proxy.core.request import (
-    Base,
-    ParsedRequest,
-    SettingsBlock,
-    make_request,
-    parse_request,
-    validate_fields,
-    validate_items,
-)
+from proxy.core.request import ParsedRequest, has_huge_float, make_request, parse_request
 
 __all__ = [
     "PROBE",
-    "KeptPrefix",
-    "Keeper",
     "PrefixCache",
-    "RawPrefix",
     "fast_parse",
     "hash_prefix",
     "prefix_length",
     "raw_prefix",
+    "settings_block",
 ]
 
 PROBE = 32
 """Bytes just before a prefix's end that index it (they hold the newest input item)."""
 
 
-@dataclass(slots=True, init=False)
-class RawPrefix:
-    """Where the previous body's input ended, and how to recognise everything before that."""
-
-    length: int
-    """The prefix of the previous body that ends right after its last input item."""
-    probe: bytes
-    """``body[length - PROBE : length]``."""
-    digest: bytes
-    """SHA-256 of ``body[:length]`` (truncated)."""
-    state: Any
-    """The SHA-256 state behind ``digest``, extended by the next turn."""
-    span: InputSpan
-    """The previous body's input span (its key and start offsets carry over)."""
-    _body: bytes | None = None
-    settings: SettingsBlock | None = None
-    """The previous body's settings, processed (shared), while the head is hot (see :func:`fast_parse`)."""
-    suffix: int = 0
-    """Bytes of the previous body after its input array's ``]``."""
-
-    def __init__(
-        self,
-        length: int,
-        probe: bytes,
-        digest: bytes,
-        state: Any,
-        span: InputSpan,
-        _body: bytes | None = None,
-        settings: SettingsBlock | None = None,
-        suffix: int = 0,
-    ) -> None:
-        self.length = length
-        self.probe = probe
-        self.digest = digest
-        self.state = state
-        self.span = span
-        self._body = _body
-        self.settings = settings
-        self.suffix = suffix
-
-    @property
-    def body(self) -> bytes | None:
-        """The previous body itself while the head is hot (a byte comparison beats hashing)."""
-        return self._body
-
-    @body.setter
-    def body(self, value: bytes | None) -> None:
-        # Letting the body go (the head cools) lets its processed settings go too.
-        self._body = value
-        if value is None:
-            self.settings = None
-
-    def starts(self, body: bytes) -> bool:
-        """Whether ``body`` starts with this prefix."""
-        if self.body is not None:
-            return body.startswith(memoryview(self.body)[: self.length])
-        return prefix_digest(body, self.length) == self.digest
+_BLOCKS: dict[tuple[bytes, bytes, bytes], SettingsBlock] = {}
+"""Shared blocks by (settings digest, hashes of the bytes before and after the input array)."""
+_MAX_BLOCKS = 256
+"""Distinct settings blocks kept (oldest first out): apps have a handful of agent configurations."""
 
 
-def prefix_digest(body: bytes, length: int) -> bytes:
-    """:attr:`RawPrefix.digest` of a prefix of ``length`` bytes of ``body``."""
-    digest: bytes = hash_prefix(body, length).digest()
-    return digest[:16]
+def settings_block(req: ParsedRequest) -> SettingsBlock | None:
+    """The block of ``req`` (its fast parse's, or the shared one for the same settings bytes);
+    ``None`` without a located input array."""
+    if req.settings is not None:
+        return req.settings
+    span = req.span
+    if span is None or "input" not in req.fields:
+        return None
+    body = memoryview(req.body)
+    key = (
+        req.settings_digest,
+        hashlib.blake2b(body[: span.key]).digest(),
+        hashlib.blake2b(body[span.end :]).digest(),
+    )
+    block = _BLOCKS.get(key)
+    if block is not None:
+        return block
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    side = before
+    for name, value in req.fields.items():
+        if name == "input":
+            side = after
+        else:
+            side[name] = value
+    huge = has_huge_float(list(before.values())) or has_huge_float(list(after.values()))
+    block = SettingsBlock(before, after, req.settings_digest, huge)
+    if len(_BLOCKS) >= _MAX_BLOCKS:
+        del _BLOCKS[next(iter(_BLOCKS))]
+    _BLOCKS[key] = block
+    return block
 
 
 def prefix_length(req: ParsedRequest) -> int | None:
@@ -154,7 +121,7 @@ def raw_prefix(req: ParsedRequest, state: Any = None) -> RawPrefix | None:
         state.update(memoryview(body)[req.base.raw_len : length])
     elif state is None:
         state = hash_prefix(body, length)
-    block = SettingsBlock.of(req)
+    block = settings_block(req)
     suffix = len(body) - req.span.end - 1
     return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body, block, suffix)
 
@@ -272,36 +239,6 @@ def _same_settings(
         tail=tail,
         settings=block,
     )
-
-
-class Keeper(Protocol):
-    """Who else accounts for kept bodies (the memory budget, :class:`proxy.serve.memory.MemoryGate`)."""
-
-    def keep(self, anchor: Hashable, size: int) -> bool:
-        """Whether the head of ``anchor`` may keep a body of ``size`` bytes."""
-        ...
-
-    def cooled(self, anchor: Hashable) -> None:
-        """The head of ``anchor`` let its kept body go."""
-        ...
-
-
-@dataclass(slots=True, init=False)
-class KeptPrefix:
-    """What the fast parse needs of one recorded body."""
-
-    identity: str
-    raw: RawPrefix
-    """Byte-level facts about the body (its ``body`` is the hot copy, or ``None`` once cooled)."""
-    n_input: int
-    input_state: Any
-    """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
-
-    def __init__(self, identity: str, raw: RawPrefix, n_input: int, input_state: Any) -> None:
-        self.identity = identity
-        self.raw = raw
-        self.n_input = n_input
-        self.input_state = input_state
 
 
 _BYTES_PER_COMPARE = 512
