@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "creators", "fastparse", "items", "lanes", "named_ids", "planner", "rawjson", "reasons", "request",
-        "reseed", "retry", "sse",
+        "creators", "fastparse", "fields", "heads", "items", "lanes", "named_ids", "planner", "prefixes",
+        "rawjson", "reasons", "request", "reseed", "retry", "sideindex", "sse",
     )),
     "proxy.wire.sse",
     "proxy.wire.wsframe",

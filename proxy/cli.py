@@ -3,7 +3,7 @@
 ``upshift doctor`` checks the upstream and a running sidecar with the sidecar's configuration.
 
 Flags override env vars (``UPSHIFT_*``), which override the YAML file, which overrides the
-defaults (see :func:`proxy.config.load_settings`). Exit codes: 0 ok, 1 configuration error,
+defaults (see :func:`proxy.config_load.load_settings`). Exit codes: 0 ok, 1 configuration error,
 2 usage error (argparse), 130 interrupted; otherwise whatever the server returns.
 """
 
@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 import yaml
 
 from proxy.build import build_kind
-from proxy.config import CONFIG_ENV, load_settings, settings_to_dict
+from proxy.config_load import CONFIG_ENV, load_settings, settings_to_dict
 from proxy.errors import ConfigError
 from proxy.loop import loop_name
 from proxy.ops.log import setup_logging

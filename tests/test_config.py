@@ -16,14 +16,8 @@ import pytest
 import yaml
 
 from proxy import cli
-from proxy.config import (
-    Settings,
-    env_name,
-    load_settings,
-    parse_hostport,
-    setting_keys,
-    settings_to_dict,
-)
+from proxy.config import Settings, parse_hostport
+from proxy.config_load import env_name, load_settings, setting_keys, settings_to_dict
 from proxy.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

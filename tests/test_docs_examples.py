@@ -2,7 +2,7 @@
 config.yaml, deploy/README.md and docs/*.md, through the real loader and the real CLI.
 
 * A YAML code block whose top-level keys are upshift settings is loaded by
-  :func:`proxy.config.load_settings` from a file, as ``--config`` reads it; one whose keys are
+  :func:`proxy.config_load.load_settings` from a file, as ``--config`` reads it; one whose keys are
   the emulator's (``latency``, ...) by the emulator's loader. A block meant to be refused is
   preceded by ``<!-- refused -->`` in the doc, and the test checks that the loader refuses it.
 * A command line (in a code block or an inline code span, also in config.yaml's comments) that
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config import load_settings
+from proxy.config_load import load_settings
 from proxy.errors import ConfigError
 from tests.sidecar import ROOT
 from upshift_emulator.config import load_config_file
@@ -105,7 +105,7 @@ def command_lines() -> list[Example]:
 
 
 def _is_upshift_config(data: object) -> bool:
-    from proxy.config import setting_keys
+    from proxy.config_load import setting_keys
 
     tops = {key.split(".", 1)[0] for key in setting_keys()}
     return isinstance(data, dict) and bool(data) and all(str(k) in tops for k in data)

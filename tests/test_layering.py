@@ -111,7 +111,16 @@ def _edges(name: str) -> set[str]:
 
 GRAPH = {name: _edges(name) for name in MODULES}
 SHELLS = ("proxy.ingress", "proxy.serve", "proxy.upstream", "proxy.ops")
-SHELL_TOPS = {"proxy.server", "proxy.cli", "proxy.loop", "proxy.config", "proxy.contracts", "proxy.__main__"}
+SHELL_TOPS = {
+    "proxy.server",
+    "proxy.cli",
+    "proxy.loop",
+    "proxy.config",
+    "proxy.config_load",
+    "proxy.config_check",
+    "proxy.contracts",
+    "proxy.__main__",
+}
 
 
 def _is_shell(module: str) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import env_name, setting_keys
+from proxy.config_load import env_name, setting_keys
 from proxy.core.reasons import ErrorCode
 from proxy.ingress.handoff import HandoffOutcome
 from proxy.ops import metrics, refdocs

@@ -21,156 +21,33 @@ head's input is a retry of that turn, not its successor. A head the planner cann
 (its lane busy) is never used (the request goes out with full input instead). Everything is
 synchronous and pure; the clock is passed in.
 
-Two classes, one job each:
-
-- :class:`HeadTable`, the **index**: match (:meth:`~HeadTable.lookup`, which only reads: the
-  planner expires before and calls :meth:`~HeadTable.touch` on the head it continues), record,
-  expire. Who created which response id is the owner registry's (:mod:`proxy.core.creators`,
-  told by the planner); where a miss departs is the miss explainer's
-  (:mod:`proxy.core.explainer`, which reads this table).
-- :class:`PrefixCache`, the **prefix cache**: per recorded body its raw prefix (for the next
-  turn's fast parse, :meth:`~PrefixCache.parse`) and, while memory allows, the body itself (hot,
-  for a byte comparison). It is the only part that holds request bytes, so the only part the
-  memory budget sees (:class:`Keeper`). The index tells it what to add and forget; it never
-  asks the index anything.
+:class:`HeadTable` is the index: match (:meth:`~HeadTable.lookup`, which only reads: the planner
+expires before and calls :meth:`~HeadTable.touch` on the head it continues), record, expire.
+Beside it: the records (:mod:`proxy.core.heads`), the raw prefixes and hot bodies for the next
+turn's fast parse (:class:`proxy.core.fastparse.PrefixCache`, told what to add and forget), the
+side indexes of pruned and ``current_turn`` histories (:mod:`proxy.core.sideindex`), who created
+which response id (:mod:`proxy.core.creators`) and where a miss departs
+(:mod:`proxy.core.explainer`, which reads this table).
 """
 
 from __future__ import annotations
 
-import hashlib
-from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from proxy.core.explain import EchoFields, echo_fields, item_digests
+from proxy.core.explain import echo_fields, item_digests
 from proxy.core.fair import FairShares
-from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, prefix_digest, raw_prefix
-from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped, projection
+from proxy.core.fastparse import PrefixCache, raw_prefix
+from proxy.core.heads import Head, Listener, Lookup, Match, stronger
+from proxy.core.items import echo_matches, fingerprint, phase_dropped, projection
+from proxy.core.prefixes import KeptPrefix
 from proxy.core.reasons import Hit, MissReason, Tolerance
-from proxy.core.request import ParsedRequest, parse_request
+from proxy.core.request import ParsedRequest
+from proxy.core.sideindex import BARE_AFTER, BareIndex, CompactionIndex, bare_state, current_turn, digest_of, user_turn
 
-__all__ = ["Head", "HeadTable", "Keeper", "Listener", "Lookup", "Match", "MissReason", "PrefixCache"]
-
-
-class Listener(Protocol):
-    """Told of the heads the table records and lets go (the miss explainer)."""
-
-    def recorded(self, head: Head, req: ParsedRequest) -> None:
-        """``head`` was recorded from the full history ``req`` (never for a chained request)."""
-        ...
-
-    def discarded(self, head: Head) -> None:
-        """``head`` (not chained) left the table; ``head.anchor`` is still the one it had."""
-        ...
-
-
-class Keeper(Protocol):
-    """Who else accounts for kept bodies (the memory budget, :class:`proxy.serve.memory.MemoryGate`)."""
-
-    def keep(self, anchor: Hashable, size: int) -> bool:
-        """Whether the head of ``anchor`` may keep a body of ``size`` bytes."""
-        ...
-
-    def cooled(self, anchor: Hashable) -> None:
-        """The head of ``anchor`` let its kept body go."""
-        ...
-
-
-@dataclass(slots=True, init=False)
-class Head:
-    """The end state of one completed response on one socket."""
-
-    identity: str
-    anchor: Hashable
-    response_id: str
-    settings: bytes
-    n_input: int
-    input_digest: bytes
-    output: tuple[OutputFingerprint, ...]
-    last_used: float
-    store: bool = False
-    """The response was stored upstream: it can be continued from any socket (hydration)."""
-    chained: bool = False
-    """The app chained this turn itself (``previous_response_id``): its input is a delta, so
-    the head serves only :meth:`HeadTable.anchor_for`, never full-history matching."""
-    items: bytes | None = None
-    """8 bytes per input item (:func:`~proxy.core.explain.item_digests`), to explain misses."""
-    echo: tuple[EchoFields, ...] = ()
-    """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
-    compactions: tuple[bytes, ...] = ()
-    """Digests of the ``encrypted_content`` of the ``compaction`` items of its output."""
-    bare: tuple[int, Any] | None = None
-    """Under ``reasoning.context: current_turn``: its input's items other than reasoning, counted,
-    and the SHA-256 state over their keys (:meth:`HeadTable._bare_lookup`)."""
-
-    def __init__(
-        self,
-        identity: str,
-        anchor: Hashable,
-        response_id: str,
-        settings: bytes,
-        n_input: int,
-        input_digest: bytes,
-        output: tuple[OutputFingerprint, ...],
-        last_used: float,
-        store: bool = False,
-        chained: bool = False,
-        items: bytes | None = None,
-        echo: tuple[EchoFields, ...] = (),
-    ) -> None:
-        self.identity = identity
-        self.anchor = anchor
-        self.response_id = response_id
-        self.settings = settings
-        self.n_input = n_input
-        self.input_digest = input_digest
-        self.output = output
-        self.last_used = last_used
-        self.store = store
-        self.chained = chained
-        self.items = items
-        self.echo = echo
-        self.compactions = ()
-        self.bare = None
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Match:
-    """A continuation: send ``new_items`` with ``previous_response_id=response_id`` on ``anchor``."""
-
-    anchor: Hashable
-    response_id: str
-    new_items: list[Any]
-    items_avoided: int
-
-    def __init__(self, anchor: Hashable, response_id: str, new_items: list[Any], items_avoided: int) -> None:
-        object.__setattr__(self, "anchor", anchor)
-        object.__setattr__(self, "response_id", response_id)
-        object.__setattr__(self, "new_items", new_items)
-        object.__setattr__(self, "items_avoided", items_avoided)
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Lookup:
-    """The outcome of :meth:`HeadTable.lookup`."""
-
-    match: Match | None
-    reason: Hit | MissReason
-    """``continuation`` with a match, else why there is none."""
-    dropped_reasoning: int = 0
-    """Reasoning items of the head's output that the echo left out."""
-    dropped_phase: int = 0
-    """Assistant messages of the head's output that the echo sent without their ``phase``."""
-
-    def __init__(
-        self, match: Match | None, reason: Hit | MissReason, dropped_reasoning: int = 0, dropped_phase: int = 0
-    ) -> None:
-        object.__setattr__(self, "match", match)
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
-        object.__setattr__(self, "dropped_phase", dropped_phase)
+__all__ = ["HeadTable", "MissReason"]
 
 
 _Key = tuple[str, bytes, int, bytes]
@@ -185,193 +62,6 @@ class _Bucket:
 
     def __init__(self, lengths: dict[int, int] | None = None) -> None:
         self.lengths = {} if lengths is None else lengths
-
-
-@dataclass(slots=True, init=False)
-class _Prefix:
-    """What the fast parse needs of one recorded body."""
-
-    identity: str
-    raw: RawPrefix
-    """Byte-level facts about the body (its ``body`` is the hot copy, or ``None`` once cooled)."""
-    n_input: int
-    input_state: Any
-    """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
-
-    def __init__(self, identity: str, raw: RawPrefix, n_input: int, input_state: Any) -> None:
-        self.identity = identity
-        self.raw = raw
-        self.n_input = n_input
-        self.input_state = input_state
-
-
-_BYTES_PER_COMPARE = 512
-"""SHA-256 of this many bytes costs about what comparing one more candidate prefix costs (the
-interpreter's share of a comparison, ~0.3 µs; hashing ~0.7 ns a byte)."""
-
-
-class PrefixCache:
-    """The raw prefixes of recorded request bodies and the hot bodies among them.
-
-    Args:
-        hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
-            in total (the oldest of the identity keeping the most bytes dropped first).
-        hot_seconds: A body is dropped this long after its turn (the next prefix is then
-            verified with its digest: slower, same answer).
-    """
-
-    def __init__(self, *, hot_bytes: int = 256 * 1024 * 1024, hot_seconds: float = 120.0) -> None:
-        self.hot_bytes = hot_bytes
-        self.hot_seconds = hot_seconds
-        self.keeper: Keeper | None = None
-        """Asked before a body is kept, told when one is let go (the memory budget)."""
-        self._prefixes: dict[Hashable, _Prefix] = {}
-        self._probes: dict[str, dict[int, dict[bytes, dict[bytes, list[Hashable]]]]] = {}
-        """identity → prefix length → the prefix's last bytes → its digest → anchors. Prefixes of
-        one length and one ending (templated conversations, the same tool output) are told apart
-        by one digest of the new body's bytes, not one comparison each."""
-        self._lengths: dict[str, list[int]] = {}
-        """identity → the prefix lengths of :attr:`_probes`, ascending (kept sorted as they come and
-        go: a parse starts below its body's size, longest first, and sorts nothing)."""
-        self._hot: OrderedDict[Hashable, float] = OrderedDict()
-        self._hot_size = 0
-        self._fair_hot = FairShares()
-        """Kept bodies by identity, by size: at ``hot_bytes`` the heaviest identity's oldest
-        cools first."""
-
-    def __len__(self) -> int:
-        return len(self._prefixes)
-
-    def __repr__(self) -> str:
-        return f"<PrefixCache [{len(self._prefixes)} prefixes, {len(self._hot)} hot, {self._hot_size} bytes]>"
-
-    def parse(self, identity: str, body: bytes) -> ParsedRequest:
-        """Parse ``body``, skipping the prefix a recorded body of ``identity`` already holds.
-
-        Clients re-send their previous body byte for byte up to the end of its input
-        (client-echo.md §1.2). When a prefix's digest matches, only the bytes after it are
-        parsed; otherwise (or on any doubt) the whole body is.
-
-        Raises:
-            InvalidRequest: as :func:`~proxy.core.request.parse_request`.
-        """
-        by_length = self._probes.get(identity)
-        if by_length:
-            lengths = self._lengths[identity]
-            # Longest prefix first (it is the most recent turn of the conversation), and only
-            # those shorter than the body.
-            for k in range(bisect_left(lengths, len(body)) - 1, -1, -1):
-                length = lengths[k]
-                by_digest = by_length[length].get(body[length - PROBE : length])
-                if by_digest is None:
-                    continue
-                for anchor in self._holding(by_digest, body, length):
-                    prefix = self._prefixes[anchor]
-                    fast = fast_parse(prefix.raw, anchor, prefix.n_input, prefix.input_state, body)
-                    if fast is not None:
-                        return fast
-        return parse_request(body)
-
-    def _holding(self, by_digest: dict[bytes, list[Hashable]], body: bytes, length: int) -> list[Hashable]:
-        """The anchors of one length and ending whose prefix ``body`` starts with (every anchor
-        under one digest holds the same bytes; one digest at most can match).
-
-        One prefix (the usual case): compared byte for byte while its body is hot, else by its
-        digest. Several: one digest of ``body``'s bytes finds them when that costs less than
-        comparing each (hashing :data:`_BYTES_PER_COMPARE` bytes costs about one comparison);
-        otherwise each hot one is compared (templated conversations differ early: the
-        comparison stops there) and the cold ones share one digest of ``body``.
-        """
-        if len(by_digest) == 1:
-            anchors = next(iter(by_digest.values()))
-            return anchors if self._prefixes[anchors[0]].raw.starts(body) else []
-        if length < len(by_digest) * _BYTES_PER_COMPARE:
-            return by_digest.get(prefix_digest(body, length), [])
-        digest = None
-        for key, anchors in by_digest.items():
-            raw = self._prefixes[anchors[0]].raw
-            if raw.body is not None:
-                if raw.starts(body):
-                    return anchors
-                continue
-            if digest is None:
-                digest = prefix_digest(body, length)
-            if key == digest:
-                return anchors
-        return []
-
-    def raw(self, anchor: Hashable) -> RawPrefix | None:
-        """The raw prefix kept for ``anchor``."""
-        prefix = self._prefixes.get(anchor)
-        return prefix.raw if prefix is not None else None
-
-    def body(self, anchor: Hashable) -> bytes | None:
-        """The hot body kept for ``anchor``, if still kept."""
-        prefix = self._prefixes.get(anchor)
-        return prefix.raw.body if prefix is not None else None
-
-    def add(self, anchor: Hashable, prefix: _Prefix, now: float) -> None:
-        """Keep ``prefix`` under ``anchor`` (which holds none); its body if memory allows."""
-        self._prefixes[anchor] = prefix
-        raw = prefix.raw
-        by_length = self._probes.setdefault(prefix.identity, {})
-        probes = by_length.get(raw.length)
-        if probes is None:
-            probes = by_length[raw.length] = {}
-            insort(self._lengths.setdefault(prefix.identity, []), raw.length)
-        probes.setdefault(raw.probe, {}).setdefault(raw.digest, []).append(anchor)
-        if raw.body is not None and self.keeper is not None and not self.keeper.keep(anchor, len(raw.body)):
-            raw.body = None  # no memory to spare: the digest serves this prefix
-        if raw.body is not None:
-            self._hot[anchor] = now
-            self._hot_size += len(raw.body)
-            self._fair_hot.add(prefix.identity, anchor, len(raw.body))
-            while self._hot_size > self.hot_bytes and self._hot:
-                self.cool(self._fair_hot.victim() or next(iter(self._hot)))
-
-    def take(self, anchor: Hashable) -> _Prefix | None:
-        """Forget the prefix of ``anchor`` (its body let go first) and return it."""
-        self.cool(anchor)
-        prefix = self._prefixes.pop(anchor, None)
-        if prefix is None:
-            return None
-        by_length = self._probes[prefix.identity]
-        probes = by_length[prefix.raw.length]
-        by_digest = probes[prefix.raw.probe]
-        by_digest[prefix.raw.digest].remove(anchor)
-        if not by_digest[prefix.raw.digest]:
-            del by_digest[prefix.raw.digest]
-        if not by_digest:
-            del probes[prefix.raw.probe]
-            if not probes:
-                del by_length[prefix.raw.length]
-                lengths = self._lengths[prefix.identity]
-                del lengths[bisect_left(lengths, prefix.raw.length)]
-                if not by_length:
-                    del self._probes[prefix.identity]
-                    del self._lengths[prefix.identity]
-        return prefix
-
-    def cool(self, anchor: Hashable) -> None:
-        """Let go of the body kept for ``anchor``, if any (memory pressure, or its age): the
-        next prefix is then checked with the digest; same answer, slower."""
-        if self._hot.pop(anchor, None) is None:
-            return
-        self._fair_hot.remove(anchor)
-        prefix = self._prefixes.get(anchor)
-        if prefix is not None and prefix.raw.body is not None:
-            self._hot_size -= len(prefix.raw.body)
-            prefix.raw.body = None
-        if self.keeper is not None:
-            self.keeper.cooled(anchor)
-
-    def expire(self, now: float) -> None:
-        """Let go of the bodies older than ``hot_seconds``."""
-        while self._hot:
-            anchor, since = next(iter(self._hot.items()))
-            if now - since < self.hot_seconds:
-                break
-            self.cool(anchor)
 
 
 class HeadTable:
@@ -408,10 +98,10 @@ class HeadTable:
         self._by_response: dict[str, Hashable] = {}
         self._fair_heads = FairShares()
         """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes."""
-        self._compactions: dict[str, dict[bytes, Hashable]] = {}
-        """identity → digest of a ``compaction`` item's ``encrypted_content`` in a head's output →
-        that head's anchor (a history pruned at that item continues it: :meth:`_pruned`)."""
-        self._bare: dict[tuple[str, bytes], dict[tuple[int, bytes], list[Hashable]]] = {}
+        self._compactions = CompactionIndex()
+        """The heads by the compaction items of their output (a history pruned at one continues
+        it: :meth:`_pruned`)."""
+        self._bare = BareIndex()
         """(identity, settings) → (input items other than reasoning, their digest) → anchors, for
         the heads of ``current_turn`` requests (:meth:`_bare_lookup`)."""
         self.listener: Listener | None = None
@@ -485,14 +175,14 @@ class HeadTable:
                     why, dropped = tried
                     if why in (MissReason.DROPPED_REASONING, MissReason.DROPPED_PHASE):
                         dropped_seen = dropped
-                    reason = _stronger(reason, why)
-        if reason in (MissReason.NO_HEAD, MissReason.DIVERGED) and self._compactions.get(identity):
+                    reason = stronger(reason, why)
+        if reason in (MissReason.NO_HEAD, MissReason.DIVERGED) and self._compactions.holds(identity):
             pruned = self._pruned(identity, req, usable, current)
             if isinstance(pruned, Lookup):
                 return pruned
             if pruned is not None:
                 reason = pruned
-        if current and reason in _BARE_AFTER and self._bare.get((identity, req.settings_digest)):
+        if current and reason in BARE_AFTER and self._bare.holds(identity, req.settings_digest):
             bare = self._bare_lookup(identity, req, usable)
             if bare is not None:
                 return bare
@@ -502,26 +192,9 @@ class HeadTable:
 
     def _bare_lookup(self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool]) -> Lookup | None:
         """Under ``current_turn``: a head whose input equals the request's but for reasoning items,
-        continued when a user message follows the echo of its output.
-
-        The model reads no reasoning before the last user message under ``current_turn``, so
-        reasoning items the app left out of (or kept in) that part of its history change nothing it
-        reads: the request and the head's chain plus the new items read the same (docs/fidelity.md).
-        """
-        table = self._bare[(identity, req.settings_digest)]
-        lengths = {n for n, _ in table}
+        continued when a user message follows the echo of its output (why: :mod:`proxy.core.sideindex`)."""
         items = req.all_items()
-        keys = req.item_keys()
-        state = hashlib.sha256()
-        count = 0
-        found: list[tuple[int, Hashable]] = []
-        for index, (item, key) in enumerate(zip(items, keys, strict=True)):
-            if _is_reasoning(item):
-                continue
-            state.update(key)
-            count += 1
-            if count in lengths:
-                found += [(index + 1, anchor) for anchor in table.get((count, state.digest()[:16]), ())]
+        found = self._bare.candidates(identity, req, items)
         for n, anchor in reversed(found):  # the longest (latest) first
             tried = self._try(self._heads[anchor], items, n, 0, usable, True, need_user=True)
             if isinstance(tried, Lookup):
@@ -543,8 +216,7 @@ class HeadTable:
         first = items[at] if at < len(items) else None
         if not isinstance(first, dict) or first.get("type") != "compaction":
             return None
-        content = first.get("encrypted_content")
-        anchor = self._compactions[identity].get(digest_of(content)) if isinstance(content, str) else None
+        anchor = self._compactions.anchor_of(identity, first)
         head = self._heads.get(anchor) if anchor is not None else None
         if head is None or head.settings != req.settings_digest:
             return MissReason.PRUNED_AT_COMPACTION
@@ -583,9 +255,9 @@ class HeadTable:
         if isinstance(found, MissReason):
             return found, (0, 0)
         consumed, reasoning, phases = found
-        if need_user and not _user_turn(items, n + consumed):
+        if need_user and not user_turn(items, n + consumed):
             return MissReason.DIVERGED, (0, 0)
-        if reasoning and current and _user_turn(items, n + consumed):
+        if reasoning and current and user_turn(items, n + consumed):
             reasoning = 0  # not read under current_turn: no difference, no tolerance
         drops = (reasoning, phases)
         if reasoning and Tolerance.REASONING not in self.tolerate:
@@ -650,31 +322,6 @@ class HeadTable:
             return None
         return anchor
 
-    def _bare_of(self, req: ParsedRequest) -> tuple[int, Any]:
-        """:attr:`Head.bare` for ``req``: extended from the head a fast parse skipped, else counted
-        over the whole input."""
-        if req.base is not None and req.tail is not None:
-            base = self._heads.get(req.base.anchor)
-            if (
-                base is not None
-                and base.bare is not None
-                and base.n_input == req.base.count
-                and base.input_digest == req.base.input_state.digest()[:16]
-            ):
-                count, state = base.bare[0], base.bare[1].copy()
-                for item, key in zip(req.tail, req.tail_keys(), strict=True):
-                    if not _is_reasoning(item):
-                        state.update(key)
-                        count += 1
-                return count, state
-        state = hashlib.sha256()
-        count = 0
-        for item, key in zip(req.all_items(), req.item_keys(), strict=True):
-            if not _is_reasoning(item):
-                state.update(key)
-                count += 1
-        return count, state
-
     def _item_digests(self, req: ParsedRequest) -> bytes | None:
         """The per-item digests of ``req`` for its head (8 bytes an item), cheaply.
 
@@ -737,7 +384,9 @@ class HeadTable:
         when the caller computed it off the event loop.
         """
         digests = self._item_digests(req)  # before discard: a fast parse extends this head's
-        bare = self._bare_of(req) if req.previous_response_id is None and current_turn(req) else None
+        bare = None
+        if req.previous_response_id is None and current_turn(req):
+            bare = bare_state(self._heads.get(req.base.anchor) if req.base is not None else None, req)
         self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
@@ -767,7 +416,7 @@ class HeadTable:
             if self.listener is not None:
                 self.listener.recorded(head, req)
             raw = raw_prefix(req, prefix_state)
-            prefix = _Prefix(identity, raw, req.n_items, state) if raw is not None else None
+            prefix = KeptPrefix(identity, raw, req.n_items, state) if raw is not None else None
         head.store = req.store
         head.bare = bare
         if not chained:
@@ -777,17 +426,16 @@ class HeadTable:
         self._insert(head, now, prefix)
         return head
 
-    def _insert(self, head: Head, now: float, prefix: _Prefix | None = None) -> None:
+    def _insert(self, head: Head, now: float, prefix: KeptPrefix | None = None) -> None:
         """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
         anchor = head.anchor
         self._heads[anchor] = head
         self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
-        for held in head.compactions:
-            self._compactions.setdefault(head.identity, {})[held] = anchor
+        if head.compactions:
+            self._compactions.add(head)
         if head.bare is not None:
-            key = (head.bare[0], head.bare[1].digest()[:16])
-            self._bare.setdefault((head.identity, head.settings), {}).setdefault(key, []).append(anchor)
+            self._bare.add(head)
         if not head.chained:
             self._index.setdefault(self._key(head), []).append(anchor)
             bucket_key = (head.identity, head.settings)
@@ -809,14 +457,9 @@ class HeadTable:
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
         if head.compactions:
-            known = self._compactions.get(head.identity, {})
-            for held in head.compactions:
-                if known.get(held) == anchor:
-                    del known[held]
-            if not known:
-                self._compactions.pop(head.identity, None)
+            self._compactions.remove(head, anchor)
         if head.bare is not None:
-            self._unbare(head, anchor)
+            self._bare.remove(head, anchor)
         if head.chained:
             return
         if self.listener is not None:
@@ -838,18 +481,6 @@ class HeadTable:
         if not bucket.lengths:
             del self._buckets[bucket_key]
 
-    def _unbare(self, head: Head, anchor: Hashable) -> None:
-        assert head.bare is not None
-        table = self._bare.get((head.identity, head.settings), {})
-        key = (head.bare[0], head.bare[1].digest()[:16])
-        anchors = table.get(key)
-        if anchors is not None and anchor in anchors:
-            anchors.remove(anchor)
-            if not anchors:
-                del table[key]
-        if not table:
-            self._bare.pop((head.identity, head.settings), None)
-
     def expire(self, now: float) -> list[Hashable]:
         """Drop heads unused for ``ttl_seconds`` and bodies older than the cache's
         ``hot_seconds``; returns the anchors of the heads dropped."""
@@ -866,49 +497,3 @@ class HeadTable:
     @staticmethod
     def _key(head: Head) -> _Key:
         return (head.identity, head.settings, head.n_input, head.input_digest)
-
-
-def current_turn(req: ParsedRequest) -> bool:
-    """Whether ``req`` asks for ``reasoning.context: current_turn`` (``auto`` or absent: read as
-    ``all_turns``, the stricter rule, since what ``auto`` means depends on the model)."""
-    reasoning = req.fields.get("reasoning")
-    return isinstance(reasoning, dict) and reasoning.get("context") == "current_turn"
-
-
-_BARE_AFTER = frozenset({MissReason.NO_HEAD, MissReason.DIVERGED, MissReason.DROPPED_REASONING})
-"""Misses after which a ``current_turn`` request tries the heads whose input differs only in reasoning."""
-
-
-def _is_reasoning(item: Any) -> bool:
-    return isinstance(item, dict) and item.get("type") == "reasoning"
-
-
-def _user_turn(items: Sequence[Any], start: int) -> bool:
-    """Whether a user message is among ``items[start:]`` (a new user turn begins there)."""
-    for index in range(start, len(items)):
-        item = items[index]
-        if isinstance(item, dict) and item.get("role") == "user" and item.get("type", "message") == "message":
-            return True
-    return False
-
-
-def digest_of(value: str) -> bytes:
-    """A 16-byte digest of a string (a compaction item's ``encrypted_content``)."""
-    return hashlib.sha256(value.encode()).digest()[:16]
-
-
-_STRENGTH: dict[MissReason, int] = {
-    MissReason.NO_HEAD: 0,
-    MissReason.DIVERGED: 1,
-    MissReason.NO_NEW_ITEMS: 2,
-    MissReason.RETRY: 3,
-    MissReason.DROPPED_REASONING: 4,
-    MissReason.DROPPED_PHASE: 4,
-    MissReason.HEAD_BUSY: 5,
-    MissReason.PRUNED_AT_COMPACTION: 1,
-}
-
-
-def _stronger(current: MissReason, candidate: MissReason) -> MissReason:
-    """The more specific of two miss reasons (the one closest to a continuation)."""
-    return candidate if _STRENGTH.get(candidate, 0) > _STRENGTH.get(current, 0) else current

@@ -36,6 +36,7 @@ from typing import Any
 
 import orjson
 
+from proxy.core.fields import NON_SETTINGS_FIELDS
 from proxy.core.items import (
     OutputFingerprint,
     _is_reference,
@@ -47,7 +48,6 @@ from proxy.core.items import (
     projection,
 )
 from proxy.core.reasons import MissReason, Tolerance
-from proxy.core.request import NON_SETTINGS_FIELDS
 
 __all__ = [
     "DIGEST",

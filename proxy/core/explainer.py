@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import replace
 from functools import partial
 
-from proxy.core.conversation import Head, HeadTable
+from proxy.core.conversation import HeadTable
 from proxy.core.explain import (
     DIGEST,
     Candidate,
@@ -27,6 +27,7 @@ from proxy.core.explain import (
     score,
     settings_fields,
 )
+from proxy.core.heads import Head
 from proxy.core.reasons import MissReason, Reason
 from proxy.core.request import ParsedRequest
 

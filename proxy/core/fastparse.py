@@ -7,90 +7,83 @@ the shortcut is not certain to agree with a full parse.
 
 The prefix is verified with a byte comparison while the previous body is still held (a *hot*
 head: a conversation in the middle of its agent loop), otherwise with a SHA-256 digest, whose
-state is carried from turn to turn so each turn hashes only its own new bytes.
+state is carried from turn to turn so each turn hashes only its own new bytes. The members
+around the input array are processed once and shared while later bodies carry the same bytes
+there (:func:`settings_block`); the records kept between turns are in :mod:`proxy.core.prefixes`.
+
+:class:`PrefixCache` keeps those prefixes, one per recorded head (told what to add and forget by
+:class:`~proxy.core.conversation.HeadTable`), and the hot bodies among them while memory allows
+(asking its :class:`Keeper`, the memory budget): it finds the prefix a new body starts with and
+hands it to :func:`fast_parse`. It is the only part of the head index that holds request bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left, insort
+from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from proxy.core.fair import FairShares
+from proxy.core.fields import validate_fields, validate_items
+from proxy.core.prefixes import Base, Keeper, KeptPrefix, RawPrefix, SettingsBlock, prefix_digest
 from proxy.core.rawjson import InputSpan, blank_back, blank_forward, locate_input, parse_object_part
-from proxy.core.request import Base, ParsedRequest, SettingsBlock, make_request, validate_fields, validate_items
+from proxy.core.request import ParsedRequest, has_huge_float, make_request, parse_request
 
-__all__ = ["PROBE", "RawPrefix", "fast_parse", "hash_prefix", "prefix_length", "raw_prefix"]
+__all__ = [
+    "PROBE",
+    "PrefixCache",
+    "fast_parse",
+    "hash_prefix",
+    "prefix_length",
+    "raw_prefix",
+    "settings_block",
+]
 
 PROBE = 32
 """Bytes just before a prefix's end that index it (they hold the newest input item)."""
 
 
-@dataclass(slots=True, init=False)
-class RawPrefix:
-    """Where the previous body's input ended, and how to recognise everything before that."""
-
-    length: int
-    """The prefix of the previous body that ends right after its last input item."""
-    probe: bytes
-    """``body[length - PROBE : length]``."""
-    digest: bytes
-    """SHA-256 of ``body[:length]`` (truncated)."""
-    state: Any
-    """The SHA-256 state behind ``digest``, extended by the next turn."""
-    span: InputSpan
-    """The previous body's input span (its key and start offsets carry over)."""
-    _body: bytes | None = None
-    settings: SettingsBlock | None = None
-    """The previous body's settings, processed (shared), while the head is hot (see :func:`fast_parse`)."""
-    suffix: int = 0
-    """Bytes of the previous body after its input array's ``]``."""
-
-    def __init__(
-        self,
-        length: int,
-        probe: bytes,
-        digest: bytes,
-        state: Any,
-        span: InputSpan,
-        _body: bytes | None = None,
-        settings: SettingsBlock | None = None,
-        suffix: int = 0,
-    ) -> None:
-        self.length = length
-        self.probe = probe
-        self.digest = digest
-        self.state = state
-        self.span = span
-        self._body = _body
-        self.settings = settings
-        self.suffix = suffix
-
-    @property
-    def body(self) -> bytes | None:
-        """The previous body itself while the head is hot (a byte comparison beats hashing)."""
-        return self._body
-
-    @body.setter
-    def body(self, value: bytes | None) -> None:
-        # Letting the body go (the head cools) lets its processed settings go too.
-        self._body = value
-        if value is None:
-            self.settings = None
-
-    def starts(self, body: bytes) -> bool:
-        """Whether ``body`` starts with this prefix."""
-        if self.body is not None:
-            return body.startswith(memoryview(self.body)[: self.length])
-        return prefix_digest(body, self.length) == self.digest
+_BLOCKS: dict[tuple[bytes, bytes, bytes], SettingsBlock] = {}
+"""Shared blocks by (settings digest, hashes of the bytes before and after the input array)."""
+_MAX_BLOCKS = 256
+"""Distinct settings blocks kept (oldest first out): apps have a handful of agent configurations."""
 
 
-def prefix_digest(body: bytes, length: int) -> bytes:
-    """:attr:`RawPrefix.digest` of a prefix of ``length`` bytes of ``body``."""
-    digest: bytes = hash_prefix(body, length).digest()
-    return digest[:16]
+def settings_block(req: ParsedRequest) -> SettingsBlock | None:
+    """The block of ``req`` (its fast parse's, or the shared one for the same settings bytes);
+    ``None`` without a located input array."""
+    if req.settings is not None:
+        return req.settings
+    span = req.span
+    if span is None or "input" not in req.fields:
+        return None
+    body = memoryview(req.body)
+    key = (
+        req.settings_digest,
+        hashlib.blake2b(body[: span.key]).digest(),
+        hashlib.blake2b(body[span.end :]).digest(),
+    )
+    block = _BLOCKS.get(key)
+    if block is not None:
+        return block
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    side = before
+    for name, value in req.fields.items():
+        if name == "input":
+            side = after
+        else:
+            side[name] = value
+    huge = has_huge_float(list(before.values())) or has_huge_float(list(after.values()))
+    block = SettingsBlock(before, after, req.settings_digest, huge)
+    if len(_BLOCKS) >= _MAX_BLOCKS:
+        del _BLOCKS[next(iter(_BLOCKS))]
+    _BLOCKS[key] = block
+    return block
 
 
 def prefix_length(req: ParsedRequest) -> int | None:
@@ -128,7 +121,7 @@ def raw_prefix(req: ParsedRequest, state: Any = None) -> RawPrefix | None:
         state.update(memoryview(body)[req.base.raw_len : length])
     elif state is None:
         state = hash_prefix(body, length)
-    block = SettingsBlock.of(req)
+    block = settings_block(req)
     suffix = len(body) - req.span.end - 1
     return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body, block, suffix)
 
@@ -246,3 +239,172 @@ def _same_settings(
         tail=tail,
         settings=block,
     )
+
+
+_BYTES_PER_COMPARE = 512
+"""SHA-256 of this many bytes costs about what comparing one more candidate prefix costs (the
+interpreter's share of a comparison, ~0.3 µs; hashing ~0.7 ns a byte)."""
+
+
+class PrefixCache:
+    """The raw prefixes of recorded request bodies and the hot bodies among them.
+
+    Args:
+        hot_bytes: Request bodies kept for the byte comparison of the next turn's prefix,
+            in total (the oldest of the identity keeping the most bytes dropped first).
+        hot_seconds: A body is dropped this long after its turn (the next prefix is then
+            verified with its digest: slower, same answer).
+    """
+
+    def __init__(self, *, hot_bytes: int = 256 * 1024 * 1024, hot_seconds: float = 120.0) -> None:
+        self.hot_bytes = hot_bytes
+        self.hot_seconds = hot_seconds
+        self.keeper: Keeper | None = None
+        """Asked before a body is kept, told when one is let go (the memory budget)."""
+        self._prefixes: dict[Hashable, KeptPrefix] = {}
+        self._probes: dict[str, dict[int, dict[bytes, dict[bytes, list[Hashable]]]]] = {}
+        """identity → prefix length → the prefix's last bytes → its digest → anchors. Prefixes of
+        one length and one ending (templated conversations, the same tool output) are told apart
+        by one digest of the new body's bytes, not one comparison each."""
+        self._lengths: dict[str, list[int]] = {}
+        """identity → the prefix lengths of :attr:`_probes`, ascending (kept sorted as they come and
+        go: a parse starts below its body's size, longest first, and sorts nothing)."""
+        self._hot: OrderedDict[Hashable, float] = OrderedDict()
+        self._hot_size = 0
+        self._fair_hot = FairShares()
+        """Kept bodies by identity, by size: at ``hot_bytes`` the heaviest identity's oldest
+        cools first."""
+
+    def __len__(self) -> int:
+        return len(self._prefixes)
+
+    def __repr__(self) -> str:
+        return f"<PrefixCache [{len(self._prefixes)} prefixes, {len(self._hot)} hot, {self._hot_size} bytes]>"
+
+    def parse(self, identity: str, body: bytes) -> ParsedRequest:
+        """Parse ``body``, skipping the prefix a recorded body of ``identity`` already holds.
+
+        Clients re-send their previous body byte for byte up to the end of its input
+        (client-echo.md §1.2). When a prefix's digest matches, only the bytes after it are
+        parsed; otherwise (or on any doubt) the whole body is.
+
+        Raises:
+            InvalidRequest: as :func:`~proxy.core.request.parse_request`.
+        """
+        by_length = self._probes.get(identity)
+        if by_length:
+            lengths = self._lengths[identity]
+            # Longest prefix first (it is the most recent turn of the conversation), and only
+            # those shorter than the body.
+            for k in range(bisect_left(lengths, len(body)) - 1, -1, -1):
+                length = lengths[k]
+                by_digest = by_length[length].get(body[length - PROBE : length])
+                if by_digest is None:
+                    continue
+                for anchor in self._holding(by_digest, body, length):
+                    prefix = self._prefixes[anchor]
+                    fast = fast_parse(prefix.raw, anchor, prefix.n_input, prefix.input_state, body)
+                    if fast is not None:
+                        return fast
+        return parse_request(body)
+
+    def _holding(self, by_digest: dict[bytes, list[Hashable]], body: bytes, length: int) -> list[Hashable]:
+        """The anchors of one length and ending whose prefix ``body`` starts with (every anchor
+        under one digest holds the same bytes; one digest at most can match).
+
+        One prefix (the usual case): compared byte for byte while its body is hot, else by its
+        digest. Several: one digest of ``body``'s bytes finds them when that costs less than
+        comparing each (hashing :data:`_BYTES_PER_COMPARE` bytes costs about one comparison);
+        otherwise each hot one is compared (templated conversations differ early: the
+        comparison stops there) and the cold ones share one digest of ``body``.
+        """
+        if len(by_digest) == 1:
+            anchors = next(iter(by_digest.values()))
+            return anchors if self._prefixes[anchors[0]].raw.starts(body) else []
+        if length < len(by_digest) * _BYTES_PER_COMPARE:
+            return by_digest.get(prefix_digest(body, length), [])
+        digest = None
+        for key, anchors in by_digest.items():
+            raw = self._prefixes[anchors[0]].raw
+            if raw.body is not None:
+                if raw.starts(body):
+                    return anchors
+                continue
+            if digest is None:
+                digest = prefix_digest(body, length)
+            if key == digest:
+                return anchors
+        return []
+
+    def raw(self, anchor: Hashable) -> RawPrefix | None:
+        """The raw prefix kept for ``anchor``."""
+        prefix = self._prefixes.get(anchor)
+        return prefix.raw if prefix is not None else None
+
+    def body(self, anchor: Hashable) -> bytes | None:
+        """The hot body kept for ``anchor``, if still kept."""
+        prefix = self._prefixes.get(anchor)
+        return prefix.raw.body if prefix is not None else None
+
+    def add(self, anchor: Hashable, prefix: KeptPrefix, now: float) -> None:
+        """Keep ``prefix`` under ``anchor`` (which holds none); its body if memory allows."""
+        self._prefixes[anchor] = prefix
+        raw = prefix.raw
+        by_length = self._probes.setdefault(prefix.identity, {})
+        probes = by_length.get(raw.length)
+        if probes is None:
+            probes = by_length[raw.length] = {}
+            insort(self._lengths.setdefault(prefix.identity, []), raw.length)
+        probes.setdefault(raw.probe, {}).setdefault(raw.digest, []).append(anchor)
+        if raw.body is not None and self.keeper is not None and not self.keeper.keep(anchor, len(raw.body)):
+            raw.body = None  # no memory to spare: the digest serves this prefix
+        if raw.body is not None:
+            self._hot[anchor] = now
+            self._hot_size += len(raw.body)
+            self._fair_hot.add(prefix.identity, anchor, len(raw.body))
+            while self._hot_size > self.hot_bytes and self._hot:
+                self.cool(self._fair_hot.victim() or next(iter(self._hot)))
+
+    def take(self, anchor: Hashable) -> KeptPrefix | None:
+        """Forget the prefix of ``anchor`` (its body let go first) and return it."""
+        self.cool(anchor)
+        prefix = self._prefixes.pop(anchor, None)
+        if prefix is None:
+            return None
+        by_length = self._probes[prefix.identity]
+        probes = by_length[prefix.raw.length]
+        by_digest = probes[prefix.raw.probe]
+        by_digest[prefix.raw.digest].remove(anchor)
+        if not by_digest[prefix.raw.digest]:
+            del by_digest[prefix.raw.digest]
+        if not by_digest:
+            del probes[prefix.raw.probe]
+            if not probes:
+                del by_length[prefix.raw.length]
+                lengths = self._lengths[prefix.identity]
+                del lengths[bisect_left(lengths, prefix.raw.length)]
+                if not by_length:
+                    del self._probes[prefix.identity]
+                    del self._lengths[prefix.identity]
+        return prefix
+
+    def cool(self, anchor: Hashable) -> None:
+        """Let go of the body kept for ``anchor``, if any (memory pressure, or its age): the
+        next prefix is then checked with the digest; same answer, slower."""
+        if self._hot.pop(anchor, None) is None:
+            return
+        self._fair_hot.remove(anchor)
+        prefix = self._prefixes.get(anchor)
+        if prefix is not None and prefix.raw.body is not None:
+            self._hot_size -= len(prefix.raw.body)
+            prefix.raw.body = None
+        if self.keeper is not None:
+            self.keeper.cooled(anchor)
+
+    def expire(self, now: float) -> None:
+        """Let go of the bodies older than ``hot_seconds``."""
+        while self._hot:
+            anchor, since = next(iter(self._hot.items()))
+            if now - since < self.hot_seconds:
+                break
+            self.cool(anchor)

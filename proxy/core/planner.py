@@ -50,10 +50,11 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from proxy.core.conversation import Head, HeadTable
+from proxy.core.conversation import HeadTable
 from proxy.core.creators import OwnerRegistry
 from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
+from proxy.core.heads import Head
 from proxy.core.lanes import (
     Lane,
     LaneEvent,

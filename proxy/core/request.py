@@ -1,9 +1,9 @@
-"""Parse an app's ``POST /v1/responses`` body and build the upstream ``response.create`` frame.
+"""One app request, parsed (:class:`ParsedRequest`), and the upstream ``response.create`` frame
+built from it (:func:`build_frame`); which transport it takes (:func:`choose_transport`).
 
-Pure functions: bytes in, a :class:`ParsedRequest` (or :class:`~proxy.errors.InvalidRequest`)
-out. Validation is deliberately shallow: the sidecar rejects only what it cannot forward
-faithfully (bodies that are not a JSON object, or whose ``input``/``tools``/flags have the wrong
-JSON type); everything else is the upstream's to judge, exactly as it would over HTTP.
+The parses that build a :class:`ParsedRequest` are :func:`parse_request` (the whole body,
+validated by :mod:`proxy.core.fields`) and :func:`proxy.core.fastparse.fast_parse` (only the bytes after
+the previous turn's prefix); both end in :func:`make_request`.
 """
 
 from __future__ import annotations
@@ -11,56 +11,28 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from proxy.core.items import canonical, item_key
+from proxy.core.fields import TRANSPORT_ONLY_FIELDS, dumps, settings_digest, validate_fields, validate_items
+from proxy.core.items import item_key
+from proxy.core.prefixes import Base, SettingsBlock
 from proxy.core.rawjson import InputSpan, locate_input
 from proxy.core.reasons import PassthroughReason
 from proxy.errors import InvalidRequest, UnsupportedRequest
 
 __all__ = [
-    "Base",
-    "SettingsBlock",
-    "NON_SETTINGS_FIELDS",
-    "TRANSPORT_ONLY_FIELDS",
     "ParsedRequest",
     "Transport",
     "build_frame",
     "choose_transport",
     "http_unsupported",
+    "has_huge_float",
     "make_request",
     "parse_request",
-    "validate_fields",
 ]
-
-TRANSPORT_ONLY_FIELDS = frozenset({"stream", "stream_options", "background"})
-"""Fields that describe the HTTP exchange, not the model call; never sent in a frame."""
-
-NON_SETTINGS_FIELDS = frozenset({"input", "previous_response_id", "stream", "stream_options", "client_metadata"})
-"""Fields left out of the settings comparison (client-echo.md rule 8)."""
-
-_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (str,),
-    "instructions": (str, list),
-    "previous_response_id": (str,),
-    "stream": (bool,),
-    "store": (bool,),
-    "background": (bool,),
-    "tools": (list,),
-    "include": (list,),
-    "metadata": (dict,),
-    "reasoning": (dict,),
-    "text": (dict,),
-    "stream_options": (dict,),
-    "parallel_tool_calls": (bool,),
-}
-"""JSON types the sidecar itself relies on; ``null`` is accepted for each."""
-
-_TYPE_NAMES = {str: "a string", list: "an array", dict: "an object", bool: "a boolean"}
 
 
 class Transport(enum.Enum):
@@ -68,125 +40,6 @@ class Transport(enum.Enum):
 
     WS = "websocket"
     HTTP = "http"
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Base:
-    """What a fast parse knows about the byte-identical prefix it skipped.
-
-    Attributes:
-        anchor: The head whose request body the new body extends byte for byte.
-        count: Input items in that prefix (parsed last turn, not this one).
-        input_state: SHA-256 state over those items' keys (see ``ParsedRequest.prefix_digest``).
-        raw_state: SHA-256 state over ``body[:raw_len]``.
-        raw_len: Length of the prefix: it ends right after the prefix's last input item.
-    """
-
-    anchor: Hashable
-    count: int
-    input_state: Any
-    raw_state: Any
-    raw_len: int
-
-    def __init__(self, anchor: Hashable, count: int, input_state: Any, raw_state: Any, raw_len: int) -> None:
-        object.__setattr__(self, "anchor", anchor)
-        object.__setattr__(self, "count", count)
-        object.__setattr__(self, "input_state", input_state)
-        object.__setattr__(self, "raw_state", raw_state)
-        object.__setattr__(self, "raw_len", raw_len)
-
-
-@dataclass(slots=True, eq=False, init=False)
-class SettingsBlock:
-    """The non-input members of a body, processed once and reused while later bodies carry the
-    very same bytes around their input (the steady state of an agent loop).
-
-    Blocks are shared: every conversation whose bodies hold the same settings bytes uses one
-    block (:meth:`of` keeps a bounded table of them), so a head costs a reference, not a copy
-    of the instructions and tools.
-
-    Attributes:
-        before: Fields before ``input`` (body order).
-        after: Fields after the ``input`` array.
-        digest: :func:`settings_digest` of both.
-        huge: Whether a value may be an integer beyond 64 bits (see :func:`build_frame`).
-    """
-
-    before: dict[str, Any]
-    after: dict[str, Any]
-    digest: bytes
-    huge: bool
-    _members: tuple[bytes, bytes] | None = None
-
-    def __init__(
-        self,
-        before: dict[str, Any],
-        after: dict[str, Any],
-        digest: bytes,
-        huge: bool,
-        _members: tuple[bytes, bytes] | None = None,
-    ) -> None:
-        self.before = before
-        self.after = after
-        self.digest = digest
-        self.huge = huge
-        self._members = _members
-
-    @classmethod
-    def of(cls, req: ParsedRequest) -> SettingsBlock | None:
-        """The block of ``req`` (its fast parse's, or the shared one for the same settings bytes);
-        ``None`` without a located input array."""
-        if req.settings is not None:
-            return req.settings
-        span = req.span
-        if span is None or "input" not in req.fields:
-            return None
-        body = memoryview(req.body)
-        key = (
-            req.settings_digest,
-            hashlib.blake2b(body[: span.key]).digest(),
-            hashlib.blake2b(body[span.end :]).digest(),
-        )
-        block = _BLOCKS.get(key)
-        if block is not None:
-            return block
-        before: dict[str, Any] = {}
-        after: dict[str, Any] = {}
-        side = before
-        for name, value in req.fields.items():
-            if name == "input":
-                side = after
-            else:
-                side[name] = value
-        huge = _has_huge_float(list(before.values())) or _has_huge_float(list(after.values()))
-        block = cls(before, after, req.settings_digest, huge)
-        if len(_BLOCKS) >= _MAX_BLOCKS:
-            del _BLOCKS[next(iter(_BLOCKS))]
-        _BLOCKS[key] = block
-        return block
-
-    def fields(self, items: list[Any]) -> dict[str, Any]:
-        """Every field in body order, ``input`` set to ``items``."""
-        out = dict(self.before)
-        out["input"] = items
-        out.update(self.after)
-        return out
-
-    def members(self) -> tuple[bytes, bytes]:
-        """The frame's members before and after ``input`` (serialised once): no transport-only
-        fields, no ``type``/``stream_id``/``previous_response_id``."""
-        if self._members is None:
-            skip = TRANSPORT_ONLY_FIELDS | {"type", "stream_id", "previous_response_id"}
-            head = _dumps({k: v for k, v in self.before.items() if k not in skip})[1:-1]
-            tail = _dumps({k: v for k, v in self.after.items() if k not in skip})[1:-1]
-            self._members = (head, tail)
-        return self._members
-
-
-_BLOCKS: dict[tuple[bytes, bytes, bytes], SettingsBlock] = {}
-"""Shared blocks by (settings digest, hashes of the bytes before and after the input array)."""
-_MAX_BLOCKS = 256
-"""Distinct settings blocks kept (oldest first out): apps have a handful of agent configurations."""
 
 
 @dataclass(slots=True, eq=False, init=False)
@@ -208,11 +61,11 @@ class ParsedRequest:
         stream: Whether the app asked for SSE.
         store: The effective ``store`` (default true).
         previous_response_id: The app's own ``previous_response_id``, if any.
-        settings_digest: Digest of every field but those in :data:`NON_SETTINGS_FIELDS`.
+        settings_digest: Digest of every field but those in :data:`~proxy.core.fields.NON_SETTINGS_FIELDS`.
         span: Where the ``input`` array sits in ``body`` (``None``: string input or unknown).
         base: Set by a fast parse.
         tail: Input items after ``base``'s prefix (fast parse), else ``None``.
-        settings: The previous turn's :class:`SettingsBlock`, when this body carries the same
+        settings: The previous turn's :class:`~proxy.core.prefixes.SettingsBlock`, when this body carries the same
             bytes around its input (fast parse of a hot head): nothing of it was parsed again.
         prefix_parses: How many times the skipped prefix had to be parsed (0 on the hot path).
     """
@@ -439,50 +292,6 @@ def _loads(body: bytes) -> Any:
         return value
 
 
-def _dumps(value: Any) -> bytes:
-    """orjson, or the stdlib for what orjson cannot write (integers beyond 64 bits)."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def settings_digest(fields: dict[str, Any]) -> bytes:
-    """Digest of the non-input fields; ``include`` compares as a set (rule 8)."""
-    settings = {k: v for k, v in fields.items() if k not in NON_SETTINGS_FIELDS}
-    value = canonical(settings)
-    include = value.get("include")
-    if isinstance(include, list):
-        value["include"] = sorted(set(orjson.dumps(v).decode() for v in include))
-    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).digest()[:16]
-
-
-def validate_fields(fields: dict[str, Any]) -> None:
-    """Check the JSON types of the fields the sidecar relies on.
-
-    Raises:
-        InvalidRequest: naming the offending field.
-    """
-    for name, types in _TYPES.items():
-        value = fields.get(name)
-        if value is not None and not isinstance(value, types):
-            want = " or ".join(_TYPE_NAMES[t] for t in types)
-            raise InvalidRequest(f"Invalid type for '{name}': expected {want}.", param=name)
-    tools = fields.get("tools")
-    if isinstance(tools, list):
-        for index, tool in enumerate(tools):
-            if not isinstance(tool, dict):
-                raise InvalidRequest(f"Invalid type for 'tools[{index}]': expected an object.", param=f"tools[{index}]")
-
-
-def validate_items(items: list[Any], offset: int = 0) -> None:
-    """Every input item must be an object."""
-    for index, item in enumerate(items):
-        if not isinstance(item, dict):
-            where = f"input[{index + offset}]"
-            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param=where)
-
-
 def parse_request(body: bytes) -> ParsedRequest:
     """Parse and shallowly validate a ``POST /v1/responses`` body.
 
@@ -564,15 +373,15 @@ def http_unsupported(req: ParsedRequest) -> UnsupportedRequest | None:
     return None
 
 
-def _has_huge_float(value: Any) -> bool:
+def has_huge_float(value: Any) -> bool:
     """Whether ``value`` holds an integral float of 2**63 or more: possibly an integer beyond 64
     bits that orjson parsed as a float, which must reach the upstream with its exact digits."""
     if isinstance(value, float):
         return abs(value) >= 2.0**63 and value.is_integer()
     if isinstance(value, dict):
-        return any(_has_huge_float(v) for v in value.values())
+        return any(has_huge_float(v) for v in value.values())
     if isinstance(value, list):
-        return any(_has_huge_float(v) for v in value)
+        return any(has_huge_float(v) for v in value)
     return False
 
 
@@ -596,7 +405,7 @@ def build_frame(
         stream_id: The lane's ``stream_id`` (``None``: the default lane).
     """
     block = req.settings
-    if items is not None and block is not None and not block.huge and not _has_huge_float(items):
+    if items is not None and block is not None and not block.huge and not has_huge_float(items):
         # The settings were serialised once, when their block was first used.
         return _spliced(
             block,
@@ -610,7 +419,7 @@ def build_frame(
     # Only what is written anew is checked: a spliced input array keeps the app's own digits.
     written = items if items is not None else (req.fields.get("input") if req.span is None else None)
     others = [v for k, v in req.fields.items() if k != "input"]
-    if _has_huge_float(others) or _has_huge_float(written):
+    if has_huge_float(others) or has_huge_float(written):
         # Rare: re-read the body with the stdlib parser, which keeps every integer exact.
         exact = json.loads(req.body.decode("utf-8"))
         if items is not None:
@@ -625,19 +434,30 @@ def _spliced(
     block: SettingsBlock, items: list[Any], previous_response_id: str | None, stream_id: str | None = None
 ) -> bytes:
     """What :func:`_frame` writes for ``items``, from the block's serialised members."""
-    head, tail = block.members()
+    head, tail = _members(block)
     parts = [b'{"type":"response.create"']
     if stream_id is not None:
-        parts += (b',"stream_id":', _dumps(stream_id))
+        parts += (b',"stream_id":', dumps(stream_id))
     if head:
         parts += (b",", head)
-    parts += (b',"input":', _dumps(items))
+    parts += (b',"input":', dumps(items))
     if tail:
         parts += (b",", tail)
     if previous_response_id is not None:
-        parts += (b',"previous_response_id":', _dumps(previous_response_id))
+        parts += (b',"previous_response_id":', dumps(previous_response_id))
     parts.append(b"}")
     return b"".join(parts)
+
+
+def _members(block: SettingsBlock) -> tuple[bytes, bytes]:
+    """The frame's members before and after ``input`` (serialised once, kept in the block): no
+    transport-only fields, no ``type``/``stream_id``/``previous_response_id``."""
+    if block.members is None:
+        skip = TRANSPORT_ONLY_FIELDS | {"type", "stream_id", "previous_response_id"}
+        head = dumps({k: v for k, v in block.before.items() if k not in skip})[1:-1]
+        tail = dumps({k: v for k, v in block.after.items() if k not in skip})[1:-1]
+        block.members = (head, tail)
+    return block.members
 
 
 def _frame(
@@ -662,13 +482,13 @@ def _frame(
         after.pop("previous_response_id", None)
         after["previous_response_id"] = previous_response_id
     if items is not None:
-        return _dumps({**before, "input": items, **after})
+        return dumps({**before, "input": items, **after})
     if req.span is None:
         raw_input = fields.get("input")
-        return _dumps({**before, **({"input": raw_input} if "input" in fields else {}), **after})
-    head = _dumps(before)[:-1] + b',"input":'
+        return dumps({**before, **({"input": raw_input} if "input" in fields else {}), **after})
+    head = dumps(before)[:-1] + b',"input":'
     # One copy of the history into the frame (slicing and "+" would copy it three times).
     array = memoryview(req.body)[req.span.start : req.span.end + 1]
     if after:
-        return b"".join((head, array, b",", _dumps(after)[1:]))
+        return b"".join((head, array, b",", dumps(after)[1:]))
     return b"".join((head, array, b"}"))

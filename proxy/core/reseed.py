@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from proxy.core.request import TRANSPORT_ONLY_FIELDS
+from proxy.core.fields import TRANSPORT_ONLY_FIELDS
 from proxy.errors import InvalidRequest
 
 __all__ = ["Kept", "KeptContexts", "reseed_frame"]

@@ -14,15 +14,9 @@ Rules:
   with that header is never forwarded to another replica again, whatever the receiver thinks
   of membership. A worker forward arrives on the private socket and is never forwarded again.
   So a request makes at most two hops (replica, then worker).
-* **Peers prove who they are** (:mod:`proxy.ingress.peerauth`). With ``cluster.secret_file``
-  every replica forward is signed (an HMAC over method, path, time, nonce and body digest) and
-  an owner refuses (403, counted in ``upshift_forwards_received_total{verified="false"}``) a
-  marked request that is not; a replica is sent a forward only after it proved it holds the
-  secret, so a process that merely got into the peer set receives no traffic. Forwards go over
-  TLS (``https://`` peers, verified against ``cluster.tls_ca_file``; the owner's
-  ``cluster.peer_listen`` serves ``cluster.tls_cert_file``); plain HTTP between replicas needs
-  ``cluster.plain_http_peers: true`` (loopback tests), said in the log. Without a secret the
-  marker only turns forwarding off, so a forged one gets its request served where it landed.
+* **Peers prove who they are** (:mod:`proxy.ingress.peers` says how): with ``cluster.secret_file``
+  replica forwards are signed and go only to replicas that proved they hold the secret; they
+  travel over TLS unless ``cluster.plain_http_peers`` says otherwise.
 * **An owner that is down or slow is skipped.** The owner must accept the forward (connect,
   then answer ``Expect: 100-continue``: proof that its event loop runs) within
   ``cluster.connect_timeout_seconds``; otherwise it is marked down for ``cluster.down_seconds``
@@ -46,22 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import os
-import socket
-import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from yarl import URL
 
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
@@ -79,100 +65,31 @@ from proxy.ingress.forward import (
     worker_peer,
 )
 from proxy.ingress.handoff import HANDED_OFF, Handoff, HandoffOutcome, arrived_by_handoff
-from proxy.ingress.peerauth import PROOF_HEADER, PROOF_PATH, PROOF_SECONDS, PeerAuth
-from proxy.ingress.private import Trust, check_peer
+from proxy.ingress.peerauth import PROOF_HEADER, PROOF_SECONDS, PeerAuth
+from proxy.ingress.peers import (
+    MARKER,
+    Resolver,
+    WorkerPlacement,
+    ask_proof,
+    is_me,
+    member_address,
+    peer_key,
+    refused_forward,
+    system_resolver,
+    tls_client,
+)
+from proxy.ingress.private import check_peer
 from proxy.ops.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
 from proxy.serve.identity import Identity
 from proxy.serve.record import Record
-from proxy.serve.streaming import json_body
 from proxy.upstream.passthrough import HOP_BY_HOP
 
-__all__ = [
-    "MARKER",
-    "OWNER_HEADER",
-    "REFUSED_HEADER",
-    "Cluster",
-    "Level",
-    "Resolver",
-    "WorkerPlacement",
-    "resolve_peers",
-]
+__all__ = ["Cluster", "arrived_privately"]
 
 log = logging.getLogger(__name__)
 
-MARKER = "x-upshift-forwarded"
-"""Request header of a replica forward: ``replica;<hop>;<time>;<nonce>;<signature>``."""
-
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect", MARKER}
 """``content-encoding``: aiohttp already decoded the body that is forwarded."""
-_REFUSAL_BODY = {
-    "error": {
-        "message": "This forward is not signed with the cluster secret.",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": "forward_unauthenticated",
-    }
-}
-
-
-Resolver = Callable[[str, int], Awaitable[list[str]]]
-"""``(host, port) -> peer base URLs``: how ``cluster.peers_dns`` is resolved."""
-
-
-def _resolver(scheme: str) -> Resolver:
-    async def resolve(host: str, port: int) -> list[str]:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        urls = set()
-        for family, _, _, _, address in infos:
-            ip = str(address[0])
-            urls.add(f"{scheme}://[{ip}]:{port}" if family == socket.AF_INET6 else f"{scheme}://{ip}:{port}")
-        return sorted(urls)
-
-    return resolve
-
-
-resolve_peers = _resolver("http")
-"""The addresses of ``host`` as peer base URLs (``http://10.1.2.3:8080``, ``http://[fd00::1]:8080``)."""
-
-
-def peer_key(url: str) -> tuple[str, str, int | None]:
-    """A replica URL as compared to find this replica in the peer set: scheme and host without
-    case, an IP address in its canonical form (``[fd00:0::5]`` is ``[fd00::5]``), the scheme's
-    default port spelled out. ``cluster.self_url`` is written by hand, the peer set comes from
-    DNS: a replica that missed itself in it would forward its own conversations to itself."""
-    parts = urlsplit(url.strip())
-    scheme = parts.scheme.lower()
-    host = (parts.hostname or "").lower()
-    with contextlib.suppress(ValueError):
-        host = str(ipaddress.ip_address(host))
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    return scheme, host, port or {"http": 80, "https": 443}.get(scheme)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerPlacement:
-    """This process's place among the workers of one machine."""
-
-    index: int
-    """This worker (0..count-1)."""
-    sockets: tuple[str, ...]
-    """Private API socket of every worker (filesystem paths in a 0700 runtime directory)."""
-    handoffs: tuple[str, ...] = ()
-    """Private handoff socket of every worker (:mod:`proxy.ingress.handoff`; empty: no handoffs)."""
-    supervisor: int = 0
-    """Pid of the supervisor: its children are the workers this one trusts on private sockets
-    (0: only this process itself, workers run in one process by tests)."""
-
-    @property
-    def count(self) -> int:
-        return len(self.sockets)
-
-    @property
-    def trust(self) -> Trust:
-        return Trust(supervisor=self.supervisor)
 
 
 def arrived_privately(request: web.BaseRequest) -> bool:
@@ -184,35 +101,6 @@ def arrived_privately(request: web.BaseRequest) -> bool:
     if transport is None:
         return False
     return isinstance(transport.get_extra_info("sockname"), str | bytes)
-
-
-def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        address = ipaddress.ip_address((text or "").strip("[]").partition("%")[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def _member_address(remote: str | None, members: tuple[str, ...], self_url: str) -> bool:
-    """Whether ``remote`` is the address of a replica in ``members`` (other than this one; a
-    member named by a host name is never matched: without a secret only addresses count)."""
-    caller = _address(remote)
-    if caller is None or len(members) < 2:
-        return False
-    return any(_address(urlsplit(m).hostname) == caller for m in members if m != self_url)
-
-
-def _tls_client(settings: Settings) -> ssl.SSLContext | None:
-    ca = settings.cluster.tls_ca_file
-    if not ca:
-        return None
-    try:
-        return ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cluster.tls_ca_file: cannot load {ca}: {exc}") from None
 
 
 class Cluster:
@@ -231,8 +119,8 @@ class Cluster:
         self.settings = settings
         self.self_url = c.self_url.rstrip("/")
         self.worker = worker
-        self._tls = _tls_client(settings)
-        self.resolver: Resolver = resolver or _resolver("https" if self._tls is not None else "http")
+        self._tls = tls_client(settings)
+        self.resolver: Resolver = resolver or system_resolver("https" if self._tls is not None else "http")
         self._timeout = c.connect_timeout_seconds
         self._idle = settings.timeouts.stream_idle_seconds
         self._limit = c.max_forwards_per_peer
@@ -389,7 +277,7 @@ class Cluster:
         replica as the prover (:mod:`proxy.ingress.peerauth`); else the 404 of no route."""
         marker = request.headers.get(MARKER, "")
         asker, prover = request.query.get("asker", ""), request.query.get("prover", "")
-        if not (self.auth.enabled and marker and self._is_me(request, prover)):
+        if not (self.auth.enabled and marker and is_me(request, prover, self.self_url)):
             return web.Response(status=404)
         if not self.auth.verify(marker, request.method, request.raw_path, b""):
             return web.Response(status=404)
@@ -397,26 +285,6 @@ class Cluster:
         if not proof:
             return web.Response(status=404)
         return web.Response(status=204, headers={PROOF_HEADER: proof})
-
-    def _is_me(self, request: web.Request, prover: str) -> bool:
-        """Whether ``prover`` (a peer URL) names this replica: its ``self_url``, or the address
-        and port the question reached it at (what the asker dialled)."""
-        prover = prover.rstrip("/")
-        if not prover:
-            return False
-        if self.self_url and prover.lower() == self.self_url.lower():
-            return True
-        transport = request.transport
-        sockname = transport.get_extra_info("sockname") if transport is not None else None
-        if not isinstance(sockname, tuple) or len(sockname) < 2:
-            return False
-        try:
-            parts = urlsplit(prover)
-            port = parts.port
-        except ValueError:
-            return False
-        local = _address(str(sockname[0]))
-        return local is not None and _address(parts.hostname) == local and port == int(sockname[1])
 
     def _received(self, request: web.Request, marker: str, body: bytes) -> web.Response | None:
         """Count a replica forward received; the refusal when it is not authentic."""
@@ -427,14 +295,7 @@ class Cluster:
         self.received[verdict] += 1
         if verdict != "false":
             return None
-        peer = request.remote or "?"
-        log.warning("cluster: refused a forward from %s that is not signed with the cluster secret", peer)
-        return web.Response(
-            body=json_body(_REFUSAL_BODY),
-            status=403,
-            content_type="application/json",
-            headers={REFUSED_HEADER: "forward_unauthenticated"},
-        )
+        return refused_forward(request)
 
     # -- owner queries (proxy/ingress/creator_queries.py) ----------------------------------------
 
@@ -471,7 +332,7 @@ class Cluster:
         answered to anyone would tell any client which response ids exist."""
         if self.auth.enabled:
             return self.auth.verify(marker, request.method, request.raw_path, b"")
-        return _member_address(request.remote, self._members, self.self_url)
+        return member_address(request.remote, self._members, self.self_url)
 
     # -- the request path ------------------------------------------------------------------------
 
@@ -566,26 +427,9 @@ class Cluster:
         :data:`~proxy.ingress.peerauth.PROOF_SECONDS`); always true without a secret."""
         if not self.auth.enabled or peer.proven_until > time.monotonic():
             return True
-        challenge = self.auth.challenge()
-        asker, prover = self.self_url, peer.name
-        raw = str(URL(PROOF_PATH).with_query({"asker": asker, "prover": prover, "challenge": challenge}))
-        marker = self.auth.marker("GET", raw, b"", "proof-" + os.urandom(8).hex())
-        timeout = aiohttp.ClientTimeout(total=self._timeout)
-        try:
-            async with peer.client().get(
-                peer.url(raw),
-                headers={MARKER: marker},
-                timeout=timeout,
-                allow_redirects=False,
-                server_hostname=peer.server_name,
-            ) as resp:
-                await resp.read()
-                proof = resp.headers.get(PROOF_HEADER, "")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            await self._mark_down(peer, f"no proof of the cluster secret: {type(exc).__name__}")
-            return False
-        if not self.auth.check_proof(asker, prover, challenge, proof):
-            await self._mark_down(peer, "it could not prove it holds the cluster secret")
+        why = await ask_proof(peer, self.auth, self.self_url, self._timeout)
+        if why is not None:
+            await self._mark_down(peer, why)
             return False
         peer.proven_until = time.monotonic() + PROOF_SECONDS
         return True

@@ -52,8 +52,8 @@ from prometheus_client.samples import Sample
 from proxy.config import Settings, parse_hostport
 from proxy.contracts import CheckedUnixConnector
 from proxy.errors import ConfigError
-from proxy.ingress.cluster import WorkerPlacement
 from proxy.ingress.listener import Guard, HardenedTCPSite
+from proxy.ingress.peers import WorkerPlacement
 from proxy.ingress.private import Trust, check_peer, runtime_dir
 from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, admin_host_guard

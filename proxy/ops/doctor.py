@@ -25,7 +25,8 @@ import sys
 
 import orjson
 
-from proxy.config import Settings, load_settings
+from proxy.config import Settings
+from proxy.config_load import load_settings
 from proxy.errors import ConfigError
 from proxy.ops.doctor_checks import Checks, Options
 from proxy.ops.doctor_report import Check, Result, Status, render, to_json

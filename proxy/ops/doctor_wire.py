@@ -3,7 +3,7 @@
 The credential headers and the WebSocket URL come from :func:`proxy.serve.identity.request_identity`
 (as for an app's request), the HTTP URL from :meth:`Passthrough.url_for` (path prefix, the
 upstream's query string, the app's ``api-version``), the egress proxy and TLS trust from
-:mod:`proxy.upstream.egress`, the upgrade from :func:`proxy.upstream.ws.open_websocket`, the
+:mod:`proxy.upstream.egress`, the upgrade from :func:`proxy.upstream.handshake.open_websocket`, the
 socket from :class:`proxy.upstream.ws.UpstreamSocket` (its lane demultiplexer judges
 ``stream_id`` as the pool does) and every frame from :func:`proxy.core.request.build_frame`.
 What the doctor sees is what the sidecar would see on this network, with this key.
@@ -31,8 +31,9 @@ from proxy.errors import UpstreamClosed, UpstreamError
 from proxy.redact import redact_urls
 from proxy.serve.identity import USER_AGENT, request_identity
 from proxy.serve.keys import KeySource
+from proxy.upstream.handshake import open_websocket
 from proxy.upstream.passthrough import Passthrough
-from proxy.upstream.ws import UpstreamSocket, open_websocket
+from proxy.upstream.ws import UpstreamSocket
 from proxy.wire import sse
 
 __all__ = ["Answer", "Budget", "Upstream"]

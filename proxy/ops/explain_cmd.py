@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from proxy.config import load_settings
+from proxy.config_load import load_settings
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, Explanation
 from proxy.core.explainer import MissExplainer

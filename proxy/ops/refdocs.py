@@ -31,6 +31,7 @@ import proxy.config as config
 import proxy.core.reasons as reasons
 import proxy.errors as errors
 import proxy.ops.metrics as metrics
+from proxy.config_load import env_name
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
 
@@ -116,7 +117,7 @@ def configuration() -> str:
             for f in leaves:
                 key = prefix + f.name
                 default = getattr(cls(), f.name)
-                env = f"`{config.env_name(key)}`" + (f", `{_FLAGS[key]}`" if key in _FLAGS else "")
+                env = f"`{env_name(key)}`" + (f", `{_FLAGS[key]}`" if key in _FLAGS else "")
                 meaning = _rst(docs.get(f"{cls.__name__}.{f.name}", ""))
                 out.append(f"| `{key}` | `{_yaml_value(default)}` | {env} | {meaning} |\n")
         for f in subs:
@@ -178,7 +179,7 @@ def config_yaml() -> str:
             if not prefix:
                 out.append("\n")
             value = getattr(cls(), f.name)
-            where = f"Env {config.env_name(key)}" + (" (comma-separated)" if isinstance(value, tuple) else "")
+            where = f"Env {env_name(key)}" + (" (comma-separated)" if isinstance(value, tuple) else "")
             where += f", flag {_FLAGS[key]}" if key in _FLAGS else ""
             comment(f"{_plain(docs.get(f'{cls.__name__}.{f.name}', ''))} Default {_scalar(value)}. {where}.", indent)
             out.append(f"{indent}{f.name}: {_scalar(value)}\n")

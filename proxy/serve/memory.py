@@ -65,7 +65,7 @@ from proxy.core.budget import (
     Verdict,
     derive,
 )
-from proxy.core.conversation import PrefixCache
+from proxy.core.fastparse import PrefixCache
 from proxy.core.reasons import MemoryRefusal
 from proxy.errors import BodyTimeout, MemoryBusy, MemoryRefused, MemoryTooLarge
 from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS

@@ -52,7 +52,7 @@ from proxy.serve.identity import Identity
 from proxy.serve.memory import MemoryRefused, MessageMeter
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body, new_request_id
-from proxy.upstream.ws import open_websocket
+from proxy.upstream.handshake import open_websocket
 
 __all__ = ["RELAY_REFUSED_CODE", "relay_websocket", "sendable_code"]
 

@@ -33,8 +33,9 @@ from yarl import URL
 from proxy import contracts
 from proxy.config import Settings, merge_query
 from proxy.core.creators import SNIFF_LIMIT
+from proxy.core.fields import TRANSPORT_ONLY_FIELDS
 from proxy.core.reasons import BodyAbort
-from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
+from proxy.core.request import ParsedRequest, build_frame
 from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeout, UpstreamUnavailable
 from proxy.kernel import received_ago, tcp_socket
 from proxy.ops.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT

@@ -51,8 +51,9 @@ from proxy.ops.metrics import (
 )
 from proxy.serve.identity import Identity
 from proxy.upstream.caps import CapFile
+from proxy.upstream.handshake import open_websocket
 from proxy.upstream.passthrough import Forwarded
-from proxy.upstream.ws import Inbox, UpstreamSocket, open_websocket
+from proxy.upstream.ws import Inbox, UpstreamSocket
 from proxy.wire import sse
 
 __all__ = ["Pool", "SocketUse", "Turn", "completed_response"]

@@ -1,12 +1,12 @@
-"""One upstream WebSocket connection, its lanes' inboxes, and the boundary where library
-exceptions become :mod:`proxy.errors`.
+"""One upstream WebSocket connection and its lanes' inboxes.
 
-websockets' client opens the connection (proxy tunnel, TLS, upgrade: :func:`open_websocket`
-maps its handshake failures); then :class:`UpstreamSocket` takes the transport over. Every send
-goes through :meth:`UpstreamSocket.send` (websockets' sans-I/O protocol builds the frames), and
-every frame is read once, in the transport's ``data_received``, by the codec of
-:mod:`proxy.wire.wsframe`, and placed by :class:`proxy.core.demux.Demux` in the inbox of its
-lane: one write path, one read path, each mapping closes and OS errors once.
+websockets' client opens the connection (proxy tunnel, TLS, upgrade:
+:func:`proxy.upstream.handshake.open_websocket` maps its handshake failures); then
+:class:`UpstreamSocket` takes the transport over. Every send goes through
+:meth:`UpstreamSocket.send` (websockets' sans-I/O protocol builds the frames), and every frame is
+read once, in the transport's ``data_received``, by the codec of :mod:`proxy.wire.wsframe`, and
+placed by :class:`proxy.core.demux.Demux` in the inbox of its lane: one write path, one read
+path, each mapping closes and OS errors once.
 """
 
 from __future__ import annotations
@@ -18,53 +18,26 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import (
-    InvalidHandshake,
-    InvalidProxy,
-    InvalidProxyStatus,
-    InvalidStatus,
-    InvalidURI,
-    ProtocolError,
-    ProxyError,
-)
-from websockets.frames import Close, CloseCode
+from websockets.asyncio.client import ClientConnection
+from websockets.frames import Close
 from websockets.protocol import State
 
-from proxy.config import Settings
 from proxy.contracts import ws_parser_error, ws_take_over
 from proxy.core.demux import BadEvent, Demux, LaneSignal, Routed, Unroutable
 from proxy.errors import (
     UpstreamClosed,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamRefused,
     UpstreamTimeout,
-    UpstreamUnavailable,
 )
 from proxy.kernel import received_ago, tcp_socket
-from proxy.redact import redact_urls
-from proxy.serve.identity import USER_AGENT
-from proxy.upstream.egress import egress_for
+from proxy.upstream.handshake import CLOSE_TIMEOUT, MAX_RECEIVED_FRAME, closed_error, echo_close
 from proxy.wire.wsframe import FrameReader, LibraryReader, PeerClosed, Ping, Pong, Violation
 
-__all__ = [
-    "MAX_RECEIVED_FRAME",
-    "Inbox",
-    "UpstreamSocket",
-    "closed_error",
-    "live_sockets",
-    "open_websocket",
-]
-
-MAX_RECEIVED_FRAME = 64 * 1024 * 1024
-"""Largest frame accepted from upstream: a ``response.completed`` holds the whole output."""
-
-_CLOSE_TIMEOUT = 2.0
-"""Seconds to wait for the closing handshake before dropping the TCP connection."""
+__all__ = ["Inbox", "UpstreamSocket", "live_sockets"]
 
 _READ_BYTES = 256 * 1024
 """Size of the buffer one read of an upstream socket lands in (uvloop's own read size)."""
@@ -79,97 +52,6 @@ def _read_buffer() -> memoryview:
     if view is None:
         view = _READ_BUFFERS.view = memoryview(bytearray(_READ_BYTES))
     return view
-
-
-_UNSENDABLE = frozenset({CloseCode.NO_STATUS_RCVD, CloseCode.ABNORMAL_CLOSURE, CloseCode.TLS_HANDSHAKE})
-"""Close codes that may be received but never sent: such a close is echoed without a code."""
-
-
-def closed_error(rcvd: Close | None, sent: Close | None) -> UpstreamClosed:
-    """:class:`UpstreamClosed` for a closing handshake: the code and reason the upstream sent
-    (else ours; 1006 when no close frame went either way)."""
-    frame = rcvd or sent
-    code = frame.code if frame is not None else 1006
-    reason = frame.reason if frame is not None else ""
-    return UpstreamClosed(
-        f"The upstream closed the connection ({code}{' ' + reason if reason else ''}).",
-        close_code=code,
-        reason=reason,
-    )
-
-
-class _NoRedirects(connect):
-    """websockets' ``connect`` that follows no redirect: a 3xx answer to the upgrade is a
-    refused upgrade (:class:`~proxy.errors.UpstreamRefused`, so the turn goes over HTTP). A
-    redirect would carry the upgrade's headers to another origin, and websockets strips only
-    ``Authorization``, ``Cookie`` and ``Proxy-Authorization`` there, not a key in another
-    header (``api_key.header: api-key``); the HTTP relay follows none either."""
-
-    def process_redirect(self, exc: Exception) -> Exception | str:
-        return exc
-
-
-async def open_websocket(url: str, headers: Sequence[tuple[str, str]], settings: Settings) -> ClientConnection:
-    """Open an upstream WebSocket with the sidecar's options.
-
-    Args:
-        url: ``Identity.ws_url`` (the upstream's path and query plus the app's query string).
-        headers: Upgrade headers (``Identity.headers``); never cookies or hop-by-hop headers.
-        settings: Pool and timeout settings.
-
-    The connection goes through the egress proxy of :func:`proxy.upstream.egress.egress_for` (an HTTP
-    ``CONNECT`` tunnel), with its TLS context.
-
-    Raises:
-        UpstreamRefused: the upgrade was answered with a non-101 status.
-        UpstreamUnavailable: connection refused, DNS failure, handshake timeout or failure, TLS
-            verification failure, or the egress proxy refused the ``CONNECT``.
-    """
-    pool = settings.pool
-    egress = egress_for(settings)
-    # The shared TLS context (egress.ca_file, SSL_CERT_FILE) for wss; none for ws.
-    tls: dict[str, Any] = {"ssl": egress.ssl} if egress.ssl is not None and url.startswith("wss:") else {}
-    if egress.ssl is not None and egress.proxy is not None and egress.proxy.startswith("https:"):
-        tls["proxy_ssl"] = egress.ssl  # TLS to an https:// proxy trusts the same CAs
-    try:
-        return await _NoRedirects(
-            url,
-            additional_headers=list(headers),
-            user_agent_header=USER_AGENT,
-            compression="deflate" if pool.compression else None,
-            open_timeout=settings.timeouts.connect_seconds,
-            ping_interval=None,  # the UpstreamSocket's own keepalive (it owns the transport)
-            close_timeout=_CLOSE_TIMEOUT,
-            max_size=MAX_RECEIVED_FRAME,
-            # Resolved once by proxy.upstream.egress (egress.proxy: env|off|URL, NO_PROXY), never by
-            # websockets itself, so the HTTP relay and the sockets take the same path.
-            proxy=egress.for_websockets(),
-            **tls,
-        )
-    except InvalidProxyStatus as exc:
-        status = exc.response.status_code
-        raise UpstreamUnavailable(
-            f"The egress proxy refused the connection to the upstream (HTTP {status} to CONNECT)."
-        ) from exc
-    except (ProxyError, InvalidProxy) as exc:
-        raise UpstreamUnavailable(f"The egress proxy failed: {redact_urls(str(exc))}") from exc
-    except InvalidStatus as exc:
-        response = exc.response
-        reason = f"refused the WebSocket upgrade with HTTP {response.status_code}"
-        if 300 <= response.status_code <= 399:
-            reason = f"answered the WebSocket upgrade with a redirect (HTTP {response.status_code}), not followed"
-        raise UpstreamRefused(
-            f"The upstream {reason}.",
-            http_status=response.status_code,
-            headers={k.lower(): v for k, v in response.headers.raw_items()},
-            payload=bytes(response.body or b""),
-        ) from exc
-    except (InvalidHandshake, InvalidURI) as exc:
-        raise UpstreamUnavailable(f"The upstream WebSocket handshake failed: {redact_urls(str(exc))}") from exc
-    except TimeoutError as exc:
-        raise UpstreamUnavailable("Connecting to the upstream timed out.") from exc
-    except OSError as exc:
-        raise UpstreamUnavailable(f"The upstream is unreachable: {redact_urls(str(exc.strerror or exc))}") from exc
 
 
 _TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "response.done", "error"})
@@ -242,7 +124,7 @@ class Inbox:
             raise self.error
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout, _wake_up, waiter)  # cheaper than asyncio.timeout per wait
+        timer = loop.call_later(timeout, self._wake)  # cheaper than asyncio.timeout per wait
         try:
             await waiter
         finally:
@@ -263,11 +145,6 @@ class Inbox:
         if not self.frames:
             await self._wait(timeout)
         return self.frames.popleft()
-
-
-def _wake_up(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class UpstreamSocket(asyncio.BufferedProtocol):
@@ -450,7 +327,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         if self.protocol.close_expected() and self._closer is None and not self._lost.done():
             # The closing handshake is under way: the upstream should close the TCP
             # connection; if it does not, we do.
-            self._closer = self._loop.call_later(_CLOSE_TIMEOUT, self.transport.abort)
+            self._closer = self._loop.call_later(CLOSE_TIMEOUT, self.transport.abort)
 
     def pause_writing(self) -> None:
         if self._writable is None:
@@ -498,12 +375,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
     def _peer_closed(self, item: PeerClosed) -> None:
         rcvd = self._close_rcvd = item.close
         if not item.answered and self.protocol.state is State.OPEN:
-            # Echo it (§5.5.1); the upstream then closes TCP.
-            with contextlib.suppress(ProtocolError):
-                if rcvd.code in _UNSENDABLE:
-                    self.protocol.send_close()
-                else:
-                    self.protocol.send_close(rcvd.code, rcvd.reason)
+            echo_close(self.protocol, rcvd)  # the upstream then closes TCP
             self._flush()
         # The upstream is closing: nothing more comes, and nothing may be sent any more.
         self._fail(closed_error(rcvd, self.protocol.close_sent))
@@ -602,7 +474,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
                     self.transport.abort()
                 self._flush()
             try:
-                async with asyncio.timeout(_CLOSE_TIMEOUT):
+                async with asyncio.timeout(CLOSE_TIMEOUT):
                     await asyncio.shield(self._lost)
             except TimeoutError:
                 self.transport.abort()

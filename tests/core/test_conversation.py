@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.core.conversation import Head, HeadTable, MissReason
+from proxy.core.conversation import HeadTable, MissReason
+from proxy.core.heads import Head
 from proxy.core.request import ParsedRequest, parse_request
 
 BASE = {"model": "gpt-6.1-sol", "tools": [{"type": "function", "name": "read"}], "store": False}

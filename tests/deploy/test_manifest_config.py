@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import Settings, load_settings
+from proxy.config import Settings
+from proxy.config_load import load_settings
 from proxy.errors import ConfigError
-from proxy.ingress.cluster import Cluster, peer_key
+from proxy.ingress.cluster import Cluster
+from proxy.ingress.peers import peer_key
 from tests.deploy import kubelet
 from tests.tools import kustomize, which
 

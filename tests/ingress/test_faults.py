@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
-from proxy.ingress.cluster import MARKER
+from proxy.ingress.peers import MARKER
 from proxy.ops.metrics import FORWARDS, FORWARDS_RECEIVED
 from proxy.server import Server
 from tests.clients.support import MODEL, TOOLS

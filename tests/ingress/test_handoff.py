@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from proxy.config import Settings, ShutdownSettings
-from proxy.ingress.cluster import WorkerPlacement
+from proxy.ingress.peers import WorkerPlacement
 from proxy.ingress.private import runtime_dir
 from proxy.ops.metrics import FORWARDS, HANDOFFS
 from proxy.server import Server

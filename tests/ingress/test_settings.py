@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import Settings, load_settings, peer_urls
+from proxy.config import Settings, peer_urls
+from proxy.config_load import load_settings
 from proxy.errors import ConfigError
 from proxy.ingress.workers import merge_metrics
 from proxy.server import Server

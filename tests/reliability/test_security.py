@@ -23,7 +23,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import LoggingSettings, Settings, load_settings
+from proxy.config import LoggingSettings, Settings
+from proxy.config_load import load_settings
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
 from proxy.core.reasons import (

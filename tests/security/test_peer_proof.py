@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from proxy.ingress.cluster import MARKER
 from proxy.ingress.peerauth import PROOF_HEADER, PROOF_PATH, PeerAuth
+from proxy.ingress.peers import MARKER
 from proxy.server import Server
 from tests.ingress.support import HEADERS, first_body, free_ports, replica_settings, task_owned_by
 from upshift_emulator import Emulator

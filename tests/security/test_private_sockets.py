@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
-from proxy.ingress.cluster import WorkerPlacement
+from proxy.ingress.peers import WorkerPlacement
 from proxy.ingress.private import runtime_dir
 from proxy.server import Server
 from tests.ingress.support import HEADERS, first_body, owner_of, task_text, tool_loop, wait_ready

@@ -1,0 +1,146 @@
+"""The records of the head index: what a head is, and what a lookup answers.
+
+A :class:`Head` is the end state of one completed response (its input as digests, its output as
+fingerprints, its response id, the lane that holds it); :class:`Match` and :class:`Lookup` are
+what :meth:`proxy.core.conversation.HeadTable.lookup` returns; a :class:`Listener` is told of the
+heads the table records and lets go; :func:`stronger` ranks the reasons a lookup misses. Kept
+apart from the table so that a reader (the planner, the miss explainer) can hold the data
+without the matching rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proxy.core.explain import EchoFields
+from proxy.core.items import OutputFingerprint
+from proxy.core.reasons import Hit, MissReason
+from proxy.core.request import ParsedRequest
+
+__all__ = ["Head", "Listener", "Lookup", "Match", "stronger"]
+
+
+class Listener(Protocol):
+    """Told of the heads the table records and lets go (the miss explainer)."""
+
+    def recorded(self, head: Head, req: ParsedRequest) -> None:
+        """``head`` was recorded from the full history ``req`` (never for a chained request)."""
+        ...
+
+    def discarded(self, head: Head) -> None:
+        """``head`` (not chained) left the table; ``head.anchor`` is still the one it had."""
+        ...
+
+
+@dataclass(slots=True, init=False)
+class Head:
+    """The end state of one completed response on one socket."""
+
+    identity: str
+    anchor: Hashable
+    response_id: str
+    settings: bytes
+    n_input: int
+    input_digest: bytes
+    output: tuple[OutputFingerprint, ...]
+    last_used: float
+    store: bool = False
+    """The response was stored upstream: it can be continued from any socket (hydration)."""
+    chained: bool = False
+    """The app chained this turn itself (``previous_response_id``): its input is a delta, so
+    the head serves only :meth:`~proxy.core.conversation.HeadTable.anchor_for`, never full-history matching."""
+    items: bytes | None = None
+    """8 bytes per input item (:func:`~proxy.core.explain.item_digests`), to explain misses."""
+    echo: tuple[EchoFields, ...] = ()
+    """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
+    compactions: tuple[bytes, ...] = ()
+    """Digests of the ``encrypted_content`` of the ``compaction`` items of its output."""
+    bare: tuple[int, Any] | None = None
+    """Under ``reasoning.context: current_turn``: its input's items other than reasoning, counted,
+    and the SHA-256 state over their keys (:class:`~proxy.core.bare.BareIndex`)."""
+
+    def __init__(
+        self,
+        identity: str,
+        anchor: Hashable,
+        response_id: str,
+        settings: bytes,
+        n_input: int,
+        input_digest: bytes,
+        output: tuple[OutputFingerprint, ...],
+        last_used: float,
+        store: bool = False,
+        chained: bool = False,
+        items: bytes | None = None,
+        echo: tuple[EchoFields, ...] = (),
+    ) -> None:
+        self.identity = identity
+        self.anchor = anchor
+        self.response_id = response_id
+        self.settings = settings
+        self.n_input = n_input
+        self.input_digest = input_digest
+        self.output = output
+        self.last_used = last_used
+        self.store = store
+        self.chained = chained
+        self.items = items
+        self.echo = echo
+        self.compactions = ()
+        self.bare = None
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Match:
+    """A continuation: send ``new_items`` with ``previous_response_id=response_id`` on ``anchor``."""
+
+    anchor: Hashable
+    response_id: str
+    new_items: list[Any]
+    items_avoided: int
+
+    def __init__(self, anchor: Hashable, response_id: str, new_items: list[Any], items_avoided: int) -> None:
+        object.__setattr__(self, "anchor", anchor)
+        object.__setattr__(self, "response_id", response_id)
+        object.__setattr__(self, "new_items", new_items)
+        object.__setattr__(self, "items_avoided", items_avoided)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Lookup:
+    """The outcome of :meth:`~proxy.core.conversation.HeadTable.lookup`."""
+
+    match: Match | None
+    reason: Hit | MissReason
+    """``continuation`` with a match, else why there is none."""
+    dropped_reasoning: int = 0
+    """Reasoning items of the head's output that the echo left out."""
+    dropped_phase: int = 0
+    """Assistant messages of the head's output that the echo sent without their ``phase``."""
+
+    def __init__(
+        self, match: Match | None, reason: Hit | MissReason, dropped_reasoning: int = 0, dropped_phase: int = 0
+    ) -> None:
+        object.__setattr__(self, "match", match)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
+        object.__setattr__(self, "dropped_phase", dropped_phase)
+
+
+_STRENGTH: dict[MissReason, int] = {
+    MissReason.NO_HEAD: 0,
+    MissReason.DIVERGED: 1,
+    MissReason.NO_NEW_ITEMS: 2,
+    MissReason.RETRY: 3,
+    MissReason.DROPPED_REASONING: 4,
+    MissReason.DROPPED_PHASE: 4,
+    MissReason.HEAD_BUSY: 5,
+    MissReason.PRUNED_AT_COMPACTION: 1,
+}
+
+
+def stronger(current: MissReason, candidate: MissReason) -> MissReason:
+    """The more specific of two miss reasons (the one closest to a continuation)."""
+    return candidate if _STRENGTH.get(candidate, 0) > _STRENGTH.get(current, 0) else current
