@@ -343,7 +343,7 @@ async def trace() -> tuple[list[Call], str]:
 def measure() -> Walk:
     """Trace one continuation on asyncio's loop and read it."""
     from proxy.build import build_kind
-    from proxy.core.reasons import Build
+    from proxy.reasons import Build
 
     if build_kind() is Build.COMPILED:
         raise RuntimeError("the compiled build hides its frames from the profiler: python -m proxy.build --clean")

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proxy.core.reasons import Build
+from proxy.reasons import Build
 
 __all__ = ["COMPILED", "GROUP", "ROOT", "build_kind", "compile_modules", "main", "remove_in_place"]
 
@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "creators", "fastparse", "items", "lanes", "planner", "rawjson", "reasons", "request",
+        "creators", "fastparse", "items", "lanes", "planner", "rawjson", "request",
         "reseed", "retry", "sse",
     )),
+    "proxy.reasons",  # every label, beside the errors it names
     "proxy.wire.sse",
     "proxy.wire.wsframe",
     # The shells a turn runs through (the budget table of docs/benchmarks.md).

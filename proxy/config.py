@@ -24,8 +24,8 @@ from urllib.parse import unquote_plus, urlsplit
 
 import yaml
 
-from proxy.core.reasons import ObjectKind, Tolerance
 from proxy.errors import ConfigError
+from proxy.reasons import ObjectKind, Tolerance
 from proxy.redact import redact_url, redact_urls
 
 __all__ = [

@@ -29,7 +29,6 @@ from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.creators import OwnerRegistry
 from proxy.core.explainer import MissExplainer
-from proxy.core.reasons import Mode, Route
 from proxy.errors import RequestError, invalid_url_body
 from proxy.ingress.browsers import browser_guard
 from proxy.ingress.creator_queries import install as install_owner_routes
@@ -40,6 +39,7 @@ from proxy.loop import run as run_loop
 from proxy.ops.health import Lifecycle, make_admin_app
 from proxy.ops.log import setup_logging
 from proxy.ops.metrics import BUILD_INFO, ERRORS
+from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.keys import KeySource
 from proxy.serve.memory import MemoryGate, effective_settings, tune_allocator

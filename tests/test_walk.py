@@ -7,7 +7,7 @@ import pytest
 
 from bench.walk import Call, Walk, figures, import_graph, measure, upward
 from proxy.build import build_kind
-from proxy.core.reasons import Build
+from proxy.reasons import Build
 
 MAIN_LINE_STOPS = 101
 """The main line's stops, measured (the goal is 60)."""

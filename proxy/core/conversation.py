@@ -48,8 +48,8 @@ from proxy.core.explain import EchoFields, echo_fields, item_digests
 from proxy.core.fair import FairShares
 from proxy.core.fastparse import PROBE, RawPrefix, fast_parse, prefix_digest, raw_prefix
 from proxy.core.items import OutputFingerprint, echo_matches, fingerprint, phase_dropped, projection
-from proxy.core.reasons import Hit, MissReason, Tolerance
 from proxy.core.request import ParsedRequest, parse_request
+from proxy.reasons import Hit, MissReason, Tolerance
 
 __all__ = ["Head", "HeadTable", "Keeper", "Listener", "Lookup", "Match", "MissReason", "PrefixCache"]
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import orjson
 
-from proxy.core.reasons import ObjectKind, OwnerVerdict
 from proxy.core.request import ParsedRequest
 from proxy.core.request import _loads as loads_body
 from proxy.errors import InvalidRequest
+from proxy.reasons import ObjectKind, OwnerVerdict
 
 __all__ = [
     "PARSE_INLINE",

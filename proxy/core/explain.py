@@ -46,8 +46,8 @@ from proxy.core.items import (
     phase_dropped,
     projection,
 )
-from proxy.core.reasons import MissReason, Tolerance
 from proxy.core.request import NON_SETTINGS_FIELDS
+from proxy.reasons import MissReason, Tolerance
 
 __all__ = [
     "DIGEST",

@@ -27,8 +27,8 @@ from proxy.core.explain import (
     score,
     settings_fields,
 )
-from proxy.core.reasons import MissReason, Reason
 from proxy.core.request import ParsedRequest
+from proxy.reasons import MissReason, Reason
 
 __all__ = ["MissExplainer"]
 

@@ -19,8 +19,8 @@ import orjson
 
 from proxy.core.items import canonical, item_key
 from proxy.core.rawjson import InputSpan, locate_input
-from proxy.core.reasons import PassthroughReason
 from proxy.errors import InvalidRequest, UnsupportedRequest
+from proxy.reasons import PassthroughReason
 
 __all__ = [
     "Base",

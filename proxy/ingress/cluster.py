@@ -65,7 +65,6 @@ from yarl import URL
 
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
-from proxy.core.reasons import ForwardOutcome, ForwardReason, Mode
 from proxy.errors import ConfigError
 from proxy.ingress.forward import (
     OWNER_HEADER,
@@ -82,6 +81,7 @@ from proxy.ingress.handoff import HANDED_OFF, Handoff, HandoffOutcome, arrived_b
 from proxy.ingress.peerauth import PROOF_HEADER, PROOF_PATH, PROOF_SECONDS, PeerAuth
 from proxy.ingress.private import Trust, check_peer
 from proxy.ops.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
+from proxy.reasons import ForwardOutcome, ForwardReason, Mode
 from proxy.serve.identity import Identity
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body

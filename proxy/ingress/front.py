@@ -19,13 +19,13 @@ from urllib.parse import unquote, urlsplit
 from aiohttp import web
 
 from proxy.config import Settings, parse_hostport
-from proxy.core.reasons import Mode, Route
 from proxy.errors import ConfigError, InvalidRequest
 from proxy.ingress.cluster import Cluster, Resolver, WorkerPlacement
 from proxy.ingress.handoff import Receiver
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite, protocol_factory
 from proxy.ingress.peerauth import PROOF_PATH
 from proxy.ingress.reception import Reception
+from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, Arrival, refuse, serve
 from proxy.serve.record import Record
 from proxy.serve.streaming import new_request_id

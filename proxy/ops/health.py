@@ -26,11 +26,11 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from proxy.core.reasons import BrowserRefusal
 from proxy.errors import ForeignHost
 from proxy.ops.metrics import BROWSER_REFUSALS, ERRORS, REGISTRY
 from proxy.ops.misses import RECENT
 from proxy.ops.status import Sampler, misses_json, render_status, snapshot
+from proxy.reasons import BrowserRefusal
 
 __all__ = ["LIFECYCLE_KEY", "SAMPLER_KEY", "Lifecycle", "State", "admin_host_guard", "make_admin_app"]
 

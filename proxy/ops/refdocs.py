@@ -2,7 +2,7 @@
 
 Each setting, metric and error code is written once, in the code (the settings dataclasses of
 :mod:`proxy.config` with their attribute docstrings, the metrics of :mod:`proxy.ops.metrics`,
-the error classes of :mod:`proxy.errors` and :class:`~proxy.core.reasons.ErrorCode`), and the
+the error classes of :mod:`proxy.errors` and :class:`~proxy.reasons.ErrorCode`), and the
 pages are rendered from it, so they cannot drift: ``tests/test_refdocs.py`` fails when a page
 differs from what this module renders now.
 
@@ -28,9 +28,9 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 import proxy.config as config
-import proxy.core.reasons as reasons
 import proxy.errors as errors
 import proxy.ops.metrics as metrics
+import proxy.reasons as reasons
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
 
@@ -256,7 +256,7 @@ def errors_page() -> str:
             continue
         classes.setdefault(str(cls.code), []).append(cls)
     out = [
-        _HEADER.format(source="proxy/errors.py and proxy/core/reasons.py"),
+        _HEADER.format(source="proxy/errors.py and proxy/reasons.py"),
         "# Error codes\n\n",
         "Errors the sidecar answers itself, in the OpenAI shape\n",
         '`{"error": {"message", "type", "param", "code"}}`, each counted in\n',

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from proxy.core.creators import NamedIds, OwnerRegistry, noun
-from proxy.core.reasons import ObjectKind, OwnerVerdict
 from proxy.errors import ForeignObject, ForeignResponse, NotShared
+from proxy.reasons import ObjectKind, OwnerVerdict
 
 __all__ = ["OwnerBook", "RemoteOwners"]
 

@@ -37,11 +37,11 @@ from proxy.core.conversation import HeadTable
 from proxy.core.creators import parsed_ids
 from proxy.core.explainer import MissExplainer
 from proxy.core.planner import Plan, PlanKind
-from proxy.core.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
 from proxy.errors import ProxyError, RequestError, UpstreamError
 from proxy.ops.metrics import UPSTREAM_DURATION
+from proxy.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.serve.creator_check import OwnerBook
 from proxy.serve.identity import Identity, request_identity
 from proxy.serve.inflight import Streams

@@ -66,9 +66,9 @@ from proxy.core.budget import (
     derive,
 )
 from proxy.core.conversation import PrefixCache
-from proxy.core.reasons import MemoryRefusal
 from proxy.errors import BodyTimeout, MemoryBusy, MemoryRefused, MemoryTooLarge
 from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
+from proxy.reasons import MemoryRefusal
 
 __all__ = [
     "BodyBuffer",

@@ -20,18 +20,6 @@ from typing import Any
 from proxy.core.answer import status_outcome
 from proxy.core.explain import Explanation
 from proxy.core.planner import Plan, PlanKind
-from proxy.core.reasons import (
-    Hit,
-    Mode,
-    PassthroughReason,
-    Reason,
-    ReplayCause,
-    RequestOutcome,
-    Route,
-    ServiceTier,
-    Tolerance,
-    WaitOutcome,
-)
 from proxy.core.request import Transport
 from proxy.core.waiting import Waiting
 from proxy.ops.log import access_log
@@ -53,6 +41,18 @@ from proxy.ops.metrics import (
     child,
 )
 from proxy.ops.misses import RECENT
+from proxy.reasons import (
+    Hit,
+    Mode,
+    PassthroughReason,
+    Reason,
+    ReplayCause,
+    RequestOutcome,
+    Route,
+    ServiceTier,
+    Tolerance,
+    WaitOutcome,
+)
 from proxy.upstream.passthrough import Forwarded
 
 __all__ = ["Record"]

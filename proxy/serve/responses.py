@@ -20,8 +20,8 @@ import time
 from aiohttp import web
 
 from proxy.core.creators import PARSE_INLINE, NamedIds, read_request
-from proxy.core.reasons import Mode, Route
 from proxy.errors import ForeignResponseRoute, RequestError
+from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, refuse
 from proxy.serve.objects import owner_digests
 from proxy.serve.record import Record

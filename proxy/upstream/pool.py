@@ -34,7 +34,6 @@ from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
 from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
-from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
 from proxy.core.waiting import Send, Waiting
@@ -49,6 +48,7 @@ from proxy.ops.metrics import (
     SOCKETS,
     UPGRADE_REFUSALS,
 )
+from proxy.reasons import PassthroughReason, ReplayCause
 from proxy.serve.identity import Identity
 from proxy.upstream.caps import CapFile
 from proxy.upstream.passthrough import Forwarded

@@ -6,8 +6,8 @@ import orjson
 import pytest
 
 from proxy.core.creators import NamedIds, OwnerRegistry, created_id, member_string, read_request, request_ids
-from proxy.core.reasons import OwnerVerdict
 from proxy.errors import InvalidRequest
+from proxy.reasons import OwnerVerdict
 from proxy.upstream.sniff import IdSniffer
 
 

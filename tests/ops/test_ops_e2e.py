@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import proxy.ops.metrics
 from proxy.build import build_kind
 from proxy.config import env_name, setting_keys
-from proxy.core.reasons import MissReason, PassthroughReason
 from proxy.loop import loop_name
 from proxy.ops.demo import run_agent_loop
+from proxy.reasons import MissReason, PassthroughReason
 from tests.sidecar import SidecarProcess
 from upshift_emulator import Emulator, LatencyModel
 

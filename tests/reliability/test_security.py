@@ -26,7 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config import LoggingSettings, Settings, load_settings
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
-from proxy.core.reasons import (
+from proxy.ingress.handoff import HandoffOutcome
+from proxy.ops.log import setup_logging
+from proxy.ops.metrics import LABEL_VALUES
+from proxy.reasons import (
     ErrorCode,
     ForwardOutcome,
     MissReason,
@@ -36,9 +39,6 @@ from proxy.core.reasons import (
     RequestOutcome,
     Route,
 )
-from proxy.ingress.handoff import HandoffOutcome
-from proxy.ops.log import setup_logging
-from proxy.ops.metrics import LABEL_VALUES
 from proxy.server import Server, split_hostport
 from tests.conftest import SidecarFactory
 from tests.reliability.helpers import (
