@@ -7,7 +7,7 @@ continuation) with a :func:`sys.setprofile` hook installed for that request only
 installed in the sidecar: the hook lives here, around one request.
 
 What is counted, from the first call of ``post_responses`` to the call that writes the access
-line (``proxy.ops.log.access_log``):
+line (``proxy.observe.log.access_log``):
 
 - A *call* is a function of ``proxy/`` entered anew (a coroutine resuming is not a call). Its
   caller is the nearest ``proxy/`` frame on the stack (a comprehension counts as its function).
@@ -49,7 +49,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "proxy"
 """The sidecar's package: only its frames are counted."""
 
 START = ("ingress/front.py", "post_responses")
-END = ("ops/log.py", "access_log")
+END = ("observe/log.py", "access_log")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("proxy.errors", "proxy.config", "proxy.contracts", "proxy.loop", "proxy.redact", "proxy"),

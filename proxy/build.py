@@ -59,7 +59,7 @@ module function never reaches compiled callers.
 Left interpreted on purpose (mypyc 1.x cannot keep their behaviour): ``proxy.ingress.listener``
 (subclasses aiohttp's ``RequestHandler``, which has ``__slots__``), ``proxy.upstream.pool`` and
 ``proxy.upstream.ws`` (kept in ``WeakSet`` registries; native instances take no weak reference),
-``proxy.ops.log`` (compiled, the interpreter crashed at shutdown when its handlers were torn down),
+``proxy.observe.log`` (compiled, the interpreter crashed at shutdown when its handlers were torn down),
 and every module holding an async generator or a subclass of a builtin exception (mypyc refuses
 the first and drops class attributes of the second: those live in ``proxy.errors``).
 

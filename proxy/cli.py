@@ -22,7 +22,7 @@ from proxy.build import build_kind
 from proxy.config import CONFIG_ENV, load_settings, settings_to_dict
 from proxy.errors import ConfigError
 from proxy.loop import loop_name
-from proxy.ops.log import setup_logging
+from proxy.observe.log import setup_logging
 from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
 

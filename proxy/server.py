@@ -36,9 +36,9 @@ from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, can
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
-from proxy.ops.health import Lifecycle, make_admin_app
-from proxy.ops.log import setup_logging
-from proxy.ops.metrics import BUILD_INFO, ERRORS
+from proxy.observe.health import Lifecycle, make_admin_app
+from proxy.observe.log import setup_logging
+from proxy.observe.metrics import BUILD_INFO, ERRORS
 from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.keys import KeySource

@@ -9,7 +9,8 @@ import pytest
 
 from proxy.config import env_name, setting_keys
 from proxy.ingress.handoff import HandoffOutcome
-from proxy.ops import metrics, refdocs
+from proxy.observe import metrics
+from proxy.ops import refdocs
 from proxy.reasons import ErrorCode
 from tests.sidecar import ROOT
 

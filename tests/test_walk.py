@@ -36,7 +36,7 @@ def test_the_main_line_is_no_longer_than_measured(walk: Walk) -> None:
 def test_the_walk_runs_from_the_handler_to_the_access_line(walk: Walk) -> None:
     first, last = walk.all_functions.stops[0], walk.all_functions.stops[-1]
     assert first[0] == "ingress/front.py" and first[1][0] == "post_responses"
-    assert last[0] == "ops/log.py" and last[1][-1] == "access_log"
+    assert last[0] == "observe/log.py" and last[1][-1] == "access_log"
     # The main line is the all-functions walk with helpers folded: shorter, never longer.
     assert 40 <= len(walk.main_line.stops) < len(walk.all_functions.stops)
     assert walk.main_line.files <= walk.all_functions.files

@@ -22,7 +22,7 @@ from functools import partial
 from aiohttp import web
 
 from proxy.errors import BodyTimeout, ProxyError, RequestError
-from proxy.ops.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
+from proxy.observe.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
 from proxy.reasons import BodyAbort, RequestOutcome
 from proxy.serve.handlers import Arrival, Services, refuse
 from proxy.serve.identity import Identity

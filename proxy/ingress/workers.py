@@ -56,9 +56,9 @@ from proxy.ingress.cluster import WorkerPlacement
 from proxy.ingress.listener import Guard, HardenedTCPSite
 from proxy.ingress.private import Trust, check_peer, runtime_dir
 from proxy.loop import run as run_loop
-from proxy.ops.health import Lifecycle, admin_host_guard
-from proxy.ops.log import setup_logging
-from proxy.ops.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
+from proxy.observe.health import Lifecycle, admin_host_guard
+from proxy.observe.log import setup_logging
+from proxy.observe.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
 
 __all__ = ["merge_metrics", "supervise"]
 

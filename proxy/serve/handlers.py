@@ -40,7 +40,7 @@ from proxy.core.planner import Plan, PlanKind
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
 from proxy.errors import ProxyError, RequestError, UpstreamError
-from proxy.ops.metrics import UPSTREAM_DURATION
+from proxy.observe.metrics import UPSTREAM_DURATION
 from proxy.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.serve.creator_check import OwnerBook
 from proxy.serve.identity import Identity, request_identity

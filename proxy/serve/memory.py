@@ -67,7 +67,7 @@ from proxy.core.budget import (
 )
 from proxy.core.conversation import PrefixCache
 from proxy.errors import BodyTimeout, MemoryBusy, MemoryRefused, MemoryTooLarge
-from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
+from proxy.observe.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
 from proxy.reasons import MemoryRefusal
 
 __all__ = [

@@ -43,7 +43,7 @@ from proxy import contracts
 from proxy.core.creators import PARSE_INLINE, created_id, read_request
 from proxy.core.fair import tenant_of
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
-from proxy.ops.metrics import ERRORS, INFLIGHT
+from proxy.observe.metrics import ERRORS, INFLIGHT
 from proxy.reasons import Mode, RequestOutcome, Route
 from proxy.serve.creator_check import OwnerBook
 from proxy.serve.handlers import SERVICES, Services, refuse

@@ -32,7 +32,7 @@ from proxy.core.answer import Answer, AnswerKind, finished
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import BodyTimeout, BodyTooLarge, ClientGone, InvalidRequest, UnsupportedEncoding, UpstreamTimeout
-from proxy.ops.metrics import HELD_LIFECYCLE, child
+from proxy.observe.metrics import HELD_LIFECYCLE, child
 from proxy.serve.memory import BodyBuffer, Lease
 
 _AHEAD = 256 * 1024

@@ -35,7 +35,7 @@ from proxy.config import Settings, merge_query
 from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
 from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeout, UpstreamUnavailable
 from proxy.kernel import received_ago, tcp_socket
-from proxy.ops.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.observe.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.reasons import BodyAbort
 from proxy.redact import redact_url, redact_urls
 from proxy.serve.keys import KeySource

@@ -38,7 +38,7 @@ from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
 from proxy.core.waiting import Send, Waiting
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
-from proxy.ops.metrics import (
+from proxy.observe.metrics import (
     LANES,
     LANES_FALLBACKS,
     POOL_WAIT,
