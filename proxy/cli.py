@@ -21,9 +21,9 @@ import yaml
 from proxy.build import build_kind
 from proxy.config import CONFIG_ENV, load_settings, settings_to_dict
 from proxy.errors import ConfigError
+from proxy.intake.keys import KeySource
 from proxy.loop import loop_name
 from proxy.observe.log import setup_logging
-from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
 
 __all__ = ["main"]

@@ -80,9 +80,9 @@ from proxy.ingress.forward import (
 from proxy.ingress.handoff import HANDED_OFF, Handoff, HandoffOutcome, arrived_by_handoff
 from proxy.ingress.peerauth import PROOF_HEADER, PROOF_PATH, PROOF_SECONDS, PeerAuth
 from proxy.ingress.private import Trust, check_peer
+from proxy.intake.identity import Identity
 from proxy.observe.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
 from proxy.reasons import ForwardOutcome, ForwardReason, Mode
-from proxy.serve.identity import Identity
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body
 from proxy.upstream.passthrough import HOP_BY_HOP

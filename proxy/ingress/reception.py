@@ -22,10 +22,10 @@ from functools import partial
 from aiohttp import web
 
 from proxy.errors import BodyTimeout, ProxyError, RequestError
+from proxy.intake.identity import Identity
 from proxy.observe.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
 from proxy.reasons import BodyAbort, RequestOutcome
 from proxy.serve.handlers import Arrival, Services, refuse
-from proxy.serve.identity import Identity
 from proxy.serve.memory import Lease, MemoryRefused
 from proxy.serve.record import Record
 from proxy.serve.streaming import BodyClock, ClientGone, body_length, new_request_id, read_body

@@ -40,12 +40,12 @@ from proxy.core.planner import Plan, PlanKind
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
 from proxy.errors import ProxyError, RequestError, UpstreamError
+from proxy.intake.identity import Identity, request_identity
+from proxy.intake.keys import KeySource
 from proxy.observe.metrics import UPSTREAM_DURATION
 from proxy.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.serve.creator_check import OwnerBook
-from proxy.serve.identity import Identity, request_identity
 from proxy.serve.inflight import Streams
-from proxy.serve.keys import KeySource
 from proxy.serve.memory import Lease, MemoryGate
 from proxy.serve.offload import hash_prefix_in_thread, warm_keys
 from proxy.serve.record import Record

@@ -22,8 +22,8 @@ from aiohttp import web
 
 from proxy.core.creators import noun, object_route
 from proxy.errors import ForeignObject, NotShared
+from proxy.intake.identity import Identity, request_identity
 from proxy.serve.handlers import Services
-from proxy.serve.identity import Identity, request_identity
 from proxy.upstream.passthrough import Options
 
 __all__ = ["guard", "owner_digests"]

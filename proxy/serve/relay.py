@@ -43,11 +43,11 @@ from proxy import contracts
 from proxy.core.creators import PARSE_INLINE, created_id, read_request
 from proxy.core.fair import tenant_of
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
+from proxy.intake.identity import Identity
 from proxy.observe.metrics import ERRORS, INFLIGHT
 from proxy.reasons import Mode, RequestOutcome, Route
 from proxy.serve.creator_check import OwnerBook
 from proxy.serve.handlers import SERVICES, Services, refuse
-from proxy.serve.identity import Identity
 from proxy.serve.memory import MemoryRefused, MessageMeter
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body, new_request_id

@@ -38,6 +38,7 @@ from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
 from proxy.core.waiting import Send, Waiting
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
+from proxy.intake.identity import Identity
 from proxy.observe.metrics import (
     LANES,
     LANES_FALLBACKS,
@@ -49,7 +50,6 @@ from proxy.observe.metrics import (
     UPGRADE_REFUSALS,
 )
 from proxy.reasons import PassthroughReason, ReplayCause
-from proxy.serve.identity import Identity
 from proxy.upstream.caps import CapFile
 from proxy.upstream.passthrough import Forwarded
 from proxy.upstream.ws import Inbox, UpstreamSocket, open_websocket

@@ -45,9 +45,9 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.intake.identity import USER_AGENT
 from proxy.kernel import received_ago, tcp_socket
 from proxy.redact import redact_urls
-from proxy.serve.identity import USER_AGENT
 from proxy.upstream.egress import egress_for
 from proxy.wire.wsframe import FrameReader, LibraryReader, PeerClosed, Ping, Pong, Violation
 

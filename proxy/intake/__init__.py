@@ -1,0 +1,5 @@
+"""The app's request as it comes in, as every shell needs it: who it is from
+(:mod:`~proxy.intake.identity`), the upstream key it goes with (:mod:`~proxy.intake.keys`) and its
+body, read within its limits and deadlines (:mod:`~proxy.intake.body`). Ingress, serve and upstream
+all take requests in, so this sits below them.
+"""
