@@ -71,7 +71,6 @@ from proxy.observe.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, 
 from proxy.reasons import MemoryRefusal
 
 __all__ = [
-    "BodyBuffer",
     "Lease",
     "MemoryBusy",
     "MemoryGate",
@@ -213,78 +212,6 @@ def trim() -> bool:
     """Hand freed heap memory back to the OS (glibc ``malloc_trim(0)``)."""
     libc = _glibc()
     return bool(libc is not None and libc.malloc_trim(0))
-
-
-# -- one buffer per body ----------------------------------------------------------------------------
-
-
-def _bytes_api() -> tuple[Any, Any] | None:
-    with contextlib.suppress(AttributeError, OSError):
-        api = ctypes.pythonapi
-        new, address = api.PyBytes_FromStringAndSize, api.PyBytes_AsString
-        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_ssize_t]
-        address.restype, address.argtypes = ctypes.c_void_p, [ctypes.py_object]
-        return new, address
-    return None
-
-
-_BYTES_API = _bytes_api()
-_DIRECT_ABOVE = 64 * 1024
-"""Bodies at least this large are read straight into their final ``bytes`` object."""
-
-
-class BodyBuffer:
-    """A body of known length read into one buffer: the final ``bytes`` object itself.
-
-    Uses the C API's documented way to build a bytes object piecewise
-    (``PyBytes_FromStringAndSize(NULL, n)``, then fill ``PyBytes_AsString``) while no one else
-    holds it, so the body is never in memory twice (chunks + joined, or bytearray + bytes).
-    Elsewhere (no ``ctypes.pythonapi``, small bodies): a bytearray, copied once at the end.
-    """
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.filled = 0
-        self._bytes: bytes | None = None
-        self._address = 0
-        self._array: bytearray | None = None
-        if _BYTES_API is not None and length >= _DIRECT_ABOVE:
-            new, address = _BYTES_API
-            self._bytes = new(None, length)
-            self._address = address(self._bytes)
-        else:
-            self._array = bytearray(length)
-
-    @property
-    def missing(self) -> int:
-        return self.length - self.filled
-
-    @property
-    def full(self) -> bool:
-        return self.filled >= self.length
-
-    def write(self, chunk: bytes) -> None:
-        """Append ``chunk`` (at most :attr:`missing` bytes)."""
-        size = len(chunk)
-        if size > self.missing:
-            raise ValueError("more bytes than the declared length")
-        if self._array is not None:
-            self._array[self.filled : self.filled + size] = chunk
-        else:
-            ctypes.memmove(self._address + self.filled, chunk, size)
-        self.filled += size
-
-    def value(self) -> bytes:
-        """The body (only once it is full)."""
-        if not self.full:
-            raise ValueError("the body is not complete")
-        if self._bytes is not None:
-            body, self._bytes = self._bytes, None
-            return body
-        assert self._array is not None
-        body = bytes(self._array)
-        self._array = None
-        return body
 
 
 # -- the gate --------------------------------------------------------------------------------------

@@ -21,11 +21,12 @@ from aiohttp import web
 
 from proxy.core.creators import PARSE_INLINE, NamedIds, read_request
 from proxy.errors import ForeignResponseRoute, RequestError
+from proxy.intake.body import read_body
 from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, refuse
 from proxy.serve.objects import owner_digests
 from proxy.serve.record import Record
-from proxy.serve.streaming import new_request_id, read_body
+from proxy.serve.streaming import new_request_id
 
 __all__ = ["add_routes"]
 

@@ -34,12 +34,12 @@ from proxy import contracts
 from proxy.config import Settings, merge_query
 from proxy.core.request import TRANSPORT_ONLY_FIELDS, ParsedRequest, build_frame
 from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeout, UpstreamUnavailable
+from proxy.intake.body import BodyClock, BodyWatch
 from proxy.intake.keys import KeySource
 from proxy.kernel import received_ago, tcp_socket
 from proxy.observe.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.reasons import BodyAbort
 from proxy.redact import redact_url, redact_urls
-from proxy.serve.streaming import BodyClock, BodyWatch
 from proxy.upstream.egress import egress_for
 from proxy.upstream.sniff import IdSniffer
 

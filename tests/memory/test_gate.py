@@ -12,8 +12,8 @@ from proxy.config import LimitsSettings, Settings
 from proxy.core.budget import AMPLIFICATION, HEADER_ROOM, MIN_RESERVATION, STEP, Derived, derive
 from proxy.core.conversation import HeadTable
 from proxy.errors import BodyTimeout
+from proxy.intake.body import BodyBuffer
 from proxy.serve.memory import (
-    BodyBuffer,
     Lease,
     MemoryBusy,
     MemoryGate,
