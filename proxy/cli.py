@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         # Imported lazily so that config errors (and tests of the loader) need no server. With
         # workers above 1 this process is their supervisor (it runs no server of its own).
         if settings.workers > 1:
-            workers = importlib.import_module("proxy.ingress.workers")
+            workers = importlib.import_module("proxy.supervisor")
             sys.exit(workers.supervise(settings))
         server = importlib.import_module("proxy.server")
         sys.exit(server.run(settings))

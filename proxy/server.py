@@ -194,7 +194,7 @@ class Server:
     Args:
         settings: All settings; ``listen``/``admin_listen`` may use port 0 (tests).
         lifecycle: Shared with the admin app (a new one if omitted).
-        worker: This process's place among ``--workers`` (proxy/ingress/workers.py): the API listener
+        worker: This process's place among ``--workers`` (proxy/supervisor.py): the API listener
             then shares its address (``SO_REUSEPORT``) and a private unix socket takes the
             other workers' forwards; the admin app goes to ``admin_path`` instead.
         admin_path: Unix socket for the admin app (a worker's, scraped by the supervisor).
@@ -366,7 +366,7 @@ async def serve(server: Server, *, name: str = "", stop: asyncio.Event | None = 
 def run(settings: Settings) -> int:
     """Serve until SIGTERM or SIGINT, drain, and return the exit code (0).
 
-    One process (``workers`` above 1 is the supervisor's, :func:`proxy.ingress.workers.supervise`,
+    One process (``workers`` above 1 is the supervisor's, :func:`proxy.supervisor.supervise`,
     which the command line chooses). On uvloop when it is installed (a default dependency on
     CPython outside Windows), else on asyncio's own loop; the choice, and the build (pure or
     compiled), are logged and exported as ``upshift_build_info``.
