@@ -16,7 +16,7 @@ line (``proxy.observe.log.access_log``):
   first time only.
 - A *stop* is a run of consecutive calls within one file; *files* are the distinct files.
 - An *upward call* goes from a lower layer to a higher one (docs/architecture.md: the composition
-  root > ingress > serve > upstream > ops > core > wire > errors, config and the library seams),
+  root > ops > ingress > serve > upstream > intake > observe > core > wire > the base),
   or into a module that imports the caller's module (directly or not): a callback or a hook.
 - The *main line* leaves out properties, ``__init__``/``__new__``/``__post_init__``/``__len__``/
   ``__repr__``, lambdas and helpers of at most two statements (the statements of the body, a
@@ -52,14 +52,25 @@ START = ("ingress/front.py", "post_responses")
 END = ("observe/log.py", "access_log")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("proxy.errors", "proxy.config", "proxy.contracts", "proxy.loop", "proxy.redact", "proxy"),
+    (
+        "proxy.errors",
+        "proxy.reasons",
+        "proxy.config",
+        "proxy.contracts",
+        "proxy.loop",
+        "proxy.redact",
+        "proxy.kernel",
+        "proxy",
+    ),
     ("proxy.wire",),
     ("proxy.core",),
-    ("proxy.ops",),
+    ("proxy.observe",),
+    ("proxy.intake",),
     ("proxy.upstream",),
     ("proxy.serve",),
     ("proxy.ingress",),
-    ("proxy.server", "proxy.cli", "proxy.__main__", "proxy.build"),
+    ("proxy.ops",),
+    ("proxy.server", "proxy.cli", "proxy.supervisor", "proxy.__main__", "proxy.build"),
 )
 """The layers, lowest first (docs/architecture.md's allowed imports)."""
 
