@@ -50,7 +50,7 @@ COMPILED: tuple[str, ...] = (
     "proxy.intake.identity",
     *(f"proxy.ingress.{name}" for name in ("front", "reception")),
     *(f"proxy.serve.{name}" for name in (
-        "creator_check", "handlers", "inflight", "memory", "record", "streaming",
+        "creator_check", "handlers", "inflight", "memory", "meter", "record", "streaming", "sysmem",
     )),
 )  # fmt: skip
 """The modules the compiled build compiles. Modules that tests fault-inject into stay interpreted
