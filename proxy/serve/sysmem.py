@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import Settings
-from proxy.core.budget import CGROUP_FRACTION, DEFAULT_MEMORY_BYTES, Derived, derive
+from proxy.core.sizing import CGROUP_FRACTION, DEFAULT_MEMORY_BYTES, Derived, derive
 
 __all__ = ["cgroup_memory_limit", "effective_settings", "process_rss", "trim", "tune_allocator"]
 
