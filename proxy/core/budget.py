@@ -13,30 +13,24 @@ Sans-I/O accounting (the async gate is :mod:`proxy.serve.memory`). Three kinds o
   evicts the least recently kept ones (their heads fall back to the digest: same answer);
 * **heads**: the conversation heads and their sockets (:meth:`Budget.set_heads`).
 
-A reservation or a growth that does not fit waits (the gate does not read the body meanwhile:
-TCP backpressure). Waiters are admitted in a fair order, round-robin over their keys (the
-caller's identity), first come first within a key, growths of bodies already being read
-before new requests, and **any waiter that fits is granted**: a large one never holds up small
-ones behind it. A body larger than one step is admitted only while it and every body being read
-could all grow to what they promise at once: those promises are counted against each other
-(so bodies paying as they arrive never deadlock, each able to complete once the small requests
-drain), never reserved (small requests and growths use the memory until the bytes arrive), and
-a promise that is not kept is closed by the body deadline (:mod:`proxy.ingress.front`). One that could not fit even if
-nothing else were in flight and no body kept is refused at once (:attr:`Verdict.TOO_LARGE`).
+A reservation or a growth that does not fit waits (the body is not read meanwhile: TCP
+backpressure). Waiters are admitted round-robin over their keys (the caller's identity), first
+come first within a key, growths of bodies being read before new requests, and **any waiter that
+fits is granted**: a large one never holds up small ones. A body larger than one step is admitted
+only while it and every body being read could all grow to what they promise at once (promises are
+counted against each other, never reserved, and one not kept is closed by the body deadline);
+one that could not fit into an empty budget is refused at once (:attr:`Verdict.TOO_LARGE`).
 
-A promise is backed by evidence: a body being read promises its declared need only as far as
-its observed rate can deliver it before its deadline (:meth:`Budget.observe`: the caller
-measures), so a trickle declaring the body limit promises what it can send in time, a few MiB,
-not the limit. Bodies without a credential (``keyless``) share one small quota,
-:data:`KEYLESS_SHARE` of the capacity: beyond it a keyless body waits (unless it is the only
-one), and their promises together never count for more than what is left of it. A growth of a
-body whose observed rate cannot finish it in time waits behind new requests: a large body of a
-tenant sending at full speed is admitted ahead of a trickle.
-The budget never takes memory back from a ticket already granted: nothing that is streaming is
-cut for memory.
+A promise is backed by evidence: a body promises its declared need only as far as its observed
+rate can deliver it before its deadline (:meth:`Budget.observe`: the caller measures), so a
+trickle declaring the body limit promises a few MiB, not the limit. Bodies without a credential
+(``keyless``) share :data:`KEYLESS_SHARE` of the capacity, promises included (one alone may take
+more). A growth of a body too slow to finish in time waits behind new requests. Nothing granted
+is ever taken back: nothing that is streaming is cut for memory.
 
-Every method returns what the caller must do (tickets to wake, kept bodies to drop); nothing
-here waits, sleeps or reads a clock.
+Every method returns what the caller must do (tickets to wake, kept bodies to drop), or, called
+by the prefix cache, holds it for the gate (:meth:`Budget.cooled`); nothing here waits, sleeps or
+reads a clock.
 """
 
 from __future__ import annotations
@@ -48,8 +42,6 @@ from dataclasses import dataclass, field
 
 from proxy.core.sizing import (
     AMPLIFICATION,
-    BASELINE_SLACK,
-    CGROUP_FRACTION,
     DEFAULT_MEMORY_BYTES,
     HEAD_COST,
     HEADER_ROOM,
@@ -63,8 +55,6 @@ from proxy.core.sizing import (
 
 __all__ = [
     "AMPLIFICATION",
-    "BASELINE_SLACK",
-    "CGROUP_FRACTION",
     "DEFAULT_MEMORY_BYTES",
     "HEAD_COST",
     "HEADER_ROOM",
@@ -180,6 +170,8 @@ class Budget:
         """Granted tickets whose body is still arriving (``need`` above ``held``)."""
         self.tickets = 0
         """Granted tickets not yet released."""
+        self.pending: list[Ticket] = []
+        """Waiters let in by :meth:`cooled`, for the gate to wake (:meth:`take_pending`)."""
 
     def __repr__(self) -> str:
         return (
@@ -342,6 +334,17 @@ class Budget:
             return Effects()
         self.kept -= size
         return self._admit()
+
+    def cooled(self, key: Hashable) -> None:
+        """The prefix cache let a kept body go (it is the cache's keeper, with :meth:`keep`): as
+        :meth:`unkeep`, the waiters let in held for the gate, which takes them with its next
+        call (:meth:`take_pending`): the core tells no shell, the shell asks."""
+        self.pending += self.unkeep(key).granted
+
+    def take_pending(self) -> list[Ticket]:
+        """The waiters :meth:`cooled` let in since the last call (to wake), handed over once."""
+        pending, self.pending = self.pending, []
+        return pending
 
     def set_heads(self, size: int) -> Effects:
         """The heads now take ``size`` bytes."""

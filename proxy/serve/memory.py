@@ -16,13 +16,9 @@ into an empty budget is answered 503 with ``retry-after`` at once. Kept bodies (
 byte-comparison copies) give way first. Once the frame is handed to the upstream socket the
 lease shrinks to the body itself (needed for a replay and for the next turn's prefix check).
 
-A body being read promises its declared length only as far as its observed rate (bytes the app
-sent since its head, time waiting for memory not counted) can deliver it before its deadline:
-the gate measures every body being read when a large body asks, and every
-:data:`RECHECK_SECONDS` while anyone waits, so a trickle declaring the body limit holds back no
-other tenant's large body. Requests without a credential share one small quota
-(:data:`~proxy.core.budget.KEYLESS_SHARE`), and the growth of a body too slow to finish in time
-waits behind new requests.
+A body being read promises its declared length only as far as its observed rate (time waiting
+for memory not counted) can deliver it before its deadline: the gate measures the bodies being
+read when a large body asks, and every :data:`RECHECK_SECONDS` while anyone waits.
 
 When the last lease ends, the gate hands freed memory back to the OS; the budget's size and the
 allocator's tuning are :mod:`proxy.serve.sysmem`'s, the WebSocket relay's meter
@@ -99,7 +95,7 @@ class MemoryGate:
 
     Args:
         derived: The budget (see :func:`effective_settings`).
-        prefixes: The prefix cache whose kept bodies draw from the budget (its keeper is set here).
+        prefixes: The prefix cache whose kept bodies draw from the budget (made its keeper here).
         heads: What counts the heads (``len``), each costing ``HEAD_COST``.
         wait_seconds: Longest wait for memory before a 429.
         max_body_bytes: Bodies declared larger are refused unread (0: the derived limit).
@@ -137,7 +133,7 @@ class MemoryGate:
         self.trims = 0
         """Times freed memory was handed back to the OS (``malloc_trim``)."""
         if prefixes is not None:
-            prefixes.keeper = self
+            prefixes.keeper = self.budget  # the cache asks the budget; the gate wakes who it lets in
         MEMORY_BUDGET.set(derived.memory_bytes)
         MEMORY_BYTES.labels(Kind.BASELINE).set(derived.memory_bytes - derived.capacity)
         self._publish()
@@ -182,16 +178,6 @@ class MemoryGate:
     def body_limit(self) -> int:
         """The largest body: a body of unknown length may grow up to it."""
         return self.max_body_bytes or self.derived.max_body_bytes
-
-    # -- PrefixCache keeper ----------------------------------------------------------------
-
-    def keep(self, anchor: Hashable, size: int) -> bool:
-        """May a head keep its body (``size`` bytes)? Only into free memory."""
-        return self.budget.keep(anchor, size)
-
-    def cooled(self, anchor: Hashable) -> None:
-        """A head let its body go."""
-        self._apply(self.budget.unkeep(anchor))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -294,7 +280,10 @@ class MemoryGate:
             self._waiters.pop(ticket, None)
 
     def _apply(self, out: Effects) -> None:
-        """Wake granted waiters and drop the kept bodies the budget gave away."""
+        """Wake granted waiters (also those a kept body let in as it went, :meth:`Budget.cooled
+        <proxy.core.budget.Budget.cooled>`) and drop the kept bodies the budget gave away."""
+        if self.budget.pending:
+            out.granted += self.budget.take_pending()
         if out.evict and self.prefixes is not None:
             for anchor in out.evict:
                 self.prefixes.cool(anchor)
