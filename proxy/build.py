@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
-        "affinity", "answer", "budget", "channel", "sizing", "conversation", "demux", "explain", "fair",
+        "affinity", "answer", "budget", "channel", "sizing", "conversation", "demux", "explain", "fair", "headnotes",
         "creators", "fastparse", "items", "lanes", "planner", "rawjson", "request",
         "reseed", "retry", "sse",
     )),
