@@ -3,8 +3,8 @@
 :class:`MissExplainer` reads the :class:`~proxy.core.conversation.HeadTable` (its most recent
 heads, their kept bodies while hot, its tolerances) and the notes the table keeps for it
 (:class:`~proxy.core.headnotes.HeadNotes`: per-setting digests, where each head's input
-ends). The comparison itself is :mod:`proxy.core.explain`'s. Only ever called on a miss, never on the continuation path; nothing
-of the request's content is returned. Pure: no I/O, no clock.
+ends). The comparison itself is :mod:`proxy.core.explain`'s. Only ever called on a miss, never
+on the continuation path; nothing of the request's content is returned. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
