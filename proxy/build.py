@@ -47,10 +47,10 @@ COMPILED: tuple[str, ...] = (
     "proxy.wire.wsframe",
     # The shells a turn runs through (the budget table of docs/benchmarks.md).
     "proxy.core.explainer",
-    "proxy.intake.identity",
+    *(f"proxy.intake.{name}" for name in ("identity", "memory", "meter", "sysmem")),
     *(f"proxy.ingress.{name}" for name in ("front", "reception")),
     *(f"proxy.serve.{name}" for name in (
-        "creator_check", "handlers", "inflight", "memory", "meter", "record", "streaming", "sysmem",
+        "creator_check", "handlers", "inflight", "record", "streaming",
     )),
 )  # fmt: skip
 """The modules the compiled build compiles. Modules that tests fault-inject into stay interpreted

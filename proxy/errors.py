@@ -14,7 +14,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  ├─ ForeignResponse                     400 previous_response_not_found
     │  ├─ ForeignResponseRoute                404 (code null: the upstream's unknown id)
     │  └─ UnsupportedRequest                  400 unsupported
-    ├─ MemoryRefused                          retry-after: the memory budget (proxy.serve.memory)
+    ├─ MemoryRefused                          retry-after: the memory budget (proxy.intake.memory)
     │  ├─ MemoryBusy                          429 memory_busy
     │  └─ MemoryTooLarge                      503 memory_too_large
     ├─ UpstreamError                          5xx
@@ -234,7 +234,7 @@ class NotShared(RequestError):
 
 class MemoryRefused(ProxyError):
     """A request the memory budget cannot take (nothing was read or forwarded;
-    :mod:`proxy.serve.memory`)."""
+    :mod:`proxy.intake.memory`)."""
 
     retryable = True
     retry_after = 1

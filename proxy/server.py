@@ -35,6 +35,7 @@ from proxy.ingress.creator_queries import install as install_owner_routes
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, canonical_paths, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.intake.keys import KeySource
+from proxy.intake.memory import MemoryGate, effective_settings, tune_allocator
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
 from proxy.observe.health import Lifecycle, make_admin_app
@@ -42,7 +43,6 @@ from proxy.observe.log import setup_logging
 from proxy.observe.metrics import BUILD_INFO, ERRORS
 from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, Services, refuse
-from proxy.serve.memory import MemoryGate, effective_settings, tune_allocator
 from proxy.serve.objects import guard as object_guard
 from proxy.serve.record import Record
 from proxy.serve.relay import relay_websocket

@@ -60,7 +60,7 @@ def test_a_stop_is_a_run_of_calls_in_one_file() -> None:
 def test_a_call_into_a_higher_layer_or_an_importer_goes_up() -> None:
     graph = import_graph()
     assert upward("serve/streaming.py", "ingress/listener.py", graph)  # serve -> ingress
-    assert upward("core/conversation.py", "serve/memory.py", graph)  # core -> serve (a hook)
+    assert upward("core/conversation.py", "intake/memory.py", graph)  # core -> serve (a hook)
     assert upward("core/conversation.py", "core/planner.py", graph)  # planner imports conversation
     assert not upward("core/planner.py", "core/conversation.py", graph)
     assert not upward("serve/handlers.py", "core/request.py", graph)
@@ -71,7 +71,7 @@ def test_a_folded_callers_call_is_counted_from_its_nearest_counted_caller() -> N
     calls = [
         Call("core/conversation.py", "HeadTable.record", 1, None, None),
         Call("core/conversation.py", "_helper", 2, 0, "core/conversation.py"),
-        Call("serve/memory.py", "MemoryGate.keep", 3, 1, "core/conversation.py"),
+        Call("intake/memory.py", "MemoryGate.keep", 3, 1, "core/conversation.py"),
     ]
     figs = figures(calls, [True, False, True], import_graph())
-    assert figs.upward == [("core/conversation.py", "serve/memory.py:MemoryGate.keep")]
+    assert figs.upward == [("core/conversation.py", "intake/memory.py:MemoryGate.keep")]

@@ -1,6 +1,6 @@
 """The memory budget: one number that everything the sidecar holds draws from.
 
-Sans-I/O accounting (the async gate is :mod:`proxy.serve.memory`). Three kinds of holders:
+Sans-I/O accounting (the async gate is :mod:`proxy.intake.memory`). Three kinds of holders:
 
 * **in flight**: requests being received, parsed and sent (a :class:`Ticket` each). A body pays
   as it arrives: a ticket is granted its headers, :data:`MIN_RESERVATION` and

@@ -1,6 +1,6 @@
 """What the memory budget is sized by: what each holder costs (a request per body byte, a
 connection, a head), the budget's default and its share of a container, and the limits derived
-from it (:func:`derive`). Sans-I/O: the shell measures (:mod:`proxy.serve.sysmem`), this computes.
+from it (:func:`derive`). Sans-I/O: the shell measures (:mod:`proxy.intake.sysmem`), this computes.
 """
 
 from __future__ import annotations

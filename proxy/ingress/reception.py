@@ -24,10 +24,10 @@ from aiohttp import web
 from proxy.errors import BodyTimeout, ProxyError, RequestError
 from proxy.intake.body import BodyClock, body_length, read_body
 from proxy.intake.identity import Identity
+from proxy.intake.memory import Lease, MemoryRefused
 from proxy.observe.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
 from proxy.reasons import BodyAbort, RequestOutcome
 from proxy.serve.handlers import Arrival, Services, refuse
-from proxy.serve.memory import Lease, MemoryRefused
 from proxy.serve.record import Record
 from proxy.serve.streaming import ClientGone, new_request_id
 

@@ -14,32 +14,19 @@ import asyncio
 import contextlib
 import ctypes
 import zlib
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
 from proxy.config import LimitsSettings
 from proxy.errors import BodyTimeout, BodyTooLarge, ClientGone, InvalidRequest, UnsupportedEncoding
+from proxy.intake.memory import Lease
 
-__all__ = ["DECODED", "BodyBuffer", "BodyClock", "BodyLease", "BodyWatch", "body_length", "read_body"]
+__all__ = ["DECODED", "BodyBuffer", "BodyClock", "BodyWatch", "body_length", "read_body"]
 
 _AHEAD = 256 * 1024
 """The lease is grown once the body read comes this close to what it pays for (what the
 server's read buffers may already hold beyond the bytes handed over)."""
-
-
-class BodyLease(Protocol):
-    """What a body read asks of its memory lease (:class:`proxy.serve.memory.Lease`)."""
-
-    @property
-    def covered(self) -> int:
-        """Bytes of body the lease pays for now."""
-
-    async def arrived(self, size: int) -> None:
-        """``size`` bytes of body are in: grow the lease ahead of them (may wait for memory)."""
-
-    def read(self, size: int) -> None:
-        """The body is read: ``size`` bytes of it are held."""
 
 
 # -- one buffer per body ----------------------------------------------------------------------------
@@ -306,7 +293,7 @@ class BodyWatch:
 
 
 async def read_body(
-    request: web.Request, limit: int, lease: BodyLease | None = None, clock: BodyClock | None = None
+    request: web.Request, limit: int, lease: Lease | None = None, clock: BodyClock | None = None
 ) -> bytes:
     """Read the body, refusing more than ``limit`` bytes while reading (never unbounded), in
     time (``clock``).
@@ -350,7 +337,7 @@ async def read_body(
             watch.stop()
 
 
-async def _grow(lease: BodyLease, size: int, watch: BodyWatch | None) -> None:
+async def _grow(lease: Lease, size: int, watch: BodyWatch | None) -> None:
     if watch is not None:
         watch.pause()
     try:
@@ -360,7 +347,7 @@ async def _grow(lease: BodyLease, size: int, watch: BodyWatch | None) -> None:
             watch.resume()
 
 
-async def _read_known(content: Any, length: int, lease: BodyLease | None, watch: BodyWatch | None) -> bytes:
+async def _read_known(content: Any, length: int, lease: Lease | None, watch: BodyWatch | None) -> bytes:
     # One buffer of the declared size, filled chunk by chunk as they arrive (aiohttp's
     # readexactly keeps every chunk and joins them: twice the body at the end). readany()
     # hands over one received chunk as it is (read(n) joins what is buffered: a copy); the
@@ -386,7 +373,7 @@ async def _read_unknown(
     content: Any,
     limit: int,
     message: str,
-    lease: BodyLease | None,
+    lease: Lease | None,
     watch: BodyWatch | None,
     decoder: _Decoder | None = None,
 ) -> bytes:

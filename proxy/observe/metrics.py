@@ -272,7 +272,7 @@ INFLIGHT = Gauge(
     registry=REGISTRY,
 )
 
-# -- the memory budget (proxy/serve/memory.py) -------------------------------------------------------
+# -- the memory budget (proxy/intake/memory.py) -------------------------------------------------------
 
 MEMORY_BUDGET = Gauge(
     "upshift_memory_budget_bytes",

@@ -29,8 +29,8 @@ from proxy.core.answer import Answer, AnswerKind, finished
 from proxy.core.channel import TERMINAL, Channel, Out
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import ClientGone, UpstreamTimeout
+from proxy.intake.memory import Lease
 from proxy.observe.metrics import HELD_LIFECYCLE, child
-from proxy.serve.memory import Lease
 
 log = logging.getLogger("upshift.streaming")
 

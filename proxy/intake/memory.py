@@ -21,8 +21,8 @@ for memory not counted) can deliver it before its deadline: the gate measures th
 read when a large body asks, and every :data:`RECHECK_SECONDS` while anyone waits.
 
 When the last lease ends, the gate hands freed memory back to the OS; the budget's size and the
-allocator's tuning are :mod:`proxy.serve.sysmem`'s, the WebSocket relay's meter
-:mod:`proxy.serve.meter`'s.
+allocator's tuning are :mod:`proxy.intake.sysmem`'s, the WebSocket relay's meter
+:mod:`proxy.intake.meter`'s.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from proxy.core.budget import (
 )
 from proxy.core.conversation import PrefixCache
 from proxy.errors import BodyTimeout, MemoryBusy, MemoryRefused, MemoryTooLarge
+from proxy.intake.sysmem import cgroup_memory_limit, effective_settings, process_rss, trim, tune_allocator
 from proxy.observe.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
 from proxy.reasons import MemoryRefusal
-from proxy.serve.sysmem import cgroup_memory_limit, effective_settings, process_rss, trim, tune_allocator
 
 __all__ = [
     "MESSAGE_AMPLIFICATION",

@@ -1,5 +1,5 @@
 """The memory a downstream WebSocket session's messages hold, paid as their bytes arrive
-(:class:`MessageMeter`, drawing from the :class:`~proxy.serve.memory.MemoryGate`)."""
+(:class:`MessageMeter`, drawing from the :class:`~proxy.intake.memory.MemoryGate`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Hashable
 
 from proxy.core.budget import MIN_RESERVATION, STEP, Ticket
 from proxy.errors import MemoryBusy
+from proxy.intake.memory import MESSAGE_AMPLIFICATION, MemoryGate
 from proxy.observe.metrics import MEMORY_REFUSALS
 from proxy.reasons import MemoryRefusal
-from proxy.serve.memory import MESSAGE_AMPLIFICATION, MemoryGate
 
 __all__ = ["IDLE_COVER", "MessageMeter"]
 
