@@ -321,7 +321,7 @@ async def _profile(
 STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("app side: HTTP in and out (aiohttp; upshift's listener, reception, identity, browser guard)",
      ("aiohttp (Python)", "aiohttp C", "multidict", "yarl (Python)", "aiosignal", "proxy/ingress/",
-      "proxy/serve/identity.py")),
+      "proxy/intake/identity.py")),
     ("kernel: system calls, loopback TCP, scheduling", (KERNEL,)),
     ("event loop (uvloop, asyncio)", ("uvloop", "asyncio (stdlib", "_asyncio", "_weakrefset")),
     ("upstream socket: frames in and out, demux (upshift's ws shell, wsframe, demux; websockets)",

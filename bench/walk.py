@@ -7,7 +7,7 @@ continuation) with a :func:`sys.setprofile` hook installed for that request only
 installed in the sidecar: the hook lives here, around one request.
 
 What is counted, from the first call of ``post_responses`` to the call that writes the access
-line (``proxy.ops.log.access_log``):
+line (``proxy.observe.log.access_log``):
 
 - A *call* is a function of ``proxy/`` entered anew (a coroutine resuming is not a call). Its
   caller is the nearest ``proxy/`` frame on the stack (a comprehension counts as its function).
@@ -16,7 +16,7 @@ line (``proxy.ops.log.access_log``):
   first time only.
 - A *stop* is a run of consecutive calls within one file; *files* are the distinct files.
 - An *upward call* goes from a lower layer to a higher one (docs/architecture.md: the composition
-  root > ingress > serve > upstream > ops > core > wire > errors, config and the library seams),
+  root > ops > ingress > serve > upstream > intake > observe > core > wire > the base),
   or into a module that imports the caller's module (directly or not): a callback or a hook.
 - The *main line* leaves out properties, ``__init__``/``__new__``/``__post_init__``/``__len__``/
   ``__repr__``, lambdas and helpers of at most two statements (the statements of the body, a
@@ -49,17 +49,28 @@ PACKAGE = Path(__file__).resolve().parent.parent / "proxy"
 """The sidecar's package: only its frames are counted."""
 
 START = ("ingress/front.py", "post_responses")
-END = ("ops/log.py", "access_log")
+END = ("observe/log.py", "access_log")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("proxy.errors", "proxy.config", "proxy.contracts", "proxy.loop", "proxy.redact", "proxy"),
+    (
+        "proxy.errors",
+        "proxy.reasons",
+        "proxy.config",
+        "proxy.contracts",
+        "proxy.loop",
+        "proxy.redact",
+        "proxy.kernel",
+        "proxy",
+    ),
     ("proxy.wire",),
     ("proxy.core",),
-    ("proxy.ops",),
+    ("proxy.observe",),
+    ("proxy.intake",),
     ("proxy.upstream",),
     ("proxy.serve",),
     ("proxy.ingress",),
-    ("proxy.server", "proxy.cli", "proxy.__main__", "proxy.build"),
+    ("proxy.ops",),
+    ("proxy.server", "proxy.cli", "proxy.supervisor", "proxy.__main__", "proxy.build"),
 )
 """The layers, lowest first (docs/architecture.md's allowed imports)."""
 
@@ -343,7 +354,7 @@ async def trace() -> tuple[list[Call], str]:
 def measure() -> Walk:
     """Trace one continuation on asyncio's loop and read it."""
     from proxy.build import build_kind
-    from proxy.core.reasons import Build
+    from proxy.reasons import Build
 
     if build_kind() is Build.COMPILED:
         raise RuntimeError("the compiled build hides its frames from the profiler: python -m proxy.build --clean")

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proxy.core.reasons import Build
+from proxy.reasons import Build
 
 __all__ = ["COMPILED", "GROUP", "ROOT", "build_kind", "compile_modules", "main", "remove_in_place"]
 
@@ -38,17 +38,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
-        "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "creators", "fastparse", "fields", "heads", "items", "lanes", "named_ids", "planner", "prefixes",
-        "rawjson", "reasons", "request", "reseed", "retry", "sideindex", "sse",
+        "affinity", "answer", "budget", "channel", "conversation", "creators", "demux", "explain", "fair",
+        "fastparse", "fields", "headnotes", "heads", "items", "lanes", "named_ids", "planner", "prefixes",
+        "rawjson", "request", "reseed", "retry", "sideindex", "sizing", "sse",
     )),
+    "proxy.reasons",  # every label, beside the errors it names
     "proxy.wire.sse",
     "proxy.wire.wsframe",
     # The shells a turn runs through (the budget table of docs/benchmarks.md).
     "proxy.core.explainer",
+    *(f"proxy.intake.{name}" for name in ("identity", "memory", "meter", "sysmem")),
     *(f"proxy.ingress.{name}" for name in ("front", "reception")),
     *(f"proxy.serve.{name}" for name in (
-        "creator_check", "handlers", "identity", "inflight", "memory", "record", "streaming",
+        "creator_check", "handlers", "inflight", "record", "streaming",
     )),
 )  # fmt: skip
 """The modules the compiled build compiles. Modules that tests fault-inject into stay interpreted
@@ -58,7 +60,7 @@ module function never reaches compiled callers.
 Left interpreted on purpose (mypyc 1.x cannot keep their behaviour): ``proxy.ingress.listener``
 (subclasses aiohttp's ``RequestHandler``, which has ``__slots__``), ``proxy.upstream.pool`` and
 ``proxy.upstream.ws`` (kept in ``WeakSet`` registries; native instances take no weak reference),
-``proxy.ops.log`` (compiled, the interpreter crashed at shutdown when its handlers were torn down),
+``proxy.observe.log`` (compiled, the interpreter crashed at shutdown when its handlers were torn down),
 and every module holding an async generator or a subclass of a builtin exception (mypyc refuses
 the first and drops class attributes of the second: those live in ``proxy.errors``).
 

@@ -21,9 +21,9 @@ import yaml
 from proxy.build import build_kind
 from proxy.config_load import CONFIG_ENV, load_settings, settings_to_dict
 from proxy.errors import ConfigError
+from proxy.intake.keys import KeySource
 from proxy.loop import loop_name
-from proxy.ops.log import setup_logging
-from proxy.serve.keys import KeySource
+from proxy.observe.log import setup_logging
 from proxy.upstream.egress import egress_for
 
 __all__ = ["main"]
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         # Imported lazily so that config errors (and tests of the loader) need no server. With
         # workers above 1 this process is their supervisor (it runs no server of its own).
         if settings.workers > 1:
-            workers = importlib.import_module("proxy.ingress.workers")
+            workers = importlib.import_module("proxy.supervisor")
             sys.exit(workers.supervise(settings))
         server = importlib.import_module("proxy.server")
         sys.exit(server.run(settings))

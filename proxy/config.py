@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import unquote_plus, urlsplit
 
-from proxy.core.reasons import Tolerance
 from proxy.errors import ConfigError
+from proxy.reasons import Tolerance
 
 __all__ = [
     "DEFAULT_IDENTITY_HEADERS",

@@ -18,8 +18,8 @@ from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 from proxy.config import Settings, parse_hostport, peer_urls
-from proxy.core.reasons import ObjectKind, Tolerance
 from proxy.errors import ConfigError
+from proxy.reasons import ObjectKind, Tolerance
 from proxy.redact import redact_url
 
 __all__ = ["Leaf", "check_settings", "coerce", "suggest"]

@@ -14,7 +14,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
     │  ├─ ForeignResponse                     400 previous_response_not_found
     │  ├─ ForeignResponseRoute                404 (code null: the upstream's unknown id)
     │  └─ UnsupportedRequest                  400 unsupported
-    ├─ MemoryRefused                          retry-after: the memory budget (proxy.serve.memory)
+    ├─ MemoryRefused                          retry-after: the memory budget (proxy.intake.memory)
     │  ├─ MemoryBusy                          429 memory_busy
     │  └─ MemoryTooLarge                      503 memory_too_large
     ├─ UpstreamError                          5xx
@@ -27,7 +27,7 @@ Blame is always the *request* (the app's fault, 4xx, never retried) or the *upst
 
 Not errors: an upstream ``error`` event or ``response.failed`` is relayed to the app with its
 own status and body; a divergence in matching is a diff result (full resend); a full pool is a
-plan (wait, then HTTP). Codes are :class:`proxy.core.reasons.ErrorCode` values.
+plan (wait, then HTTP). Codes are :class:`proxy.reasons.ErrorCode` values.
 
 Outside the tree: :class:`ClientGone` (``ConnectionResetError``), the app leaving mid-body, not an
 error of ours.
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.core.reasons import ErrorCode
+from proxy.reasons import ErrorCode
 from proxy.redact import redact_urls
 
 __all__ = [
@@ -234,7 +234,7 @@ class NotShared(RequestError):
 
 class MemoryRefused(ProxyError):
     """A request the memory budget cannot take (nothing was read or forwarded;
-    :mod:`proxy.serve.memory`)."""
+    :mod:`proxy.intake.memory`)."""
 
     retryable = True
     retry_after = 1

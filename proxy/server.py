@@ -29,20 +29,20 @@ from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.creators import OwnerRegistry
 from proxy.core.explainer import MissExplainer
-from proxy.core.reasons import Mode, Route
 from proxy.errors import MemoryRefused, RequestError, invalid_url_body
 from proxy.ingress.browsers import browser_guard
 from proxy.ingress.creator_queries import install as install_owner_routes
 from proxy.ingress.front import Cluster, Ingress, Resolver, WorkerPlacement, canonical_paths, post_responses
 from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
+from proxy.intake.keys import KeySource
+from proxy.intake.memory import MemoryGate, effective_settings, tune_allocator
 from proxy.loop import loop_name
 from proxy.loop import run as run_loop
-from proxy.ops.health import Lifecycle, make_admin_app
-from proxy.ops.log import setup_logging
-from proxy.ops.metrics import BUILD_INFO, ERRORS
+from proxy.observe.health import Lifecycle, make_admin_app
+from proxy.observe.log import setup_logging
+from proxy.observe.metrics import BUILD_INFO, ERRORS
+from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, Services, refuse
-from proxy.serve.keys import KeySource
-from proxy.serve.memory import MemoryGate, effective_settings, tune_allocator
 from proxy.serve.objects import guard as object_guard
 from proxy.serve.record import Record
 from proxy.serve.relay import relay_websocket
@@ -195,7 +195,7 @@ class Server:
     Args:
         settings: All settings; ``listen``/``admin_listen`` may use port 0 (tests).
         lifecycle: Shared with the admin app (a new one if omitted).
-        worker: This process's place among ``--workers`` (proxy/ingress/workers.py): the API listener
+        worker: This process's place among ``--workers`` (proxy/supervisor.py): the API listener
             then shares its address (``SO_REUSEPORT``) and a private unix socket takes the
             other workers' forwards; the admin app goes to ``admin_path`` instead.
         admin_path: Unix socket for the admin app (a worker's, scraped by the supervisor).
@@ -367,7 +367,7 @@ async def serve(server: Server, *, name: str = "", stop: asyncio.Event | None = 
 def run(settings: Settings) -> int:
     """Serve until SIGTERM or SIGINT, drain, and return the exit code (0).
 
-    One process (``workers`` above 1 is the supervisor's, :func:`proxy.ingress.workers.supervise`,
+    One process (``workers`` above 1 is the supervisor's, :func:`proxy.supervisor.supervise`,
     which the command line chooses). On uvloop when it is installed (a default dependency on
     CPython outside Windows), else on asyncio's own loop; the choice, and the build (pure or
     compiled), are logged and exported as ``upshift_build_info``.

@@ -19,8 +19,8 @@ import aiohttp
 import orjson
 
 from proxy.build import COMPILED, build_kind
-from proxy.core.reasons import Build
 from proxy.loop import loop_name
+from proxy.reasons import Build
 from tests.sidecar import Sidecar
 from upshift_emulator import Emulator
 

@@ -172,7 +172,7 @@ def test_list_from_yaml_and_flag(tmp_path: Path) -> None:
 
 
 def test_matching_tolerate_and_its_deprecated_alias(tmp_path: Path) -> None:
-    from proxy.core.reasons import Tolerance
+    from proxy.reasons import Tolerance
 
     assert load_settings(None, {}, None).matching.tolerances() == frozenset()
     env = {"UPSHIFT_MATCHING_TOLERATE": "phase, reasoning"}

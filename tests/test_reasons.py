@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from proxy.core.channel import HoldPath
-from proxy.core.reasons import (
+from proxy.reasons import (
     ErrorCode,
     ForwardOutcome,
     MemoryRefusal,

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from proxy.config_load import env_name, setting_keys
-from proxy.core.reasons import ErrorCode
 from proxy.ingress.handoff import HandoffOutcome
-from proxy.ops import metrics, refdocs
+from proxy.observe import metrics
+from proxy.ops import refdocs
+from proxy.reasons import ErrorCode
 from tests.sidecar import ROOT
 
 

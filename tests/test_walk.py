@@ -7,7 +7,7 @@ import pytest
 
 from bench.walk import Call, Walk, figures, import_graph, measure, upward
 from proxy.build import build_kind
-from proxy.core.reasons import Build
+from proxy.reasons import Build
 
 MAIN_LINE_STOPS = 101
 """The main line's stops, measured (the goal is 60)."""
@@ -36,7 +36,7 @@ def test_the_main_line_is_no_longer_than_measured(walk: Walk) -> None:
 def test_the_walk_runs_from_the_handler_to_the_access_line(walk: Walk) -> None:
     first, last = walk.all_functions.stops[0], walk.all_functions.stops[-1]
     assert first[0] == "ingress/front.py" and first[1][0] == "post_responses"
-    assert last[0] == "ops/log.py" and last[1][-1] == "access_log"
+    assert last[0] == "observe/log.py" and last[1][-1] == "access_log"
     # The main line is the all-functions walk with helpers folded: shorter, never longer.
     assert 40 <= len(walk.main_line.stops) < len(walk.all_functions.stops)
     assert walk.main_line.files <= walk.all_functions.files
@@ -60,7 +60,7 @@ def test_a_stop_is_a_run_of_calls_in_one_file() -> None:
 def test_a_call_into_a_higher_layer_or_an_importer_goes_up() -> None:
     graph = import_graph()
     assert upward("serve/streaming.py", "ingress/listener.py", graph)  # serve -> ingress
-    assert upward("core/conversation.py", "serve/memory.py", graph)  # core -> serve (a hook)
+    assert upward("core/conversation.py", "intake/memory.py", graph)  # core -> serve (a hook)
     assert upward("core/conversation.py", "core/planner.py", graph)  # planner imports conversation
     assert not upward("core/planner.py", "core/conversation.py", graph)
     assert not upward("serve/handlers.py", "core/request.py", graph)
@@ -71,7 +71,7 @@ def test_a_folded_callers_call_is_counted_from_its_nearest_counted_caller() -> N
     calls = [
         Call("core/conversation.py", "HeadTable.record", 1, None, None),
         Call("core/conversation.py", "_helper", 2, 0, "core/conversation.py"),
-        Call("serve/memory.py", "MemoryGate.keep", 3, 1, "core/conversation.py"),
+        Call("intake/memory.py", "MemoryGate.keep", 3, 1, "core/conversation.py"),
     ]
     figs = figures(calls, [True, False, True], import_graph())
-    assert figs.upward == [("core/conversation.py", "serve/memory.py:MemoryGate.keep")]
+    assert figs.upward == [("core/conversation.py", "intake/memory.py:MemoryGate.keep")]

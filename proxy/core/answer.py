@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.core.channel import Channel, Ending, Out
-from proxy.core.reasons import RequestOutcome
 from proxy.core.retry import Replay, classify, is_connection_limit
 from proxy.errors import UpstreamError
+from proxy.reasons import RequestOutcome
 
 __all__ = ["Answer", "AnswerKind", "Attempt", "Kept", "decide", "finished", "kept", "status_outcome"]
 

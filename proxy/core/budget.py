@@ -1,6 +1,6 @@
 """The memory budget: one number that everything the sidecar holds draws from.
 
-Sans-I/O accounting (the async gate is :mod:`proxy.serve.memory`). Three kinds of holders:
+Sans-I/O accounting (the async gate is :mod:`proxy.intake.memory`). Three kinds of holders:
 
 * **in flight**: requests being received, parsed and sent (a :class:`Ticket` each). A body pays
   as it arrives: a ticket is granted its headers, :data:`MIN_RESERVATION` and
@@ -13,30 +13,24 @@ Sans-I/O accounting (the async gate is :mod:`proxy.serve.memory`). Three kinds o
   evicts the least recently kept ones (their heads fall back to the digest: same answer);
 * **heads**: the conversation heads and their sockets (:meth:`Budget.set_heads`).
 
-A reservation or a growth that does not fit waits (the gate does not read the body meanwhile:
-TCP backpressure). Waiters are admitted in a fair order, round-robin over their keys (the
-caller's identity), first come first within a key, growths of bodies already being read
-before new requests, and **any waiter that fits is granted**: a large one never holds up small
-ones behind it. A body larger than one step is admitted only while it and every body being read
-could all grow to what they promise at once: those promises are counted against each other
-(so bodies paying as they arrive never deadlock, each able to complete once the small requests
-drain), never reserved (small requests and growths use the memory until the bytes arrive), and
-a promise that is not kept is closed by the body deadline (:mod:`proxy.ingress.front`). One that could not fit even if
-nothing else were in flight and no body kept is refused at once (:attr:`Verdict.TOO_LARGE`).
+A reservation or a growth that does not fit waits (the body is not read meanwhile: TCP
+backpressure). Waiters are admitted round-robin over their keys (the caller's identity), first
+come first within a key, growths of bodies being read before new requests, and **any waiter that
+fits is granted**: a large one never holds up small ones. A body larger than one step is admitted
+only while it and every body being read could all grow to what they promise at once (promises are
+counted against each other, never reserved, and one not kept is closed by the body deadline);
+one that could not fit into an empty budget is refused at once (:attr:`Verdict.TOO_LARGE`).
 
-A promise is backed by evidence: a body being read promises its declared need only as far as
-its observed rate can deliver it before its deadline (:meth:`Budget.observe`: the caller
-measures), so a trickle declaring the body limit promises what it can send in time, a few MiB,
-not the limit. Bodies without a credential (``keyless``) share one small quota,
-:data:`KEYLESS_SHARE` of the capacity: beyond it a keyless body waits (unless it is the only
-one), and their promises together never count for more than what is left of it. A growth of a
-body whose observed rate cannot finish it in time waits behind new requests: a large body of a
-tenant sending at full speed is admitted ahead of a trickle.
-The budget never takes memory back from a ticket already granted: nothing that is streaming is
-cut for memory.
+A promise is backed by evidence: a body promises its declared need only as far as its observed
+rate can deliver it before its deadline (:meth:`Budget.observe`: the caller measures), so a
+trickle declaring the body limit promises a few MiB, not the limit. Bodies without a credential
+(``keyless``) share :data:`KEYLESS_SHARE` of the capacity, promises included (one alone may take
+more). A growth of a body too slow to finish in time waits behind new requests. Nothing granted
+is ever taken back: nothing that is streaming is cut for memory.
 
-Every method returns what the caller must do (tickets to wake, kept bodies to drop); nothing
-here waits, sleeps or reads a clock.
+Every method returns what the caller must do (tickets to wake, kept bodies to drop), or, called
+by the prefix cache, holds it for the gate (:meth:`Budget.cooled`); nothing here waits, sleeps or
+reads a clock.
 """
 
 from __future__ import annotations
@@ -45,6 +39,19 @@ import enum
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+from proxy.core.sizing import (
+    AMPLIFICATION,
+    DEFAULT_MEMORY_BYTES,
+    HEAD_COST,
+    HEADER_ROOM,
+    KEYLESS_SHARE,
+    MIN_RESERVATION,
+    STEP,
+    Derived,
+    Kind,
+    derive,
+)
 
 __all__ = [
     "AMPLIFICATION",
@@ -62,51 +69,6 @@ __all__ = [
     "Verdict",
     "derive",
 ]
-
-AMPLIFICATION = 4
-"""Bytes reserved per body byte while a request is received, parsed and sent: the body, the
-parsed items (about 1x for tool outputs), the frame, and the send buffers of the WebSocket
-library (masked copy). Measured peak per in-flight byte, see bench/memory.py."""
-
-MIN_RESERVATION = 128 * 1024
-"""Added to every request's reservation: its connection's buffers and objects, held even
-while it waits (bench: 200 connections at once cost ~25 MiB beyond their bodies)."""
-
-STEP = 1024 * 1024
-"""Body bytes a reading ticket may hold ahead of what arrived: the bounded step it
-pays for before the bytes are read, and the unit it grows by."""
-
-HEADER_ROOM = 64 * 1024
-"""Left free by the derived body limit for the request's headers, which count too."""
-
-KEYLESS_SHARE = 8
-"""Requests without a credential share ``1 / KEYLESS_SHARE`` of the capacity: what they hold and
-what their bodies still promise together (one keyless body alone may take more: an app behind an
-injected key that sends no placeholder still gets its large bodies through)."""
-
-HEAD_COST = 24 * 1024
-"""Bytes per conversation head, its upstream socket included (bench: ~23 KB)."""
-
-DEFAULT_MEMORY_BYTES = 1024 * 1024 * 1024
-"""The budget when no container limit is found (1 GiB)."""
-
-CGROUP_FRACTION = 0.85
-"""Share of the container's memory limit the sidecar budgets for itself (the rest: the
-kernel's socket buffers, allocator slack, the probes)."""
-
-BASELINE_SLACK = 0.15
-"""Share of the budget left unassigned on top of the idle process: the read buffers of connections
-that arrive while the budget is taken (~0.15 MiB each, in memory before any handler runs) and
-allocator fragmentation (bench: 200 connections at once)."""
-
-
-class Kind(enum.StrEnum):
-    """What the budget's bytes are held by (metric label values)."""
-
-    IN_FLIGHT = "in_flight"
-    KEPT = "kept_bodies"
-    HEADS = "heads"
-    BASELINE = "baseline"
 
 
 class Verdict(enum.StrEnum):
@@ -184,34 +146,6 @@ class Effects:
         self.evict = [] if evict is None else evict
 
 
-@dataclass(frozen=True, slots=True)
-class Derived:
-    """Limits derived from the budget (when not set explicitly)."""
-
-    memory_bytes: int
-    capacity: int
-    """What requests, kept bodies and heads share: the budget minus the idle process."""
-    max_body_bytes: int
-    """The largest body that fits an empty budget (at most 64 MiB)."""
-    hot_prefix_bytes: int
-    """Half the capacity: kept bodies give way to requests anyway."""
-
-
-def derive(memory_bytes: int, baseline: int) -> Derived:
-    """The capacity and the default size limits for a budget of ``memory_bytes`` (RSS) when the
-    idle process takes ``baseline`` bytes."""
-    slack = int(memory_bytes * BASELINE_SLACK)
-    # A process already larger than its budget (a test runner hosting sidecars) still gets a
-    # quarter of it rather than nothing.
-    capacity = max(memory_bytes - baseline - slack, memory_bytes // 4)
-    return Derived(
-        memory_bytes=memory_bytes,
-        capacity=capacity,
-        max_body_bytes=min(64 * 1024 * 1024, (capacity - MIN_RESERVATION - HEADER_ROOM) // AMPLIFICATION),
-        hot_prefix_bytes=capacity // 2,
-    )
-
-
 class Budget:
     """Grants and refuses reservations against ``capacity`` bytes; decides which kept bodies go.
 
@@ -236,6 +170,8 @@ class Budget:
         """Granted tickets whose body is still arriving (``need`` above ``held``)."""
         self.tickets = 0
         """Granted tickets not yet released."""
+        self.pending: list[Ticket] = []
+        """Waiters let in by :meth:`cooled`, for the gate to wake (:meth:`take_pending`)."""
 
     def __repr__(self) -> str:
         return (
@@ -398,6 +334,17 @@ class Budget:
             return Effects()
         self.kept -= size
         return self._admit()
+
+    def cooled(self, key: Hashable) -> None:
+        """The prefix cache let a kept body go (it is the cache's keeper, with :meth:`keep`): as
+        :meth:`unkeep`, the waiters let in held for the gate, which takes them with its next
+        call (:meth:`take_pending`): the core tells no shell, the shell asks."""
+        self.pending += self.unkeep(key).granted
+
+    def take_pending(self) -> list[Ticket]:
+        """The waiters :meth:`cooled` let in since the last call (to wake), handed over once."""
+        pending, self.pending = self.pending, []
+        return pending
 
     def set_heads(self, size: int) -> Effects:
         """The heads now take ``size`` bytes."""

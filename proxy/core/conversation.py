@@ -43,9 +43,9 @@ from proxy.core.fastparse import PrefixCache, raw_prefix
 from proxy.core.heads import Head, Listener, Lookup, Match, stronger
 from proxy.core.items import echo_matches, fingerprint, phase_dropped, projection
 from proxy.core.prefixes import KeptPrefix
-from proxy.core.reasons import Hit, MissReason, Tolerance
 from proxy.core.request import ParsedRequest
 from proxy.core.sideindex import BARE_AFTER, BareIndex, CompactionIndex, bare_state, current_turn, digest_of, user_turn
+from proxy.reasons import Hit, MissReason, Tolerance
 
 __all__ = ["HeadTable", "MissReason"]
 

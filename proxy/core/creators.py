@@ -34,7 +34,7 @@ from collections import OrderedDict
 import orjson
 
 from proxy.core.fair import tenant_of
-from proxy.core.reasons import OwnerVerdict
+from proxy.reasons import OwnerVerdict
 
 __all__ = [
     "SNIFF_LIMIT",

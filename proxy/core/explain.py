@@ -11,7 +11,7 @@ The comparison is the matcher's own (client-echo.md §4): input items by
 :func:`~proxy.core.items.echo_matches`, settings field by field after rules 1-2. So an item a
 client re-serialised into an equivalent form is never reported; one it changed is.
 
-What a head keeps for this (see :func:`item_digests`, :func:`echo_fields`, :func:`settings_fields`):
+What a head keeps for this (:mod:`proxy.core.headnotes`, as the table records it):
 
 * 8 bytes per input item: enough to find the first differing index without content;
 * per output item, one 8-byte digest per projected field (``call_id``, ``name``, ``arguments``,
@@ -28,26 +28,32 @@ Pure: no I/O, no clock. :class:`~proxy.core.explainer.MissExplainer` picks the c
 from __future__ import annotations
 
 import enum
-import hashlib
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from proxy.core.fields import NON_SETTINGS_FIELDS
+from proxy.core.headnotes import (
+    DIGEST,
+    EchoFields,
+    SettingsFields,
+    echo_fields,
+    item_digests,
+    settings_fields,
+)
+from proxy.core.headnotes import field_paths as _projection
+from proxy.core.headnotes import schema_name as _safe
+from proxy.core.headnotes import value_digest as _d
 from proxy.core.items import (
     OutputFingerprint,
     _is_reference,
     _kind,
-    canonical,
     echo_matches,
     input_view,
     phase_dropped,
-    projection,
 )
-from proxy.core.reasons import MissReason, Tolerance
+from proxy.reasons import MissReason, Tolerance
 
 __all__ = [
     "DIGEST",
@@ -66,18 +72,6 @@ __all__ = [
     "score",
     "settings_fields",
 ]
-
-DIGEST = 8
-"""Bytes kept per item or field digest (collisions only ever hide a difference, 2**-64)."""
-
-EchoFields = tuple[tuple[str, ...], bytes]
-"""One output item's projection: its field paths (a shared tuple) and their 8-byte digests,
-concatenated in the same order."""
-SettingsFields = tuple[tuple[str, bytes], ...]
-"""``(setting name, 8-byte digest)`` of a request's settings, in body order."""
-
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-"""A key or type shown in an explanation must look like a schema name, never free text."""
 
 
 class Detail(enum.StrEnum):
@@ -188,77 +182,6 @@ class Score:
     def full_prefix(self) -> bool:
         """The request starts with the candidate's input (as far as both go)."""
         return self.first is None or self.first >= self.n_input
-
-
-def _d(value: Any) -> bytes:
-    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).digest()[:DIGEST]
-
-
-def _safe(name: Any) -> str | None:
-    return name if isinstance(name, str) and _NAME.match(name) else None
-
-
-def item_digests(keys: Sequence[bytes]) -> bytes:
-    """The per-item digests a head keeps: the first :data:`DIGEST` bytes of each item key."""
-    return b"".join(k[:DIGEST] for k in keys)
-
-
-def settings_fields(fields: Mapping[str, Any]) -> SettingsFields:
-    """One digest per setting, with the equivalences of the settings digest (rules 1-2, 8)."""
-    out = []
-    for name, value in fields.items():
-        if name in NON_SETTINGS_FIELDS or value is None:
-            continue
-        value = canonical(value)
-        if name == "include" and isinstance(value, list):
-            value = sorted(set(orjson.dumps(v).decode() for v in value))
-        out.append((name, _d(value)))
-    return tuple(out)
-
-
-_LISTS = ("content", "summary")
-"""Fields whose elements are named one by one (``content[0].text``, ``summary[1].text``)."""
-
-
-def _projection(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
-    """:func:`~proxy.core.items.projection` (``seen``, when the caller has it), one entry per
-    field path."""
-    out: list[tuple[str, Any]] = []
-    for key, value in (projection(item) if seen is None else seen).items():
-        name = _safe(key) or "?"
-        if key not in _LISTS or not isinstance(value, list) or not value:
-            out.append((name, value))
-            continue
-        for index, part in enumerate(value):
-            if isinstance(part, dict) and part:
-                out.extend((f"{name}[{index}].{_safe(k) or '?'}", v) for k, v in part.items())
-            else:
-                out.append((f"{name}[{index}]", part))
-    return out
-
-
-_PATHS: dict[tuple[str, ...], tuple[str, ...]] = {}
-"""Path tuples shared by every head (a message with one part always has the same paths)."""
-_MAX_PATHS = 4096
-
-
-def _shared(paths: tuple[str, ...]) -> tuple[str, ...]:
-    known = _PATHS.get(paths)
-    if known is not None:
-        return known
-    if len(_PATHS) < _MAX_PATHS:
-        _PATHS[paths] = paths
-    return paths
-
-
-def echo_fields(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> EchoFields:
-    """What a head keeps of one upstream output item to name the field an echo changed
-    (``seen``: its :func:`~proxy.core.items.projection`, when the caller has it)."""
-    kind = _kind(item)
-    out = [(path, _d(value)) for path, value in _projection(item, seen)]
-    if kind == "reasoning" and item.get("encrypted_content") is not None:
-        out.append(("encrypted_content", _d(item["encrypted_content"])))
-    return _shared(tuple(path for path, _ in out)), b"".join(d for _, d in out)
 
 
 def _unpack(fields: EchoFields) -> list[tuple[str, bytes]]:

@@ -1,17 +1,15 @@
 """The miss explainer: where a missed request departs from the best of the recent heads.
 
 :class:`MissExplainer` reads the :class:`~proxy.core.conversation.HeadTable` (its most recent
-heads, their kept bodies while hot, its tolerances) and keeps what only explanations need: one
-digest per setting for each distinct settings digest (LRU, shared by every head with those
-settings), learned as the table records heads. The comparison itself is
-:mod:`proxy.core.explain`'s. Only ever called on a miss, never on the continuation path; nothing
-of the request's content is returned. Pure: no I/O, no clock.
+heads, their kept bodies while hot, its tolerances) and the notes the table keeps for it
+(:class:`~proxy.core.headnotes.HeadNotes`: per-setting digests, where each head's input
+ends). The comparison itself is :mod:`proxy.core.explain`'s. Only ever called on a miss, never
+on the continuation path; nothing of the request's content is returned. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -20,16 +18,16 @@ from proxy.core.explain import (
     DIGEST,
     Candidate,
     Explanation,
-    SettingsFields,
     explain_against,
     first_stretch_only,
     item_digests,
     score,
     settings_fields,
 )
+from proxy.core.headnotes import HeadNotes
 from proxy.core.heads import Head
-from proxy.core.reasons import MissReason, Reason
 from proxy.core.request import ParsedRequest
+from proxy.reasons import MissReason, Reason
 
 __all__ = ["MissExplainer"]
 
@@ -50,9 +48,9 @@ _EXPLAINED = frozenset(
 class MissExplainer:
     """Explains the misses of one head table.
 
-    Built before the table records heads: it listens to every head recorded from a full
-    history (:attr:`HeadTable.listener <proxy.core.conversation.HeadTable.listener>`) to keep
-    its settings' per-setting digests.
+    Built before the table records heads: its :class:`~proxy.core.headnotes.HeadNotes` are the
+    table's listener (:attr:`HeadTable.listener <proxy.core.conversation.HeadTable.listener>`),
+    told of every head recorded from a full history and let go; it reads them on a miss.
 
     Args:
         heads: The head table whose misses are explained.
@@ -68,51 +66,15 @@ class MissExplainer:
     EXPLAIN_PARSE_BYTES = 4 * 1024 * 1024
     """Largest kept body parsed to explain a miss (one per miss; beyond it the digests say
     which item differs, not which field)."""
-    MAX_SETTINGS_FIELDS = 1024
-    """Distinct settings whose per-setting digests are kept (LRU)."""
 
     def __init__(self, heads: HeadTable) -> None:
         self.heads = heads
-        self._settings_fields: OrderedDict[bytes, SettingsFields] = OrderedDict()
-        """Per settings digest, one digest per setting (LRU, shared by heads)."""
-        self._ends: dict[tuple[str, int, bytes], tuple[int, Hashable, str]] = {}
-        """``(identity, input length, last input item's digest)`` → the serial, anchor and
-        response id of the latest head recorded with it: where a busy key's heads are found by
-        a miss without scanning them (an edited early item leaves the head's last input item
-        where it was). Never the head itself: a head the table let go is not kept alive here,
-        and its entry goes with it (:meth:`discarded`), so there are never more entries than
-        heads in the table (a conversation's turns leave one, not one each)."""
-        self._serial = 0
-        """Heads recorded so far (a miss looks only at those recorded before it)."""
-        heads.listener = self
+        self.notes = HeadNotes()
+        """What the table tells of the heads it records and lets go (its listener)."""
+        heads.listener = self.notes
 
     def __repr__(self) -> str:
-        return f"<MissExplainer [{len(self._settings_fields)} settings]>"
-
-    def recorded(self, head: Head, req: ParsedRequest) -> None:
-        """``head`` was recorded from the full history ``req``: keep its settings' digests and
-        index it by how its input ends."""
-        self._serial += 1
-        key = _end_key(head)
-        if key is not None:
-            self._ends[key] = (self._serial, head.anchor, head.response_id)
-        digest = head.settings
-        if digest in self._settings_fields:
-            self._settings_fields.move_to_end(digest)
-            return
-        self._settings_fields[digest] = settings_fields(req.fields)
-        while len(self._settings_fields) > self.MAX_SETTINGS_FIELDS:
-            self._settings_fields.popitem(last=False)
-
-    def discarded(self, head: Head) -> None:
-        """``head`` left the table (replaced, expired, evicted, its socket closed or its
-        anchor rekeyed): its entry in the index goes, unless a later head ending alike, under
-        another anchor, took the entry over."""
-        key = _end_key(head)
-        if key is not None:
-            entry = self._ends.get(key)
-            if entry is not None and entry[1] == head.anchor:
-                del self._ends[key]
+        return f"<MissExplainer [{len(self.notes.settings_fields)} settings]>"
 
     def explain(self, identity: str, req: ParsedRequest, reason: Reason | None) -> Explanation | None:
         """Say where a missed request departs from its best candidate head, or ``None``.
@@ -142,7 +104,7 @@ class MissExplainer:
         for anchor, head in self.heads.recent(self.EXPLAIN_SCAN):
             if head.identity == identity and not head.chained and head.items is not None:
                 heads.append((head, self.heads.prefixes.body(anchor)))
-        return partial(self._explain, identity, req, reason, heads, self._serial)
+        return partial(self._explain, identity, req, reason, heads, self.notes.serial)
 
     def _ending_like(self, identity: str, mine: bytes, before: int, taken: list[tuple[Head, bytes | None]]) -> None:
         """Add to ``taken`` the heads of ``identity`` in the table, recorded by serial
@@ -151,7 +113,7 @@ class MissExplainer:
         seen = {id(head) for head, _ in taken}
         m = len(mine) // DIGEST
         for n in range(m, max(0, m - self.EXPLAIN_REACH), -1):
-            entry = self._ends.get((identity, n, mine[(n - 1) * DIGEST : n * DIGEST]))
+            entry = self.notes.ends.get((identity, n, mine[(n - 1) * DIGEST : n * DIGEST]))
             if entry is None or entry[0] > before:
                 continue
             _, anchor, response_id = entry
@@ -184,7 +146,7 @@ class MissExplainer:
                 output=head.output,
                 echo=head.echo,
                 same_settings=head.settings == req.settings_digest,
-                settings=self._settings_fields.get(head.settings),
+                settings=self.notes.settings_fields.get(head.settings),
                 body=body,
             )
             sc = score(cand, keys, items, mine)
@@ -198,7 +160,7 @@ class MissExplainer:
         results = []
         # The request's per-setting digests, only with a candidate to compare them with (most
         # first turns have none): from the table when a head has the same settings.
-        wanted = (self._settings_fields.get(req.settings_digest) or settings_fields(req.fields)) if found else ()
+        wanted = (self.notes.settings_fields.get(req.settings_digest) or settings_fields(req.fields)) if found else ()
         parse_left = self.EXPLAIN_PARSE_BYTES
         for _, cand, after in sorted(found, key=lambda f: f[0], reverse=True):
             if cand.body is not None:
@@ -227,12 +189,3 @@ class MissExplainer:
 
 def _with_identity(explanation: Explanation, identity: str) -> Explanation:
     return replace(explanation, identity=identity)
-
-
-def _end_key(head: Head) -> tuple[str, int, bytes] | None:
-    """Where :attr:`MissExplainer._ends` files ``head``: its identity, input length and last
-    input item's digest (``None`` without item digests)."""
-    n, items = head.n_input, head.items
-    if n > 0 and items is not None and len(items) == n * DIGEST:
-        return head.identity, n, items[-DIGEST:]
-    return None

@@ -20,7 +20,7 @@ __all__ = ["TENANT_CHARS", "FairShares", "tenant_of"]
 
 TENANT_CHARS = 16
 """An identity digest starts with its tenant's: this many hex characters of the sha256 of the
-app's credential (:mod:`proxy.serve.identity`)."""
+app's credential (:mod:`proxy.intake.identity`)."""
 
 
 def tenant_of(identity: str) -> str:

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from proxy.core.explain import EchoFields
 from proxy.core.items import OutputFingerprint
-from proxy.core.reasons import Hit, MissReason
 from proxy.core.request import ParsedRequest
+from proxy.reasons import Hit, MissReason
 
 __all__ = ["Head", "Listener", "Lookup", "Match", "stronger"]
 

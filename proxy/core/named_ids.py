@@ -29,10 +29,10 @@ from typing import Any
 
 import orjson
 
-from proxy.core.reasons import ObjectKind
 from proxy.core.request import ParsedRequest
 from proxy.core.request import _loads as loads_body
 from proxy.errors import InvalidRequest
+from proxy.reasons import ObjectKind
 
 __all__ = [
     "ID_KEYS",

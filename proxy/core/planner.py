@@ -67,10 +67,10 @@ from proxy.core.lanes import (
     lane_step,
     socket_step,
 )
-from proxy.core.reasons import Hit, MissReason, PassthroughReason, WaitOutcome
 from proxy.core.request import ParsedRequest, build_frame
 from proxy.core.reseed import Kept, KeptContexts
 from proxy.core.waiting import Estimates, Send, Waiting, WaitRule, wait_seconds
+from proxy.reasons import Hit, MissReason, PassthroughReason, WaitOutcome
 
 __all__ = [
     "LaneLimits",

@@ -150,7 +150,7 @@ class KeptPrefix:
 
 
 class Keeper(Protocol):
-    """Who else accounts for kept bodies (the memory budget, :class:`proxy.serve.memory.MemoryGate`)."""
+    """Who else accounts for kept bodies (the memory budget, :class:`proxy.core.budget.Budget`)."""
 
     def keep(self, anchor: Hashable, size: int) -> bool:
         """Whether the head of ``anchor`` may keep a body of ``size`` bytes."""

@@ -20,8 +20,8 @@ from proxy.core.fields import TRANSPORT_ONLY_FIELDS, dumps, settings_digest, val
 from proxy.core.items import item_key
 from proxy.core.prefixes import Base, SettingsBlock
 from proxy.core.rawjson import InputSpan, locate_input
-from proxy.core.reasons import PassthroughReason
 from proxy.errors import InvalidRequest, UnsupportedRequest
+from proxy.reasons import PassthroughReason
 
 __all__ = [
     "ParsedRequest",

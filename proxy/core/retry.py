@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.core.reasons import ReplayCause
 from proxy.errors import UpstreamClosed
+from proxy.reasons import ReplayCause
 
 __all__ = [
     "Replay",

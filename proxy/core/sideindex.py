@@ -24,8 +24,8 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from proxy.core.heads import Head
-from proxy.core.reasons import MissReason
 from proxy.core.request import ParsedRequest
+from proxy.reasons import MissReason
 
 __all__ = [
     "BARE_AFTER",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from proxy.core.reasons import WaitOutcome
+from proxy.reasons import WaitOutcome
 
 __all__ = [
     "DEFAULT_BUSY_SECONDS",

@@ -35,10 +35,10 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy.config import Settings, parse_hostport, peer_urls
-from proxy.core.reasons import BrowserRefusal
 from proxy.errors import ForeignHost, ForeignOrigin, RequestError
 from proxy.ingress.cluster import arrived_privately
-from proxy.ops.metrics import BROWSER_REFUSALS, ERRORS
+from proxy.observe.metrics import BROWSER_REFUSALS, ERRORS
+from proxy.reasons import BrowserRefusal
 from proxy.serve.streaming import new_request_id
 
 __all__ = ["browser_guard"]

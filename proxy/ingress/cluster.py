@@ -51,7 +51,6 @@ from multidict import CIMultiDict
 
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
-from proxy.core.reasons import ForwardOutcome, ForwardReason, Mode
 from proxy.errors import ConfigError
 from proxy.ingress.forward import (
     OWNER_HEADER,
@@ -79,8 +78,9 @@ from proxy.ingress.peers import (
     tls_client,
 )
 from proxy.ingress.private import check_peer
-from proxy.ops.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
-from proxy.serve.identity import Identity
+from proxy.intake.identity import Identity
+from proxy.observe.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
+from proxy.reasons import ForwardOutcome, ForwardReason, Mode
 from proxy.serve.record import Record
 from proxy.upstream.passthrough import HOP_BY_HOP
 

@@ -45,12 +45,12 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from proxy.core.reasons import OwnerVerdict
 from proxy.errors import invalid_url_body
 from proxy.ingress.cluster import Cluster, arrived_privately
 from proxy.ingress.forward import Level, Peer
 from proxy.ingress.front import CLUSTER
 from proxy.ingress.peers import MARKER
+from proxy.reasons import OwnerVerdict
 from proxy.serve.handlers import SERVICES
 from proxy.serve.responses import add_routes as add_response_routes
 from proxy.serve.streaming import json_body

@@ -26,9 +26,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.contracts import CheckedUnixConnector
-from proxy.core.reasons import ForwardOutcome
 from proxy.core.sse import encode_event, nested_error
 from proxy.errors import UpstreamClosed
+from proxy.reasons import ForwardOutcome
 from proxy.serve.streaming import json_body
 from proxy.upstream.passthrough import HOP_BY_HOP
 from proxy.wire import sse

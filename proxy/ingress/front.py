@@ -19,7 +19,6 @@ from urllib.parse import unquote, urlsplit
 from aiohttp import web
 
 from proxy.config import Settings, parse_hostport
-from proxy.core.reasons import Mode, Route
 from proxy.errors import ConfigError, InvalidRequest
 from proxy.ingress.cluster import Cluster
 from proxy.ingress.handoff import Receiver
@@ -27,6 +26,7 @@ from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite, pro
 from proxy.ingress.peerauth import PROOF_PATH
 from proxy.ingress.peers import Resolver, WorkerPlacement
 from proxy.ingress.reception import Reception
+from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, Arrival, refuse, serve
 from proxy.serve.record import Record
 from proxy.serve.streaming import new_request_id

@@ -34,9 +34,9 @@ from aiohttp.web_server import Server as LowServer
 
 from proxy import contracts
 from proxy.config import ListenerSettings
-from proxy.core.reasons import ListenerClose
 from proxy.kernel import AcceptDrain, received_ago, tcp_socket
-from proxy.ops.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
+from proxy.observe.metrics import LISTENER_CLOSED, LISTENER_CONNECTIONS
+from proxy.reasons import ListenerClose
 
 __all__ = ["Guard", "GuardedHandler", "HardenedTCPSite", "HardenedUnixSite", "protocol_factory"]
 

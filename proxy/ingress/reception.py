@@ -3,7 +3,7 @@
 Before anyone decides where a request is served, it is received here: its length and the
 caller's identity from the headers, its memory lease (from before the body is read
 until the answer is written, admitted fairly by identity), its body under the deadlines of
-:class:`~proxy.serve.streaming.BodyClock`. What the reception refuses is answered
+:class:`~proxy.intake.body.BodyClock`. What the reception refuses is answered
 here, as it always was: a bad head or body (4xx, the record says ``client_error``), no memory
 (429/503 + ``retry-after``), a body that did not keep arriving (408, the connection closed), an
 app gone mid-body (nobody reads the answer). The access record is opened, closed and counted
@@ -21,14 +21,15 @@ from functools import partial
 
 from aiohttp import web
 
-from proxy.core.reasons import BodyAbort, RequestOutcome
 from proxy.errors import BodyTimeout, ProxyError, RequestError
-from proxy.ops.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
+from proxy.intake.body import BodyClock, body_length, read_body
+from proxy.intake.identity import Identity
+from proxy.intake.memory import Lease, MemoryRefused
+from proxy.observe.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
+from proxy.reasons import BodyAbort, RequestOutcome
 from proxy.serve.handlers import Arrival, Services, refuse
-from proxy.serve.identity import Identity
-from proxy.serve.memory import Lease, MemoryRefused
 from proxy.serve.record import Record
-from proxy.serve.streaming import BodyClock, ClientGone, body_length, new_request_id, read_body
+from proxy.serve.streaming import ClientGone, new_request_id
 
 __all__ = ["Reception", "Route", "Serve"]
 

@@ -28,10 +28,10 @@ import orjson
 from proxy.config import Settings
 from proxy.config_load import load_settings
 from proxy.errors import ConfigError
+from proxy.intake.keys import KeySource
 from proxy.ops.doctor_checks import Checks, Options
 from proxy.ops.doctor_report import Check, Result, Status, render, to_json
 from proxy.redact import redact_url
-from proxy.serve.keys import KeySource
 from proxy.upstream.egress import egress_for
 
 __all__ = ["Check", "Result", "Status", "main"]

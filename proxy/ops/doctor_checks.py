@@ -30,11 +30,11 @@ from proxy.config import Settings, parse_hostport
 from proxy.core.demux import LaneSignal
 from proxy.core.retry import error_fields
 from proxy.errors import UpstreamError, UpstreamRefused
+from proxy.intake.keys import KeySource
 from proxy.ops.doctor_report import Check, Result, Status
 from proxy.ops.doctor_via import via_check
 from proxy.ops.doctor_wire import Answer, Budget, Upstream
 from proxy.redact import redact_url
-from proxy.serve.keys import KeySource
 from proxy.upstream.ws import UpstreamSocket
 
 __all__ = ["Checks", "Options"]

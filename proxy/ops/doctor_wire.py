@@ -1,6 +1,6 @@
 """The doctor's way to the upstream: the sidecar's own parts, one request at a time.
 
-The credential headers and the WebSocket URL come from :func:`proxy.serve.identity.request_identity`
+The credential headers and the WebSocket URL come from :func:`proxy.intake.identity.request_identity`
 (as for an app's request), the HTTP URL from :meth:`Passthrough.url_for` (path prefix, the
 upstream's query string, the app's ``api-version``), the egress proxy and TLS trust from
 :mod:`proxy.upstream.egress`, the upgrade from :func:`proxy.upstream.handshake.open_websocket`, the
@@ -28,9 +28,9 @@ from proxy.core.demux import LaneSignal
 from proxy.core.request import build_frame, parse_request
 from proxy.core.retry import error_fields
 from proxy.errors import UpstreamClosed, UpstreamError
+from proxy.intake.identity import USER_AGENT, request_identity
+from proxy.intake.keys import KeySource
 from proxy.redact import redact_urls
-from proxy.serve.identity import USER_AGENT, request_identity
-from proxy.serve.keys import KeySource
 from proxy.upstream.handshake import open_websocket
 from proxy.upstream.passthrough import Passthrough
 from proxy.upstream.ws import UpstreamSocket

@@ -25,9 +25,9 @@ from proxy.config_load import load_settings
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, Explanation
 from proxy.core.explainer import MissExplainer
-from proxy.core.reasons import Tolerance
 from proxy.core.request import parse_request
 from proxy.errors import ConfigError, InvalidRequest
+from proxy.reasons import Tolerance
 from proxy.wire import sse
 
 __all__ = ["main", "read_response"]

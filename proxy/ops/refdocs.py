@@ -1,8 +1,8 @@
 """The reference pages of ``docs/reference/``, generated from the code that defines them.
 
 Each setting, metric and error code is written once, in the code (the settings dataclasses of
-:mod:`proxy.config` with their attribute docstrings, the metrics of :mod:`proxy.ops.metrics`,
-the error classes of :mod:`proxy.errors` and :class:`~proxy.core.reasons.ErrorCode`), and the
+:mod:`proxy.config` with their attribute docstrings, the metrics of :mod:`proxy.observe.metrics`,
+the error classes of :mod:`proxy.errors` and :class:`~proxy.reasons.ErrorCode`), and the
 pages are rendered from it, so they cannot drift: ``tests/test_refdocs.py`` fails when a page
 differs from what this module renders now.
 
@@ -28,9 +28,9 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 import proxy.config as config
-import proxy.core.reasons as reasons
 import proxy.errors as errors
-import proxy.ops.metrics as metrics
+import proxy.observe.metrics as metrics
+import proxy.reasons as reasons
 from proxy.config_load import env_name
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
@@ -198,7 +198,7 @@ _ENUMS |= {"HoldPath": HoldPath, "Kind": Kind}
 
 def _label_values(metric: str, label: str, note: str) -> list[str]:
     """A label's values: from the metric's attribute docstring (``label: :class:`Enum``` or
-    ``label: a | b``), else every value the label may take (:data:`proxy.ops.metrics.LABEL_VALUES`)."""
+    ``label: a | b``), else every value the label may take (:data:`proxy.observe.metrics.LABEL_VALUES`)."""
     for part in note.split(";"):
         names, _, rest = part.partition(":")
         if label not in [n.strip() for n in names.split(",")] or not rest:
@@ -217,7 +217,7 @@ def metrics_page() -> str:
     docs = _docs_of(metrics)
     found = [(name, m) for name, m in vars(metrics).items() if isinstance(m, MetricWrapperBase)]
     out = [
-        _HEADER.format(source="proxy/ops/metrics.py"),
+        _HEADER.format(source="proxy/observe/metrics.py"),
         "# Metrics reference\n\n",
         "`GET /metrics` on the admin listener, Prometheus text format. Labels are bounded: never ids,\n",
         "keys, models or free text. Counters also expose a `_created` series (set\n",
@@ -257,7 +257,7 @@ def errors_page() -> str:
             continue
         classes.setdefault(str(cls.code), []).append(cls)
     out = [
-        _HEADER.format(source="proxy/errors.py and proxy/core/reasons.py"),
+        _HEADER.format(source="proxy/errors.py and proxy/reasons.py"),
         "# Error codes\n\n",
         "Errors the sidecar answers itself, in the OpenAI shape\n",
         '`{"error": {"message", "type", "param", "code"}}`, each counted in\n',

@@ -1,1 +1,1 @@
-"""The local handler: one request from its body to its answer (identity, memory lease, plan, pump, record)."""
+"""The local handler: one request from its parsed body to its answer (plan, lease a lane, pump, record)."""

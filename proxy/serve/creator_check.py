@@ -15,8 +15,8 @@ from typing import Protocol
 
 from proxy.core.creators import OwnerRegistry
 from proxy.core.named_ids import NamedIds, noun
-from proxy.core.reasons import ObjectKind, OwnerVerdict
 from proxy.errors import ForeignObject, ForeignResponse
+from proxy.reasons import ObjectKind, OwnerVerdict
 
 __all__ = ["OwnerBook", "RemoteOwners"]
 

@@ -37,16 +37,16 @@ from proxy.core.conversation import HeadTable
 from proxy.core.explainer import MissExplainer
 from proxy.core.named_ids import parsed_ids
 from proxy.core.planner import Plan, PlanKind
-from proxy.core.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
 from proxy.errors import ProxyError, RequestError, UpstreamError
-from proxy.ops.metrics import UPSTREAM_DURATION
+from proxy.intake.identity import Identity, request_identity
+from proxy.intake.keys import KeySource
+from proxy.intake.memory import Lease, MemoryGate
+from proxy.observe.metrics import UPSTREAM_DURATION
+from proxy.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.serve.creator_check import OwnerBook
-from proxy.serve.identity import Identity, request_identity
 from proxy.serve.inflight import Streams
-from proxy.serve.keys import KeySource
-from proxy.serve.memory import Lease, MemoryGate
 from proxy.serve.offload import hash_prefix_in_thread, warm_keys
 from proxy.serve.record import Record
 from proxy.serve.streaming import Downstream, count_hold_back, json_body, pump, wants_obfuscation
@@ -74,7 +74,7 @@ class Services:
     streams: Streams = field(default_factory=Streams)
     """Responses being pumped to apps right now (ended if the drain's grace runs out)."""
     memory: MemoryGate | None = None
-    """The memory budget every request draws from (proxy/serve/memory.py)."""
+    """The memory budget every request draws from (proxy/intake/memory.py)."""
     owners: OwnerBook = field(init=False)
     """Who created each response id, and who may name it (proxy/serve/creator_check.py)."""
 

@@ -43,12 +43,12 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from proxy.core.named_ids import PARSE_INLINE, ObjectRoute, answer_ids, noun, object_route, read_request
-from proxy.core.reasons import ObjectKind
 from proxy.errors import ClientGone, ForeignObject, InvalidRequest, NotShared
+from proxy.intake.body import BodyClock, read_body
+from proxy.intake.identity import Identity
+from proxy.intake.memory import Lease
+from proxy.reasons import ObjectKind
 from proxy.serve.handlers import Services
-from proxy.serve.identity import Identity
-from proxy.serve.memory import Lease
-from proxy.serve.streaming import BodyClock, read_body
 from proxy.upstream.passthrough import Options
 
 __all__ = ["guard"]

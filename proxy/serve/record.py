@@ -20,22 +20,10 @@ from typing import Any
 from proxy.core.answer import status_outcome
 from proxy.core.explain import Explanation
 from proxy.core.planner import Plan, PlanKind
-from proxy.core.reasons import (
-    Hit,
-    Mode,
-    PassthroughReason,
-    Reason,
-    ReplayCause,
-    RequestOutcome,
-    Route,
-    ServiceTier,
-    Tolerance,
-    WaitOutcome,
-)
 from proxy.core.request import Transport
 from proxy.core.waiting import Waiting
-from proxy.ops.log import access_log
-from proxy.ops.metrics import (
+from proxy.observe.log import access_log
+from proxy.observe.metrics import (
     ADDED_LATENCY,
     CONTINUATION_MISSES,
     DROPPED_REASONING,
@@ -52,7 +40,19 @@ from proxy.ops.metrics import (
     UPSTREAM_BYTES_SENT,
     child,
 )
-from proxy.ops.misses import RECENT
+from proxy.observe.misses import RECENT
+from proxy.reasons import (
+    Hit,
+    Mode,
+    PassthroughReason,
+    Reason,
+    ReplayCause,
+    RequestOutcome,
+    Route,
+    ServiceTier,
+    Tolerance,
+    WaitOutcome,
+)
 from proxy.upstream.passthrough import Forwarded
 
 __all__ = ["Record"]

@@ -10,7 +10,7 @@ Inside the sidecar's limits: an app message may be as large as the upstream's ow
 frame budget (``limits.ws_frame_budget_bytes``) and a request body (``limits.max_body_bytes``;
 larger: close 1009, refused from the frame header, never read), a session's messages are paid
 for in the memory budget as their bytes are read, before aiohttp assembles them
-(:class:`~proxy.serve.memory.MessageMeter`: reading pauses while the budget is taken; after
+(:class:`~proxy.intake.meter.MessageMeter`: reading pauses while the budget is taken; after
 ``limits.memory_wait_seconds`` the app gets the budget's ``error`` event and the session closes
 1013, nothing of the message sent), and a
 session counts as one upstream socket against ``pool.max_sockets_per_identity`` and
@@ -43,13 +43,14 @@ from proxy import contracts
 from proxy.core.creators import created_id
 from proxy.core.fair import tenant_of
 from proxy.core.named_ids import PARSE_INLINE, read_request
-from proxy.core.reasons import Mode, RequestOutcome, Route
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
-from proxy.ops.metrics import ERRORS, INFLIGHT
+from proxy.intake.identity import Identity
+from proxy.intake.memory import MemoryRefused
+from proxy.intake.meter import MessageMeter
+from proxy.observe.metrics import ERRORS, INFLIGHT
+from proxy.reasons import Mode, RequestOutcome, Route
 from proxy.serve.creator_check import OwnerBook
 from proxy.serve.handlers import SERVICES, Services, refuse
-from proxy.serve.identity import Identity
-from proxy.serve.memory import MemoryRefused, MessageMeter
 from proxy.serve.record import Record
 from proxy.serve.streaming import json_body, new_request_id
 from proxy.upstream.handshake import open_websocket

@@ -20,11 +20,12 @@ import time
 from aiohttp import web
 
 from proxy.core.named_ids import PARSE_INLINE, NamedIds, read_request
-from proxy.core.reasons import Mode, Route
 from proxy.errors import ForeignResponseRoute, RequestError
+from proxy.intake.body import read_body
+from proxy.reasons import Mode, Route
 from proxy.serve.handlers import SERVICES, refuse
 from proxy.serve.record import Record
-from proxy.serve.streaming import new_request_id, read_body
+from proxy.serve.streaming import new_request_id
 
 __all__ = ["add_routes"]
 

@@ -29,8 +29,8 @@ from websockets.protocol import Protocol
 
 from proxy.config import Settings
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamUnavailable
+from proxy.intake.identity import USER_AGENT
 from proxy.redact import redact_urls
-from proxy.serve.identity import USER_AGENT
 from proxy.upstream.egress import egress_for
 
 __all__ = ["CLOSE_TIMEOUT", "MAX_RECEIVED_FRAME", "closed_error", "echo_close", "open_websocket"]

@@ -6,7 +6,7 @@ under ``/v1`` (models, chat/completions, embeddings, files, ``GET``/``DELETE
 request body flows from the app's stream (unless it was already read), the response body is
 written as it arrives (SSE is never buffered), and the upstream's bytes stay as they are
 (no decompression, no re-encoding). Hop-by-hop headers and cookies are dropped; the
-``Authorization`` (or ``api_key.header``) comes from :class:`~proxy.serve.keys.KeySource`. The
+``Authorization`` (or ``api_key.header``) comes from :class:`~proxy.intake.keys.KeySource`. The
 connection takes the egress path of :mod:`proxy.upstream.egress` (forward proxy, TLS trust).
 """
 
@@ -34,14 +34,14 @@ from proxy import contracts
 from proxy.config import Settings, merge_query
 from proxy.core.creators import SNIFF_LIMIT
 from proxy.core.fields import TRANSPORT_ONLY_FIELDS
-from proxy.core.reasons import BodyAbort
 from proxy.core.request import ParsedRequest, build_frame
 from proxy.errors import BodyTimeout, InvalidRequest, ProxyError, UpstreamTimeout, UpstreamUnavailable
+from proxy.intake.body import BodyClock, BodyWatch
+from proxy.intake.keys import KeySource
 from proxy.kernel import received_ago, tcp_socket
-from proxy.ops.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.observe.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
+from proxy.reasons import BodyAbort
 from proxy.redact import redact_url, redact_urls
-from proxy.serve.keys import KeySource
-from proxy.serve.streaming import BodyClock, BodyWatch
 from proxy.upstream.egress import egress_for
 from proxy.upstream.sniff import IdSniffer, answer_members
 

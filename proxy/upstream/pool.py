@@ -34,12 +34,12 @@ from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
 from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.planner import LaneLimits, Plan, PlanKind, Planner, Reseed
-from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import reseed_frame
 from proxy.core.waiting import Send, Waiting
 from proxy.errors import UpstreamClosed, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
-from proxy.ops.metrics import (
+from proxy.intake.identity import Identity
+from proxy.observe.metrics import (
     LANES,
     LANES_FALLBACKS,
     POOL_WAIT,
@@ -49,7 +49,7 @@ from proxy.ops.metrics import (
     SOCKETS,
     UPGRADE_REFUSALS,
 )
-from proxy.serve.identity import Identity
+from proxy.reasons import PassthroughReason, ReplayCause
 from proxy.upstream.caps import CapFile
 from proxy.upstream.handshake import open_websocket
 from proxy.upstream.passthrough import Forwarded

@@ -28,7 +28,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.openai import OpenAIResponsesModel, OpenAIResponsesModelSettings
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from proxy.ops.misses import RECENT
+from proxy.observe.misses import RECENT
 from tests.sidecar import Sidecar
 from upshift_emulator import Emulator, context_digest
 

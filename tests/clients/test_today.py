@@ -24,10 +24,10 @@ import pytest
 import websockets
 from openai import AsyncOpenAI
 
-from proxy.core.reasons import MissReason
+from proxy.observe.log import ACCESS_LOGGER
 from proxy.ops.explain_cmd import _describe as describe
 from proxy.ops.explain_cmd import explain_files
-from proxy.ops.log import ACCESS_LOGGER
+from proxy.reasons import MissReason
 from tests.sidecar import Sidecar
 from upshift_emulator import Emulator
 from upshift_emulator.oracle import context_digest

@@ -9,9 +9,9 @@ import pytest
 
 from proxy.core.answer import Answer, AnswerKind, Attempt, decide, kept, status_outcome
 from proxy.core.channel import Channel, Out
-from proxy.core.reasons import ReplayCause, RequestOutcome
 from proxy.core.retry import Replay
 from proxy.errors import UpstreamClosed, UpstreamTimeout
+from proxy.reasons import ReplayCause, RequestOutcome
 
 ANCHOR = "resp_sidecar_anchor"
 FIRST = Attempt(0, continuation=True, named=False, stream=True)

@@ -7,8 +7,8 @@ import pytest
 
 from proxy.core.creators import OwnerRegistry, created_id, member_string
 from proxy.core.named_ids import NamedIds, read_request, request_ids
-from proxy.core.reasons import OwnerVerdict
 from proxy.errors import InvalidRequest
+from proxy.reasons import OwnerVerdict
 from proxy.upstream.sniff import IdSniffer
 
 

@@ -6,8 +6,8 @@ import orjson
 import pytest
 
 from proxy.core.named_ids import NamedIds, answer_ids, members, object_route, read_request
-from proxy.core.reasons import ObjectKind
 from proxy.errors import InvalidRequest
+from proxy.reasons import ObjectKind
 
 
 def test_every_id_below_the_top_level_is_read_with_its_kind_and_param() -> None:

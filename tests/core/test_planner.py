@@ -36,8 +36,8 @@ from proxy.core.planner import (
     Planner,
     hold_off_seconds,
 )
-from proxy.core.reasons import MissReason, PassthroughReason
 from proxy.core.request import ParsedRequest, parse_request
+from proxy.reasons import MissReason, PassthroughReason
 
 SEEN: set[tuple[str, str, str]] = set()
 """Every (table, state, event) step the planners of this module took (``Planner.on_step``)."""

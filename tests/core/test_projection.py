@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from proxy.core.conversation import HeadTable
 from proxy.core.items import echo_matches, fingerprint, phase_dropped
-from proxy.core.reasons import MissReason, Tolerance
+from proxy.reasons import MissReason, Tolerance
 from tests.sidecar import ROOT
 from upshift_emulator.oracle import canonical_line
 

@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from proxy.core.reasons import ReplayCause
 from proxy.core.retry import (
     Replay,
     Surface,
@@ -17,6 +16,7 @@ from proxy.core.retry import (
     is_not_found,
 )
 from proxy.errors import UpstreamClosed, UpstreamProtocolError, UpstreamTimeout
+from proxy.reasons import ReplayCause
 
 CLOSED = ReplayCause.CLOSED_BEFORE_FIRST_EVENT
 NOT_FOUND_MSG = "Previous response with id 'resp_abc' not found."

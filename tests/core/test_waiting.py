@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.core.planner import PlanKind, Planner
-from proxy.core.reasons import MissReason, PassthroughReason, WaitOutcome
 from proxy.core.waiting import DEFAULT_BUSY_SECONDS, Estimates, Send, Waiting, wait_seconds
+from proxy.reasons import MissReason, PassthroughReason, WaitOutcome
 from tests.core.test_planner import call, complete, opened, planner, req, result, user
 
 

@@ -15,7 +15,7 @@ from multidict import CIMultiDict
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
 from proxy.core.affinity import owner_key, rank, root_digest
-from proxy.serve.identity import identify
+from proxy.intake.identity import identify
 from proxy.server import Server
 from tests.clients.support import MODEL, TOOLS, task_text, tool_outputs
 from tests.sidecar import SidecarProcess

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
 from proxy.ingress.peers import MARKER
-from proxy.ops.metrics import FORWARDS, FORWARDS_RECEIVED
+from proxy.observe.metrics import FORWARDS, FORWARDS_RECEIVED
 from proxy.server import Server
 from tests.clients.support import MODEL, TOOLS
 from upshift_emulator import Emulator

@@ -19,7 +19,7 @@ import pytest
 from proxy.config import Settings, ShutdownSettings
 from proxy.ingress.peers import WorkerPlacement
 from proxy.ingress.private import runtime_dir
-from proxy.ops.metrics import FORWARDS, HANDOFFS
+from proxy.observe.metrics import FORWARDS, HANDOFFS
 from proxy.server import Server
 from tests.clients.support import Capture, assert_fidelity, run_loop_async, task_text
 from tests.sidecar import SidecarProcess

@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config import Settings, peer_urls
 from proxy.config_load import load_settings
 from proxy.errors import ConfigError
-from proxy.ingress.workers import merge_metrics
 from proxy.server import Server
+from proxy.supervisor import merge_metrics
 
 PEERS = "http://10.0.0.1:8080, http://10.0.0.2:8080/"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.budget import AMPLIFICATION, BASELINE_SLACK, HEADER_ROOM, MIN_RESERVATION, Budget, Verdict, derive
+from proxy.core.budget import AMPLIFICATION, HEADER_ROOM, MIN_RESERVATION, Budget, Verdict, derive
+from proxy.core.sizing import BASELINE_SLACK
 
 MIB = 1024 * 1024
 
@@ -151,6 +152,21 @@ def test_a_body_is_kept_only_into_free_memory_and_never_while_a_request_waits() 
     assert not budget.keep("b", 5)  # fits, but a request waits
     budget.release(first)
     assert waiting.verdict is Verdict.GRANTED and budget.keep("b", 5)
+
+
+def test_a_body_the_cache_lets_go_is_counted_out_and_tells_the_gate_through_pending() -> None:
+    """The prefix cache calls the budget (its keeper), not the gate: a cooled body leaves the
+    accounting at once, and whoever it lets in waits in ``pending`` for the gate's next call."""
+    budget = Budget(100)
+    held, _ = budget.ask(40)
+    assert budget.keep("a", 50)
+    waiting, out = budget.ask(65)  # more than free + kept (10 + 50): waits, evicts nothing
+    assert waiting.verdict is Verdict.WAITING and out.evict == []
+    budget.cooled("a")  # kept bytes were free to a waiter already (by eviction): nobody new fits
+    assert budget.kept == 0 and waiting.verdict is Verdict.WAITING and budget.take_pending() == []
+    assert budget.release(held).granted == [waiting]
+    budget.pending.append(waiting)  # as cooled leaves it: handed over once
+    assert budget.take_pending() == [waiting] and budget.take_pending() == []
 
 
 def test_settle_shrinks_a_grant_and_wakes_waiters() -> None:

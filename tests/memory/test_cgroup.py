@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from bench.memory import conversation_load
-from proxy.core.budget import CGROUP_FRACTION
+from proxy.core.sizing import CGROUP_FRACTION
 from tests.exposition import metric, scrape
 from tests.memory.conftest import MIB, Cgroup, LimitedFactory
 from tests.memory.test_load import assert_settles, run_load

@@ -1,4 +1,4 @@
-"""The memory gate (proxy/serve/memory.py): the budget's size, one buffer per body, leases that wait."""
+"""The memory gate (proxy/intake/memory.py): the budget's size, one buffer per body, leases that wait."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from proxy.config import LimitsSettings, Settings
 from proxy.core.budget import AMPLIFICATION, HEADER_ROOM, MIN_RESERVATION, STEP, Derived, derive
 from proxy.core.conversation import HeadTable
 from proxy.errors import BodyTimeout
-from proxy.serve.memory import (
-    BodyBuffer,
+from proxy.intake.body import BodyBuffer
+from proxy.intake.memory import (
     Lease,
     MemoryBusy,
     MemoryGate,

@@ -10,8 +10,8 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.ops.log import ACCESS_LOGGER, JsonFormatter
-from proxy.ops.misses import RECENT
+from proxy.observe.log import ACCESS_LOGGER, JsonFormatter
+from proxy.observe.misses import RECENT
 
 AccessLines = Callable[[], list[dict[str, Any]]]
 

@@ -10,7 +10,7 @@ from typing import Any
 from proxy.core.conversation import HeadTable, MissReason
 from proxy.core.explain import Detail, echo_fields, first_field_diff
 from proxy.core.explainer import MissExplainer
-from proxy.core.reasons import Hit, Mode, Tolerance
+from proxy.reasons import Hit, Mode, Tolerance
 from tests.core.test_conversation import call, reasoning, req, response, result
 
 IDLE = lambda anchor: True  # noqa: E731

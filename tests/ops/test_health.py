@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from proxy.ops import metrics
-from proxy.ops.health import Lifecycle, State, make_admin_app
+from proxy.observe import metrics
+from proxy.observe.health import Lifecycle, State, make_admin_app
 
 Client = TestClient[Any, Any]
 MakeClient = Callable[..., Awaitable[Client]]

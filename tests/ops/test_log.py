@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from proxy.config import LoggingSettings
-from proxy.ops.log import ACCESS_LOGGER, FLUSH_DELAY, REDACTED, BatchedHandler, access_log, redact, setup_logging
+from proxy.observe.log import ACCESS_LOGGER, FLUSH_DELAY, REDACTED, BatchedHandler, access_log, redact, setup_logging
 
 BEARER = "Bearer abc.DEF-123_xyz"
 SK_KEY = "sk-proj-AbCdEf0123456789_-xyz"

@@ -24,12 +24,12 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-import proxy.ops.metrics
+import proxy.observe.metrics
 from proxy.build import build_kind
 from proxy.config_load import env_name, setting_keys
-from proxy.core.reasons import MissReason, PassthroughReason
 from proxy.loop import loop_name
 from proxy.ops.demo import run_agent_loop
+from proxy.reasons import MissReason, PassthroughReason
 from tests.sidecar import SidecarProcess
 from upshift_emulator import Emulator, LatencyModel
 
@@ -317,11 +317,11 @@ def test_configuration_reference_documents_key(key: str) -> None:
 
 
 def _metrics() -> list[MetricWrapperBase]:
-    return [m for m in vars(proxy.ops.metrics).values() if isinstance(m, MetricWrapperBase)]
+    return [m for m in vars(proxy.observe.metrics).values() if isinstance(m, MetricWrapperBase)]
 
 
 def test_metrics_found() -> None:
-    assert len(_metrics()) == len(proxy.ops.metrics.__all__) - 2  # everything but REGISTRY and LABEL_VALUES
+    assert len(_metrics()) == len(proxy.observe.metrics.__all__) - 2  # everything but REGISTRY and LABEL_VALUES
 
 
 @pytest.mark.parametrize("metric", _metrics(), ids=lambda m: str(m._name))

@@ -10,10 +10,10 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.core.explain import Detail, Explanation
-from proxy.core.reasons import MissReason
-from proxy.ops.health import Lifecycle, make_admin_app
-from proxy.ops.misses import RECENT, MissRing
-from proxy.ops.status import Sampler, render_status, snapshot
+from proxy.observe.health import Lifecycle, make_admin_app
+from proxy.observe.misses import RECENT, MissRing
+from proxy.observe.status import Sampler, render_status, snapshot
+from proxy.reasons import MissReason
 
 Client = TestClient[Any, Any]
 MakeClient = Callable[..., Awaitable[Client]]

@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.observe.health import SAMPLER_KEY
 from proxy.ops.demo import run_agent_loop
-from proxy.ops.health import SAMPLER_KEY
 from tests.sidecar import ROOT, Sidecar
 from upshift_emulator import Emulator
 

@@ -17,7 +17,7 @@ from websockets.exceptions import InvalidStatus
 
 from proxy.config import EgressSettings, Settings
 from proxy.errors import ConfigError
-from proxy.serve.keys import KeySource
+from proxy.intake.keys import KeySource
 from proxy.upstream.egress import egress_for
 from proxy.upstream.passthrough import Passthrough
 from tests.clients.support import Capture, assert_continuations, assert_fidelity, run_loop_async, task_text

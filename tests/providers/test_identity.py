@@ -14,8 +14,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config import ApiKeySettings, IdentitySettings, Settings, merge_query, upstream_ws_url
-from proxy.serve.identity import identify, request_identity
-from proxy.serve.keys import KeySource
+from proxy.intake.identity import identify, request_identity
+from proxy.intake.keys import KeySource
 from tests.clients.support import TOOLS, Capture, task_text, tool_outputs
 from tests.sidecar import Sidecar
 from upshift_emulator import Emulator

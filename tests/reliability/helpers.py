@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
-from proxy.ops.metrics import REGISTRY
+from proxy.observe.metrics import REGISTRY
 from proxy.upstream.pool import SocketUse
 from proxy.upstream.ws import live_sockets
 from tests.sidecar import Sidecar

@@ -27,7 +27,10 @@ from proxy.config import LoggingSettings, Settings
 from proxy.config_load import load_settings
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
-from proxy.core.reasons import (
+from proxy.ingress.handoff import HandoffOutcome
+from proxy.observe.log import setup_logging
+from proxy.observe.metrics import LABEL_VALUES
+from proxy.reasons import (
     ErrorCode,
     ForwardOutcome,
     MissReason,
@@ -37,9 +40,6 @@ from proxy.core.reasons import (
     RequestOutcome,
     Route,
 )
-from proxy.ingress.handoff import HandoffOutcome
-from proxy.ops.log import setup_logging
-from proxy.ops.metrics import LABEL_VALUES
 from proxy.server import Server, split_hostport
 from tests.conftest import SidecarFactory
 from tests.reliability.helpers import (
@@ -162,7 +162,7 @@ CONTENT = "CANARY-CONTENT-4d2e"
 
 @pytest.fixture
 def log_buffer() -> Iterator[io.StringIO]:
-    """The sidecar's JSON log (proxy.ops.log.setup_logging at debug level) into a buffer."""
+    """The sidecar's JSON log (proxy.observe.log.setup_logging at debug level) into a buffer."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     buf = io.StringIO()

@@ -16,7 +16,7 @@ import logging
 import aiohttp
 import orjson
 
-from proxy.ops.log import ACCESS_LOGGER, JsonFormatter
+from proxy.observe.log import ACCESS_LOGGER, JsonFormatter
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
 from tests.reliability.helpers import Conversation, metric
 from upshift_emulator import LatencyModel

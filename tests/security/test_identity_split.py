@@ -19,7 +19,7 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy.core.fair import FairShares
-from proxy.serve.identity import Identity, identify
+from proxy.intake.identity import Identity, identify
 from proxy.serve.relay import RELAY_REFUSED_CODE
 from tests.reliability.helpers import user
 from tests.security.support import MODEL, start_process

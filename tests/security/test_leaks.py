@@ -15,8 +15,8 @@ import orjson
 import pytest
 
 from proxy.config import Settings
+from proxy.intake.keys import KeySource
 from proxy.redact import redact_url, redact_urls
-from proxy.serve.keys import KeySource
 from proxy.upstream.passthrough import Passthrough
 from tests.security.ingress import ALICE, Spawn, body, started
 from tests.sidecar import ROOT

@@ -15,10 +15,10 @@ import pytest
 import trustme
 
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
-from proxy.core.reasons import ForwardOutcome as Outcome
 from proxy.errors import ConfigError
 from proxy.ingress.peerauth import PeerAuth
 from proxy.ingress.peers import MARKER
+from proxy.reasons import ForwardOutcome as Outcome
 from proxy.server import Server
 from tests.ingress.support import (
     HEADERS,

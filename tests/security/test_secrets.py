@@ -121,7 +121,7 @@ def test_every_error_answer_and_log_line_loses_a_urls_credentials() -> None:
     # The nets under the tests above: an exception text quoting a URL (websockets' InvalidProxy,
     # aiohttp's InvalidURL) becomes an error body or a log line without its credentials.
     from proxy.errors import UpstreamUnavailable
-    from proxy.ops.log import redact
+    from proxy.observe.log import redact
 
     text = f"http://user:{PROXY_PW}@127.0.0.1:9/proxy isn't a valid proxy; see https://gw/v1?key={UP_KEY}&x=1"
     body = orjson.dumps(UpstreamUnavailable(f"The egress proxy failed: {text}").body()).decode()

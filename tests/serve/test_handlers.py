@@ -19,7 +19,7 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.ops.metrics import REGISTRY
+from proxy.observe.metrics import REGISTRY
 from proxy.upstream.pool import SocketUse
 from tests.conftest import SidecarFactory
 from tests.sidecar import Sidecar

@@ -18,8 +18,8 @@ from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.conversation import HeadTable
 from proxy.core.planner import Plan, PlanKind
 from proxy.core.request import build_frame, parse_request
-from proxy.ops.metrics import REGISTRY
-from proxy.serve.identity import Identity, identify
+from proxy.intake.identity import Identity, identify
+from proxy.observe.metrics import REGISTRY
 from proxy.upstream.pool import Pool, SocketUse, Turn
 from upshift_emulator import Emulator, LatencyModel
 

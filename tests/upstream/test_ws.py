@@ -19,7 +19,7 @@ from websockets.protocol import Protocol, Side, State
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.demux import strip_stream_id
 from proxy.errors import UpstreamClosed, UpstreamProtocolError, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
-from proxy.serve.identity import USER_AGENT, identify
+from proxy.intake.identity import USER_AGENT, identify
 from proxy.upstream.handshake import open_websocket
 from proxy.upstream.ws import UpstreamSocket
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.core.budget import Kind
 from proxy.core.channel import HoldPath
-from proxy.core.reasons import (
+from proxy.reasons import (
     BodyAbort,
     BrowserRefusal,
     Build,
@@ -117,7 +117,7 @@ ECHO_TOLERANCES = Counter(
     ["tolerance", "accepted"],
     registry=REGISTRY,
 )
-"""tolerance: reasoning | phase (proxy.core.reasons.Tolerance); accepted: true | false."""
+"""tolerance: reasoning | phase (proxy.reasons.Tolerance); accepted: true | false."""
 
 SERVICE_TIERS = Counter(
     "upshift_service_tiers",
@@ -243,7 +243,7 @@ LANE_WAITS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
-"""outcome: a :class:`~proxy.core.reasons.WaitOutcome`."""
+"""outcome: a :class:`~proxy.reasons.WaitOutcome`."""
 
 SOCKET_AGE_AT_ROTATION = Histogram(
     "upshift_socket_age_at_rotation_seconds",
@@ -272,7 +272,7 @@ INFLIGHT = Gauge(
     registry=REGISTRY,
 )
 
-# -- the memory budget (proxy/serve/memory.py) -------------------------------------------------------
+# -- the memory budget (proxy/intake/memory.py) -------------------------------------------------------
 
 MEMORY_BUDGET = Gauge(
     "upshift_memory_budget_bytes",
@@ -399,7 +399,7 @@ LISTENER_CLOSED = Counter(
     registry=REGISTRY,
 )
 """reason: header_timeout | max_connections | reaped_idle | reaped_stalled
-(proxy.core.reasons.ListenerClose)."""
+(proxy.reasons.ListenerClose)."""
 
 WORKER_RESTARTS = Counter(
     "upshift_worker_restarts",

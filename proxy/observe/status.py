@@ -1,7 +1,7 @@
 """The live status page of the admin listener (``GET /`` and ``GET /status``).
 
-Everything on the page is read from :data:`proxy.ops.metrics.REGISTRY` (so the page and
-``/metrics`` always agree) and from :data:`proxy.ops.misses.RECENT` (explained misses: indices,
+Everything on the page is read from :data:`proxy.observe.metrics.REGISTRY` (so the page and
+``/metrics`` always agree) and from :data:`proxy.observe.misses.RECENT` (explained misses: indices,
 types and field paths, never content). A :class:`Sampler` keeps a snapshot of the counters every
 ``interval`` seconds over the last ``window`` seconds for the chart. The HTML is rendered on the
 server with inline CSS and SVG only: no external asset, no script, so it works air-gapped; a
@@ -24,8 +24,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from proxy.ops.metrics import REGISTRY
-from proxy.ops.misses import RECENT, Miss, MissRing
+from proxy.observe.metrics import REGISTRY
+from proxy.observe.misses import RECENT, Miss, MissRing
 
 __all__ = ["Sampler", "Snapshot", "render_status", "snapshot"]
 

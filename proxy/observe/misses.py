@@ -3,7 +3,7 @@
 A bounded ring of what the access log says about each miss: the reason and the explanation
 (:class:`~proxy.core.explain.Explanation`: item index, type, field path, candidate length),
 never content; the caller's identity only as a digest prefix. Process-wide, like
-:data:`proxy.ops.metrics.REGISTRY`, so several in-process sidecars (tests) share it.
+:data:`proxy.observe.metrics.REGISTRY`, so several in-process sidecars (tests) share it.
 """
 
 from __future__ import annotations

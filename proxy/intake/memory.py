@@ -16,44 +16,26 @@ into an empty budget is answered 503 with ``retry-after`` at once. Kept bodies (
 byte-comparison copies) give way first. Once the frame is handed to the upstream socket the
 lease shrinks to the body itself (needed for a replay and for the next turn's prefix check).
 
-A body being read promises its declared length only as far as its observed rate (bytes the app
-sent since its head, time waiting for memory not counted) can deliver it before its deadline:
-the gate measures every body being read when a large body asks, and every
-:data:`RECHECK_SECONDS` while anyone waits, so a trickle declaring the body limit holds back no
-other tenant's large body. Requests without a credential share one small quota
-(:data:`~proxy.core.budget.KEYLESS_SHARE`), and the growth of a body too slow to finish in time
-waits behind new requests.
+A body being read promises its declared length only as far as its observed rate (time waiting
+for memory not counted) can deliver it before its deadline: the gate measures the bodies being
+read when a large body asks, and every :data:`RECHECK_SECONDS` while anyone waits.
 
-When the last lease ends, the gate asks glibc to hand freed memory back to the OS
-(``malloc_trim``), so RSS after a burst falls back towards idle. At startup it also pins glibc's
-mmap threshold, so large buffers (bodies, frames) are mapped and unmapped on their own instead
-of fragmenting the heap (a body's buffer is mapped at its declared size but only the pages
-written, those of bytes that arrived, are resident).
-
-The budget itself (``limits.memory_bytes``) defaults to a share of the container's cgroup
-memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else 1 GiB;
-:func:`effective_settings` fills in the limits derived from it.
+When the last lease ends, the gate hands freed memory back to the OS; the budget's size and the
+allocator's tuning are :mod:`proxy.intake.sysmem`'s, the WebSocket relay's meter
+:mod:`proxy.intake.meter`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import dataclasses
 import logging
 import math
-import os
 from collections.abc import Callable, Hashable, Sized
-from pathlib import Path
 from types import TracebackType
-from typing import Any
 
-from proxy.config import Settings
 from proxy.core.budget import (
     AMPLIFICATION,
-    CGROUP_FRACTION,
-    DEFAULT_MEMORY_BYTES,
     HEAD_COST,
     MIN_RESERVATION,
     STEP,
@@ -63,31 +45,29 @@ from proxy.core.budget import (
     Kind,
     Ticket,
     Verdict,
-    derive,
 )
 from proxy.core.fastparse import PrefixCache
-from proxy.core.reasons import MemoryRefusal
 from proxy.errors import BodyTimeout, MemoryBusy, MemoryRefused, MemoryTooLarge
-from proxy.ops.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
+from proxy.intake.sysmem import cgroup_memory_limit, effective_settings, process_rss, trim, tune_allocator
+from proxy.observe.metrics import MEMORY_BUDGET, MEMORY_BYTES, MEMORY_REFUSALS, MEMORY_WAITING, MEMORY_WAITS
+from proxy.reasons import MemoryRefusal
 
 __all__ = [
-    "BodyBuffer",
+    "MESSAGE_AMPLIFICATION",
     "Lease",
     "MemoryBusy",
     "MemoryGate",
     "MemoryRefused",
     "MemoryTooLarge",
-    "MessageMeter",
     "cgroup_memory_limit",
     "effective_settings",
     "process_rss",
+    "trim",
     "tune_allocator",
 ]
 
 log = logging.getLogger(__name__)
 
-_UNLIMITED = 1 << 60
-"""cgroup v1 writes "no limit" as a huge number (9223372036854771712)."""
 _BUFFERED = 256 * 1024
 """What a waiting connection's read buffers hold of its body before reading pauses (the API
 listener's aiohttp read buffer is 16 KiB, proxy/server.py; measured: a connection waiting with
@@ -101,190 +81,10 @@ _RATE_WINDOW = 0.25
 """A body's rate is measured over at least this long (its first chunk arrives with its head)."""
 
 
-# -- the budget's size ---------------------------------------------------------------------------
-
-
-def _read_limit(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if not text or text == "max" or not text.isdigit():
-        return None
-    value = int(text)
-    return value if 0 < value < _UNLIMITED else None
-
-
-def cgroup_memory_limit(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int | None:
-    """The memory limit of this process's cgroup (the smallest along its path), if any.
-
-    cgroup v2: ``<root>/<path>/memory.max``; v1: ``<root>/memory/<path>/memory.limit_in_bytes``.
-    Inside a container the process's own cgroup is usually the mount's root; without a cgroup
-    namespace it is the path named in ``/proc/self/cgroup``: both are looked at.
-    """
-    base = Path(root)
-    v2_path, v1_path = "/", "/"
-    with contextlib.suppress(OSError):
-        for line in Path(self_cgroup).read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if controllers == "":
-                v2_path = path or "/"
-            elif "memory" in controllers.split(","):
-                v1_path = path or "/"
-    found: list[int] = []
-    candidates = [(base, v2_path, "memory.max"), (base / "memory", v1_path, "memory.limit_in_bytes")]
-    for mount, path, name in candidates:
-        current = mount / path.strip("/") if path.strip("/") else mount
-        while True:
-            value = _read_limit(current / name)
-            if value is not None:
-                found.append(value)
-            if current == mount or mount not in current.parents:
-                break
-            current = current.parent
-    return min(found) if found else None
-
-
-def process_rss() -> int:
-    """This process's resident set size in bytes (0 if unknown)."""
-    try:
-        with open("/proc/self/statm", "rb") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def effective_settings(settings: Settings, *, baseline: int | None = None) -> tuple[Settings, Derived]:
-    """``settings`` with ``limits.memory_bytes``, ``limits.max_body_bytes`` and
-    ``matching.hot_prefix_bytes`` filled in where they were 0 (derived), and the derivation.
-
-    Args:
-        settings: As loaded.
-        baseline: RSS of the idle process (default: measured now).
-    """
-    limits = settings.limits
-    memory = limits.memory_bytes
-    if memory == 0:
-        cgroup = cgroup_memory_limit()
-        memory = int(cgroup * CGROUP_FRACTION) if cgroup is not None else DEFAULT_MEMORY_BYTES
-    # The budget is the container's: with several worker processes each gets its share.
-    memory //= max(getattr(settings, "workers", 1), 1)
-    idle = process_rss() if baseline is None else baseline
-    derived = derive(memory, idle)
-    new_limits = dataclasses.replace(
-        limits,
-        memory_bytes=memory,
-        max_body_bytes=limits.max_body_bytes or derived.max_body_bytes,
-    )
-    matching = dataclasses.replace(
-        settings.matching, hot_prefix_bytes=settings.matching.hot_prefix_bytes or derived.hot_prefix_bytes
-    )
-    return dataclasses.replace(settings, limits=new_limits, matching=matching), derived
-
-
-# -- glibc -----------------------------------------------------------------------------------------
-
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 256 * 1024
-_libc: Any = None
-
-
-def _glibc() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = False
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None)
-            libc.gnu_get_libc_version  # noqa: B018  (only glibc has it)
-            libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-            _libc = libc
-    return _libc or None
-
-
-def tune_allocator() -> bool:
-    """Pin glibc's mmap threshold (large buffers get their own mapping, returned on free,
-    instead of the dynamic threshold moving them into the heap). False when not glibc."""
-    libc = _glibc()
-    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
-
-
-def trim() -> bool:
-    """Hand freed heap memory back to the OS (glibc ``malloc_trim(0)``)."""
-    libc = _glibc()
-    return bool(libc is not None and libc.malloc_trim(0))
-
-
-# -- one buffer per body ----------------------------------------------------------------------------
-
-
-def _bytes_api() -> tuple[Any, Any] | None:
-    with contextlib.suppress(AttributeError, OSError):
-        api = ctypes.pythonapi
-        new, address = api.PyBytes_FromStringAndSize, api.PyBytes_AsString
-        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_ssize_t]
-        address.restype, address.argtypes = ctypes.c_void_p, [ctypes.py_object]
-        return new, address
-    return None
-
-
-_BYTES_API = _bytes_api()
-_DIRECT_ABOVE = 64 * 1024
-"""Bodies at least this large are read straight into their final ``bytes`` object."""
-
-
-class BodyBuffer:
-    """A body of known length read into one buffer: the final ``bytes`` object itself.
-
-    Uses the C API's documented way to build a bytes object piecewise
-    (``PyBytes_FromStringAndSize(NULL, n)``, then fill ``PyBytes_AsString``) while no one else
-    holds it, so the body is never in memory twice (chunks + joined, or bytearray + bytes).
-    Elsewhere (no ``ctypes.pythonapi``, small bodies): a bytearray, copied once at the end.
-    """
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.filled = 0
-        self._bytes: bytes | None = None
-        self._address = 0
-        self._array: bytearray | None = None
-        if _BYTES_API is not None and length >= _DIRECT_ABOVE:
-            new, address = _BYTES_API
-            self._bytes = new(None, length)
-            self._address = address(self._bytes)
-        else:
-            self._array = bytearray(length)
-
-    @property
-    def missing(self) -> int:
-        return self.length - self.filled
-
-    @property
-    def full(self) -> bool:
-        return self.filled >= self.length
-
-    def write(self, chunk: bytes) -> None:
-        """Append ``chunk`` (at most :attr:`missing` bytes)."""
-        size = len(chunk)
-        if size > self.missing:
-            raise ValueError("more bytes than the declared length")
-        if self._array is not None:
-            self._array[self.filled : self.filled + size] = chunk
-        else:
-            ctypes.memmove(self._address + self.filled, chunk, size)
-        self.filled += size
-
-    def value(self) -> bytes:
-        """The body (only once it is full)."""
-        if not self.full:
-            raise ValueError("the body is not complete")
-        if self._bytes is not None:
-            body, self._bytes = self._bytes, None
-            return body
-        assert self._array is not None
-        body = bytes(self._array)
-        self._array = None
-        return body
+MESSAGE_AMPLIFICATION = 3
+"""Bytes a relayed message holds per byte read: assembled by the server (and copied once out of
+its buffer as it completes), then masked into a frame by the upstream client (measured ~2.5x
+for a 15 MiB frame, see :meth:`Lease.whole_frame`)."""
 
 
 # -- the gate --------------------------------------------------------------------------------------
@@ -295,7 +95,7 @@ class MemoryGate:
 
     Args:
         derived: The budget (see :func:`effective_settings`).
-        prefixes: The prefix cache whose kept bodies draw from the budget (its keeper is set here).
+        prefixes: The prefix cache whose kept bodies draw from the budget (made its keeper here).
         heads: What counts the heads (``len``), each costing ``HEAD_COST``.
         wait_seconds: Longest wait for memory before a 429.
         max_body_bytes: Bodies declared larger are refused unread (0: the derived limit).
@@ -333,7 +133,7 @@ class MemoryGate:
         self.trims = 0
         """Times freed memory was handed back to the OS (``malloc_trim``)."""
         if prefixes is not None:
-            prefixes.keeper = self
+            prefixes.keeper = self.budget  # the cache asks the budget; the gate wakes who it lets in
         MEMORY_BUDGET.set(derived.memory_bytes)
         MEMORY_BYTES.labels(Kind.BASELINE).set(derived.memory_bytes - derived.capacity)
         self._publish()
@@ -378,16 +178,6 @@ class MemoryGate:
     def body_limit(self) -> int:
         """The largest body: a body of unknown length may grow up to it."""
         return self.max_body_bytes or self.derived.max_body_bytes
-
-    # -- PrefixCache keeper ----------------------------------------------------------------
-
-    def keep(self, anchor: Hashable, size: int) -> bool:
-        """May a head keep its body (``size`` bytes)? Only into free memory."""
-        return self.budget.keep(anchor, size)
-
-    def cooled(self, anchor: Hashable) -> None:
-        """A head let its body go."""
-        self._apply(self.budget.unkeep(anchor))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -490,7 +280,10 @@ class MemoryGate:
             self._waiters.pop(ticket, None)
 
     def _apply(self, out: Effects) -> None:
-        """Wake granted waiters and drop the kept bodies the budget gave away."""
+        """Wake granted waiters (also those a kept body let in as it went, :meth:`Budget.cooled
+        <proxy.core.budget.Budget.cooled>`) and drop the kept bodies the budget gave away."""
+        if self.budget.pending:
+            out.granted += self.budget.take_pending()
         if out.evict and self.prefixes is not None:
             for anchor in out.evict:
                 self.prefixes.cool(anchor)
@@ -702,99 +495,3 @@ class Lease:
         """The frame went to the upstream socket: from now on the request holds its body only."""
         if self._ticket is not None:
             self.gate._apply(self.gate.budget.settle(self._ticket, self.body + self.base))
-
-
-IDLE_COVER = 64 * 1024
-"""Message bytes a WebSocket session's :class:`MessageMeter` pays for ahead while it waits for
-the next message (about one read from its socket; more pauses it)."""
-MESSAGE_AMPLIFICATION = 3
-"""Bytes a relayed message holds per byte read: assembled by the server (and copied once out of
-its buffer as it completes), then masked into a frame by the upstream client (measured ~2.5x
-for a 15 MiB frame, see :meth:`Lease.whole_frame`)."""
-
-
-class MessageMeter:
-    """Memory for the messages a downstream WebSocket session receives, paid as their bytes
-    arrive (the frames' bytes are counted as the server reads them, before a message is
-    assembled): the session holds :data:`MESSAGE_AMPLIFICATION` × what it read and has not
-    finished with, plus :data:`IDLE_COVER` ahead; when bytes arrive beyond that, reading pauses
-    (the app's TCP connection backs up) until the budget grants the next step, for at most
-    ``limits.memory_wait_seconds`` (then :class:`MemoryBusy`). A message is finished once sent
-    on (:meth:`done`), and the session shrinks back. Sessions receiving a message larger than
-    the idle step take turns: at most as many at once as messages of ``largest`` bytes fit the
-    capacity (at least one), so partly read messages never hold each other up.
-
-    Args:
-        gate: The memory gate.
-        largest: The largest message a session may receive.
-        key: Whose session it is (the caller's tenant).
-        keyless: Opened without a credential (the keyless quota).
-    """
-
-    def __init__(self, gate: MemoryGate, largest: int, *, key: Hashable = None, keyless: bool = False) -> None:
-        self.gate = gate
-        self.key = key
-        self.keyless = keyless
-        self.read = 0
-        """Bytes read and not yet finished with (the message being assembled, queued or sent)."""
-        self.covered = 0
-        """Bytes the session's ticket pays for."""
-        self._ticket: Ticket | None = None
-        self._turns = gate.message_turns(largest)
-        self._turn = False
-
-    @property
-    def held(self) -> int:
-        """Bytes the session holds in the budget now."""
-        return self._ticket.want if self._ticket is not None else 0
-
-    async def open(self) -> None:
-        """Take the session's first step (waiting for memory like a request)."""
-        self._ticket = await self.gate._acquire(
-            MESSAGE_AMPLIFICATION * IDLE_COVER + MIN_RESERVATION, key=self.key, keyless=self.keyless
-        )
-        self.covered = IDLE_COVER
-
-    def arrived(self, size: int) -> bool:
-        """``size`` bytes were read; whether the session must pause (they go past what it paid)."""
-        self.read += size
-        return self.read > self.covered
-
-    async def grow(self) -> None:
-        """Pay for what was read and one step more (waits, unread; raises :class:`MemoryBusy`)."""
-        ticket = self._ticket
-        assert ticket is not None, "grow outside an open meter"
-        if not self._turn:
-            try:
-                await asyncio.wait_for(self._turns.acquire(), self.gate.wait_seconds)
-            except TimeoutError:
-                MEMORY_REFUSALS.labels(MemoryRefusal.WAIT_TIMEOUT).inc()
-                raise MemoryBusy(
-                    f"The sidecar's memory budget stayed taken for {self.gate.wait_seconds:g} s; retry."
-                ) from None
-            self._turn = True
-        while self.read > self.covered:
-            target = self.read + STEP
-            await self.gate._more(ticket, MESSAGE_AMPLIFICATION * (target - self.covered))
-            self.covered = target
-
-    def done(self, size: int) -> None:
-        """A ``size``-byte message (frame headers included) was sent on or dropped."""
-        self.read = max(self.read - size, 0)
-        ticket = self._ticket
-        if ticket is not None and self.covered > self.read + IDLE_COVER:
-            self.covered = max(self.read, IDLE_COVER)
-            hold = MESSAGE_AMPLIFICATION * self.covered + MIN_RESERVATION
-            self.gate._apply(self.gate.budget.settle(ticket, hold))
-        if self._turn and self.read <= IDLE_COVER:
-            self._turn = False
-            self._turns.release()
-
-    def close(self) -> None:
-        """The session is over: everything it held returns."""
-        if self._turn:
-            self._turn = False
-            self._turns.release()
-        if self._ticket is not None:
-            ticket, self._ticket = self._ticket, None
-            self.gate._apply(self.gate.budget.release(ticket))

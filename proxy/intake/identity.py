@@ -29,7 +29,7 @@ from importlib.metadata import PackageNotFoundError, version
 from proxy.config import DEFAULT_IDENTITY_HEADERS, Settings, upstream_ws_url
 from proxy.core.fair import TENANT_CHARS, tenant_of
 from proxy.errors import InvalidRequest
-from proxy.serve.keys import KeySource
+from proxy.intake.keys import KeySource
 
 __all__ = ["USER_AGENT", "Identity", "identify", "request_identity"]
 

@@ -1,6 +1,6 @@
 """Admin endpoints: ``/healthz`` (liveness), ``/readyz`` (startup + readiness), ``/metrics``,
-and for people: ``/`` and ``/status`` (the live status page, :mod:`proxy.ops.status`) and ``/misses``
-(the last explained misses as JSON, :mod:`proxy.ops.misses`). All read-only, none shows content.
+and for people: ``/`` and ``/status`` (the live status page, :mod:`proxy.observe.status`) and ``/misses``
+(the last explained misses as JSON, :mod:`proxy.observe.misses`). All read-only, none shows content.
 
 Both probes are dependency-free and answer in well under 10 ms. Neither ever looks at the
 upstream: a transient upstream error must not mark the whole Pod NotReady (readiness) or
@@ -26,11 +26,11 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from proxy.core.reasons import BrowserRefusal
 from proxy.errors import ForeignHost
-from proxy.ops.metrics import BROWSER_REFUSALS, ERRORS, REGISTRY
-from proxy.ops.misses import RECENT
-from proxy.ops.status import Sampler, misses_json, render_status, snapshot
+from proxy.observe.metrics import BROWSER_REFUSALS, ERRORS, REGISTRY
+from proxy.observe.misses import RECENT
+from proxy.observe.status import Sampler, misses_json, render_status, snapshot
+from proxy.reasons import BrowserRefusal
 
 __all__ = ["LIFECYCLE_KEY", "SAMPLER_KEY", "Lifecycle", "State", "admin_host_guard", "make_admin_app"]
 
@@ -94,7 +94,7 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 SAMPLER_KEY = web.AppKey("status_sampler", Sampler)
-"""The :class:`~proxy.ops.status.Sampler` behind the status page's chart."""
+"""The :class:`~proxy.observe.status.Sampler` behind the status page's chart."""
 
 _NO_STORE = {"Cache-Control": "no-store"}
 
@@ -207,6 +207,6 @@ def make_admin_app(
     app.router.add_get("/misses", _misses)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
-    # Only proxy.ops.metrics.REGISTRY: metrics hold bounded labels, never request data.
+    # Only proxy.observe.metrics.REGISTRY: metrics hold bounded labels, never request data.
     app.router.add_get("/metrics", make_aiohttp_handler(REGISTRY))
     return app

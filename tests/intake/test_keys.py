@@ -10,7 +10,7 @@ import pytest
 
 from proxy.config import ApiKeySettings
 from proxy.errors import ConfigError
-from proxy.serve.keys import KeySource
+from proxy.intake.keys import KeySource
 
 
 class Clock:

@@ -2,7 +2,7 @@
 
 The supervisor (``upshift --workers N``) reserves the API address (a bound, non-listening
 ``SO_REUSEPORT`` socket, so port 0 becomes one concrete port that survives worker restarts)
-and starts N workers (``python -m proxy.ingress.workers``, settings passed on stdin). Each worker is a
+and starts N workers (``python -m proxy.supervisor``, settings passed on stdin). Each worker is a
 complete :class:`~proxy.server.Server` whose API listener shares the address with
 ``SO_REUSEPORT`` (the kernel spreads connections), plus private unix sockets in the
 supervisor's runtime directory (mode 0700, :mod:`proxy.ingress.private`; never abstract
@@ -56,9 +56,9 @@ from proxy.ingress.listener import Guard, HardenedTCPSite
 from proxy.ingress.peers import WorkerPlacement
 from proxy.ingress.private import Trust, check_peer, runtime_dir
 from proxy.loop import run as run_loop
-from proxy.ops.health import Lifecycle, admin_host_guard
-from proxy.ops.log import setup_logging
-from proxy.ops.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
+from proxy.observe.health import Lifecycle, admin_host_guard
+from proxy.observe.log import setup_logging
+from proxy.observe.metrics import REGISTRY, WORKER_RESTARTS, WORKERS_READY
 
 __all__ = ["merge_metrics", "supervise"]
 
@@ -164,7 +164,7 @@ class _Supervisor:
         return frozenset(w.proc.pid for w in self.workers if w.proc is not None and w.proc.returncode is None)
 
     async def _spawn(self, worker: _Worker) -> None:
-        argv = (sys.executable, "-m", "proxy.ingress.workers")
+        argv = (sys.executable, "-m", "proxy.supervisor")
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
         assert proc.stdin is not None
         spec = pickle.dumps(
