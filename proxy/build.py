@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "demux", "explain", "fair",
-        "creators", "fastparse", "items", "lanes", "planner", "rawjson", "reasons", "request",
-        "reseed", "retry", "sse",
+        "creators", "fastparse", "items", "lanes", "patience", "placement", "planner", "plans",
+        "rawjson", "reasons", "request", "reseed", "retry", "rotation", "socketcaps", "sockets", "sse",
     )),
     "proxy.wire.sse",
     "proxy.wire.wsframe",
@@ -52,7 +52,7 @@ COMPILED: tuple[str, ...] = (
     )),
 )  # fmt: skip
 """The modules the compiled build compiles. Modules that tests fault-inject into stay interpreted
-or offer a seam of their own (e.g. :attr:`proxy.core.planner.Planner.on_step`): a monkeypatched
+or offer a seam of their own (e.g. :attr:`proxy.core.sockets.SocketBook.on_step`): a monkeypatched
 module function never reaches compiled callers.
 
 Left interpreted on purpose (mypyc 1.x cannot keep their behaviour): ``proxy.ingress.listener``
