@@ -1,7 +1,8 @@
 """The pool's sockets as I/O: opening them (each handshake in a task of its own, so a cancelled
 request cannot interrupt a handshake other requests wait for), taking them over, closing them
-(in tasks of their own too), and noticing when one is lost. The planner says which socket to
-open or close; :class:`Connector` does it and tells the planner how it went.
+(in tasks of their own too), noticing when one is lost, and the socket and lane gauges. The
+planner says which socket to open or close; :class:`Connector` does it and tells the planner
+how it went.
 """
 
 from __future__ import annotations
@@ -10,21 +11,71 @@ import asyncio
 import contextlib
 import logging
 import random
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from proxy.config import Settings
 from proxy.core.demux import LaneSignal
+from proxy.core.lanes import LaneLimits, LaneState, SocketState
 from proxy.core.planner import Planner
+from proxy.core.sockets import SocketBook
 from proxy.errors import UpstreamRefused, UpstreamUnavailable
-from proxy.ops.metrics import SOCKET_CAP, UPGRADE_REFUSALS
+from proxy.ops.metrics import LANES, SOCKET_CAP, SOCKETS, UPGRADE_REFUSALS
 from proxy.serve.identity import Identity
 from proxy.upstream.caps import CapFile
 from proxy.upstream.ws import UpstreamSocket, open_websocket
 
-__all__ = ["Connector"]
+__all__ = ["Connector", "lane_limits"]
 
 log = logging.getLogger(__name__)
+
+
+_CONNECTORS: weakref.WeakSet[Connector] = weakref.WeakSet()
+"""The connectors of this process (tests run several pools): the gauges below add theirs up."""
+
+
+def _gauge(count: Callable[[SocketBook], int]) -> Callable[[], float]:
+    return lambda: float(sum(count(c.planner.book) for c in list(_CONNECTORS)))
+
+
+def _live(book: SocketBook) -> int:
+    return book.socket_counts[SocketState.OPEN] + book.socket_counts[SocketState.RETIRING]
+
+
+# The socket and lane gauges are read from the planners when scraped: a turn pays
+# nothing for them, and a scrape sees the counts as they are.
+for _child, _count in (
+    (SOCKETS.labels("open"), _live),
+    (SOCKETS.labels("busy"), lambda b: b.busy_sockets),
+    (SOCKETS.labels("idle"), lambda b: _live(b) - b.busy_sockets),
+    (SOCKETS.labels("connecting"), lambda b: b.socket_counts[SocketState.CONNECTING]),
+    (LANES.labels("busy"), lambda b: b.lane_counts[LaneState.BUSY]),
+    (LANES.labels("idle"), lambda b: b.lane_counts[LaneState.IDLE]),
+    (LANES.labels("draining"), lambda b: b.lane_counts[LaneState.DRAINING]),
+):
+    _child.set_function(_gauge(_count))
+
+
+def lane_limits(settings: Settings) -> LaneLimits:
+    """The planner's limits from the ``pool`` settings (and ``timeouts.connect_seconds``)."""
+    p = settings.pool
+    return LaneLimits(
+        lanes_per_socket=p.lanes_per_socket,
+        max_active_per_socket=p.max_active_per_socket,
+        max_sockets_per_identity=p.max_sockets_per_identity,
+        max_sockets_total=p.max_sockets_total,
+        spread_sockets=p.spread_sockets,
+        idle_close_seconds=p.idle_close_seconds,
+        rotate_after_seconds=p.rotate_after_seconds,
+        reseed=p.reseed,
+        reseed_bytes=p.reseed_bytes,
+        cap_probe_seconds=p.cap_probe_seconds,
+        wait_seconds=p.wait_seconds,
+        connect_seconds=settings.timeouts.connect_seconds,
+        http_continuations=p.http_continuations,
+        http_continuation_after_seconds=p.http_continuation_after_seconds,
+    )
 
 
 class Connector:
@@ -63,6 +114,7 @@ class Connector:
         self.closed = False
         self.close_code = 1000
         """Close code for sockets retired from now on (1001 once the sidecar drains)."""
+        _CONNECTORS.add(self)
 
     def start_open(self, sid: int, identity: Identity) -> None:
         """Open socket ``sid`` of ``identity`` in a task of its own (:attr:`ready` says when)."""

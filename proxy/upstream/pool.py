@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import weakref
 from collections.abc import Callable
 from types import TracebackType
 
@@ -24,49 +23,23 @@ from proxy.core.conversation import HeadTable
 from proxy.core.creators import OwnerRegistry
 from proxy.core.demux import LaneSignal
 from proxy.core.fair import tenant_of
-from proxy.core.lanes import LaneKey, LaneLimits, LaneState, SocketState
+from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.planner import Planner
 from proxy.core.plans import Continue, Full, Http, HttpContinue, OnLane, Ready, Wait
 from proxy.core.reasons import PassthroughReason, ReplayCause
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import Reseed, reseed_frame
-from proxy.core.sockets import SocketBook
 from proxy.core.waiting import Send, Waiting
 from proxy.errors import UpstreamClosed, UpstreamTimeout, UpstreamUnavailable
-from proxy.ops.metrics import LANES, LANES_FALLBACKS, POOL_WAIT, RESEEDS, SOCKET_AGE_AT_ROTATION, SOCKETS
+from proxy.ops.metrics import LANES_FALLBACKS, POOL_WAIT, RESEEDS, SOCKET_AGE_AT_ROTATION
 from proxy.serve.identity import Identity
 from proxy.upstream.caps import CapFile
-from proxy.upstream.connect import Connector
+from proxy.upstream.connect import Connector, lane_limits
 from proxy.upstream.passthrough import Forwarded
 from proxy.upstream.turns import SocketUse, Turn, completed_response
 from proxy.upstream.ws import Inbox, UpstreamSocket
 
 __all__ = ["Pool", "SocketUse", "Turn"]
-
-_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
-"""The pools of this process (tests run several): the gauges below add theirs up."""
-
-
-def _gauge(count: Callable[[SocketBook], int]) -> Callable[[], float]:
-    return lambda: float(sum(count(pool.planner.book) for pool in list(_POOLS)))
-
-
-def _live(book: SocketBook) -> int:
-    return book.socket_counts[SocketState.OPEN] + book.socket_counts[SocketState.RETIRING]
-
-
-# The socket and lane gauges are read from the planners when scraped: a turn pays
-# nothing for them, and a scrape sees the counts as they are.
-for _child, _count in (
-    (SOCKETS.labels("open"), _live),
-    (SOCKETS.labels("busy"), lambda p: p.busy_sockets),
-    (SOCKETS.labels("idle"), lambda p: _live(p) - p.busy_sockets),
-    (SOCKETS.labels("connecting"), lambda p: p.socket_counts[SocketState.CONNECTING]),
-    (LANES.labels("busy"), lambda p: p.lane_counts[LaneState.BUSY]),
-    (LANES.labels("idle"), lambda p: p.lane_counts[LaneState.IDLE]),
-    (LANES.labels("draining"), lambda p: p.lane_counts[LaneState.DRAINING]),
-):
-    _child.set_function(_gauge(_count))
 
 
 class Lease:
@@ -112,23 +85,7 @@ class Pool:
         p = settings.pool
         self.settings = settings
         self.heads = heads
-        limits = LaneLimits(
-            lanes_per_socket=p.lanes_per_socket,
-            max_active_per_socket=p.max_active_per_socket,
-            max_sockets_per_identity=p.max_sockets_per_identity,
-            max_sockets_total=p.max_sockets_total,
-            spread_sockets=p.spread_sockets,
-            idle_close_seconds=p.idle_close_seconds,
-            rotate_after_seconds=p.rotate_after_seconds,
-            reseed=p.reseed,
-            reseed_bytes=p.reseed_bytes,
-            cap_probe_seconds=p.cap_probe_seconds,
-            wait_seconds=p.wait_seconds,
-            connect_seconds=settings.timeouts.connect_seconds,
-            http_continuations=p.http_continuations,
-            http_continuation_after_seconds=p.http_continuation_after_seconds,
-        )
-        self.planner = Planner(limits, heads, owners)
+        self.planner = Planner(lane_limits(settings), heads, owners)
         self.owners = self.planner.owners
         """Who created each response id (:class:`~proxy.core.creators.OwnerRegistry`)."""
         self.caps = CapFile(p.cap_state_dir)
@@ -141,7 +98,6 @@ class Pool:
         """The identities seen, by digest (re-seeds open sockets with their headers)."""
         self._waiters: set[asyncio.Future[None]] = set()
         self._housekeeper: asyncio.Task[None] | None = None
-        _POOLS.add(self)
 
     def __repr__(self) -> str:
         c = self.planner.book.lane_counts
@@ -338,11 +294,6 @@ class Pool:
         """No new turns on ``socket_id`` (a limit was reached); closed once drained."""
         self.connector.close_soon(self.planner.custody.retire(socket_id))
 
-    def lanes_refused(self) -> None:
-        """The upstream does not take ``stream_id``: default lanes only for a while."""
-        if self.planner.proof.refused(self._clock()):
-            LANES_FALLBACKS.inc()
-
     def measured_http(self, identity: Identity, req: ParsedRequest, fwd: Forwarded, *, continued: bool) -> None:
         """The upstream answered ``req`` over plain HTTP (an HTTP continuation if ``continued``
         and it did not fall back to the whole input): a sample of what a lane saves against it."""
@@ -364,18 +315,15 @@ class Pool:
         if signal is LaneSignal.PROVEN:
             self._wake()  # that socket may carry more responses now
 
-    def stream_limit(self, key: LaneKey) -> None:
-        """``websocket_stream_limit_reached`` on ``key``'s socket."""
-        self.planner.book.stream_limit(key)
-
     def replayed(self, cause: ReplayCause, lane: LaneKey | None) -> None:
         """What an attempt replayed for ``cause`` (on ``lane``) tells the pool: the upstream does
-        not take ``stream_id`` (:meth:`lanes_refused`), or the lane's socket takes no more
-        streams (:meth:`stream_limit`); other causes tell it nothing."""
+        not take ``stream_id`` (named lanes off for a while), or the lane's socket takes no more
+        streams; other causes tell it nothing."""
         if cause is ReplayCause.LANES_UNSUPPORTED:
-            self.lanes_refused()
+            if self.planner.proof.refused(self._clock()):
+                LANES_FALLBACKS.inc()
         elif cause is ReplayCause.STREAM_LIMIT and lane is not None:
-            self.stream_limit(lane)
+            self.planner.book.stream_limit(lane)
 
     # -- housekeeping --------------------------------------------------------------------------
 
