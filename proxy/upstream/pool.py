@@ -158,18 +158,21 @@ class Pool:
         waiting = Waiting(self._clock())
         self._identities[identity.digest] = identity
         try:
-            return await self._plan(identity, req, replay, waiting)
+            plan = await self._plan(identity, req, replay, waiting)
         finally:
             self.planner.patience.unqueue(waiting)  # a request gone mid-wait leaves its queue too
+        if waiting.deadline is not None:
+            POOL_WAIT.labels("lanes").observe(waiting.seconds)
+        return plan, waiting
 
-    async def _plan(
-        self, identity: Identity, req: ParsedRequest, replay: bool, waiting: Waiting
-    ) -> tuple[Ready, Waiting]:
+    async def _plan(self, identity: Identity, req: ParsedRequest, replay: bool, waiting: Waiting) -> Ready:
+        """Plan until a plan is ready; :attr:`Waiting.seconds` is the time that took."""
         may_open = True
         while True:
             now = self._clock()
             if self.connector.closed:
-                return self._planned(Http(PassthroughReason.WS_UNAVAILABLE), waiting, now)
+                waiting.seconds = now - waiting.started
+                return Http(PassthroughReason.WS_UNAVAILABLE)
             plan = self.planner.plan(identity.digest, req, now, replay=replay, may_open=may_open, waiting=waiting)
             if plan.close:
                 self.connector.close_soon(plan.close)
@@ -178,7 +181,8 @@ class Pool:
                     assert waiting.deadline is not None, "a wait without a deadline"
                     await self._wait_change(waiting.deadline - now)
                 case Http() | HttpContinue():
-                    return self._planned(plan, waiting, now)
+                    waiting.seconds = now - waiting.started
+                    return plan
                 case Continue() | Full():
                     if plan.warm is not None:
                         self.connector.start_open(plan.warm, identity)
@@ -194,14 +198,8 @@ class Pool:
                         except asyncio.CancelledError:
                             self.planner.finished(plan.lane, self._clock())
                             raise
-                    return self._planned(plan, waiting, self._clock())
-
-    @staticmethod
-    def _planned(plan: Ready, waiting: Waiting, now: float) -> tuple[Ready, Waiting]:
-        waiting.seconds = now - waiting.started
-        if waiting.deadline is not None:
-            POOL_WAIT.labels("lanes").observe(waiting.seconds)
-        return plan, waiting
+                    waiting.seconds = self._clock() - waiting.started
+                    return plan
 
     async def _wait_change(self, timeout: float) -> None:
         waiter = asyncio.get_running_loop().create_future()
