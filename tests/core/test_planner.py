@@ -37,7 +37,7 @@ from proxy.core.request import ParsedRequest, parse_request
 from proxy.core.socketcaps import hold_off_seconds
 
 SEEN: set[tuple[str, str, str]] = set()
-"""Every (table, state, event) step the planners of this module took (``Planner.on_step``)."""
+"""Every (table, state, event) step the planners of this module took (``SocketBook.on_step``)."""
 
 
 def user(text: str) -> dict[str, Any]:
