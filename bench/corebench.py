@@ -25,7 +25,9 @@ from proxy.build import build_kind
 from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
 from proxy.core.demux import LaneSupport
-from proxy.core.planner import LaneLimits, PlanKind, Planner
+from proxy.core.lanes import LaneLimits
+from proxy.core.planner import Planner
+from proxy.core.plans import Continue, Full
 from proxy.wire.sse import encode
 from proxy.wire.wsframe import FrameReader
 
@@ -56,7 +58,7 @@ def run(size: int, turns: int, conversations: int = 1) -> float:
             began = time.perf_counter()
             req = heads.parse("id", body)
             plan = planner.plan("id", req, now)
-            assert plan.lane is not None, plan
+            assert isinstance(plan, (Continue, Full)), plan
             if plan.open_socket:
                 planner.opened(plan.lane[0], now)
                 sock = planner.socket(plan.lane[0])
@@ -66,7 +68,7 @@ def run(size: int, turns: int, conversations: int = 1) -> float:
             planner.finished(plan.lane, now, req=req, response=response)
             elapsed = time.perf_counter() - began
             if n:  # the first turn is a full send: not what a conversation spends its turns on
-                assert plan.kind is PlanKind.CONTINUE, plan
+                assert isinstance(plan, Continue), plan
                 times.append(elapsed)
             chats[c] = [*items, _call(n), _output(n)]
     return statistics.median(times) * 1e6

@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
         "affinity", "answer", "budget", "channel", "conversation", "creators", "demux", "explain", "fair",
-        "fastparse", "fields", "headnotes", "heads", "items", "lanes", "named_ids", "planner", "prefixes",
-        "rawjson", "request", "reseed", "retry", "sideindex", "sizing", "sse",
+        "fastparse", "fields", "headnotes", "heads", "items", "lanes", "named_ids", "patience", "placement",
+        "planner", "plans", "prefixes", "rawjson", "request", "reseed", "retry", "rotation", "sideindex",
+        "sizing", "socketcaps", "sockets", "sse",
     )),
     "proxy.reasons",  # every label, beside the errors it names
     "proxy.wire.sse",
@@ -54,7 +55,7 @@ COMPILED: tuple[str, ...] = (
     )),
 )  # fmt: skip
 """The modules the compiled build compiles. Modules that tests fault-inject into stay interpreted
-or offer a seam of their own (e.g. :attr:`proxy.core.planner.Planner.on_step`): a monkeypatched
+or offer a seam of their own (e.g. :attr:`proxy.core.sockets.SocketBook.on_step`): a monkeypatched
 module function never reaches compiled callers.
 
 Left interpreted on purpose (mypyc 1.x cannot keep their behaviour): ``proxy.ingress.listener``

@@ -28,16 +28,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from proxy.core.demux import Demux
+from proxy.core.demux import Demux, LaneSignal
 from proxy.errors import InvalidTransition
 
 __all__ = [
+    "EARLY_CLOSES_TO_REFUSE",
+    "LANES_RETRY_SECONDS",
     "LANE_TRANSITIONS",
     "SOCKET_TRANSITIONS",
     "InvalidTransition",
     "Lane",
     "LaneEvent",
     "LaneKey",
+    "LaneLimits",
+    "LaneProof",
     "LaneState",
     "Socket",
     "SocketEvent",
@@ -191,6 +195,97 @@ class Socket:
     def live(self) -> bool:
         """Whether new turns may be assigned to it."""
         return self.state in (SocketState.CONNECTING, SocketState.OPEN)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLimits:
+    """The pool's limits, as the planner needs them (``pool.*`` settings)."""
+
+    lanes_per_socket: int = 32
+    """Lanes per socket, the default lane included (1: no ``stream_id`` at all)."""
+    max_active_per_socket: int = 16
+    max_sockets_per_identity: int = 32
+    max_sockets_total: int = 256
+    spread_sockets: int = 32
+    idle_close_seconds: float = 900.0
+    rotate_after_seconds: float = 3300.0
+    reseed: bool = False
+    """Re-seed ``store: false`` heads of a socket rotated while idle (``proxy/core/reseed.py``)."""
+    reseed_bytes: int = 64 * 1024 * 1024
+    cap_probe_seconds: float = 600.0
+    """After a cap refusal, how long until one upgrade above the learned cap probes again."""
+    wait_seconds: float = 1.0
+    """The longest any turn waits for a lane (``pool.wait_seconds``)."""
+    connect_seconds: float = 10.0
+    """How much longer a wait for lanes a moment away (a handshake) may last (``timeouts.connect_seconds``)."""
+    http_continuations: bool = True
+    """A stored head with no lane may be continued over plain HTTP (``pool.http_continuations``)."""
+    http_continuation_after_seconds: float = 0.01
+    """How long a stored turn waits for lanes a moment away before its HTTP continuation."""
+
+
+LANES_RETRY_SECONDS = 600.0
+"""How long named lanes stay off after the upstream refused one."""
+
+EARLY_CLOSES_TO_REFUSE = 3
+"""Once lanes are proven on the upstream, how many fresh sockets in a row (no lane proven in
+between) must close before their first event on a named lane for that to count as a refusal."""
+
+
+class LaneProof:
+    """Whether this upstream takes named lanes (``stream_id``), for every socket at once.
+
+    Each socket's :class:`~proxy.core.demux.Demux` learns it for that socket; what one learns
+    here turns named lanes off (a refusal) or marks them proven (a socket routed a ``stream_id``).
+    Off lasts :data:`LANES_RETRY_SECONDS`, then lanes are tried again, so one misread close costs
+    little. :attr:`now` is the latest time the planner saw (nothing here reads a clock).
+    """
+
+    __slots__ = ("_early_closes", "_multi", "_off_until", "now", "proven")
+
+    def __init__(self, lanes_per_socket: int) -> None:
+        self._multi = lanes_per_socket > 1
+        self._off_until = 0.0
+        self.proven = False
+        """A socket routed a ``stream_id`` since named lanes were last turned off."""
+        self._early_closes = 0
+        """Fresh sockets closed before their first event on a named lane since the last proof."""
+        self.now = 0.0
+
+    @property
+    def named(self) -> bool:
+        """Whether named lanes are used now."""
+        return self._multi and self.now >= self._off_until
+
+    def refused(self, now: float) -> bool:
+        """The upstream refused a named lane: default lanes only, for :data:`LANES_RETRY_SECONDS`.
+        Returns whether they were on until now (a fallback)."""
+        self.now = max(self.now, now)
+        if not self.named:
+            return False  # already off: the window is not extended
+        self._off_until = now + LANES_RETRY_SECONDS
+        self.proven, self._early_closes = False, 0  # the next try starts from nothing
+        return True
+
+    def closed_early(self, now: float) -> bool:
+        """A socket that never routed a ``stream_id`` closed right after a named lane's first
+        create, before any event: how an upstream without lanes may refuse one, and also how
+        any socket is lost. Before lanes are proven it is a refusal; after, only the
+        :data:`EARLY_CLOSES_TO_REFUSE`-th in a row with no proof in between is. Returns whether
+        named lanes were turned off."""
+        if self.proven:
+            self._early_closes += 1
+            if self._early_closes < EARLY_CLOSES_TO_REFUSE:
+                return False
+        return self.refused(now)
+
+    def signal(self, signal: LaneSignal, now: float) -> bool:
+        """What a socket's demux learned: proven, or a refusal (lanes refused or ignored).
+        Returns whether named lanes were turned off."""
+        if signal is LaneSignal.PROVEN:
+            self.proven, self._early_closes = True, 0
+            return False
+        return self.refused(now)
 
 
 def state_diagram() -> str:

@@ -22,9 +22,10 @@ from typing import Any
 import orjson
 
 from proxy.core.fields import TRANSPORT_ONLY_FIELDS
+from proxy.core.lanes import LaneKey
 from proxy.errors import InvalidRequest
 
-__all__ = ["Kept", "KeptContexts", "reseed_frame"]
+__all__ = ["Kept", "KeptContexts", "Reseed", "Tick", "reseed_frame"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,27 @@ class Kept:
     output: list[Any]
     """The output items of the head's response."""
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reseed:
+    """Rebuild the ``store: false`` head kept under ``anchor`` on a new lane of ``identity``."""
+
+    identity: str
+    anchor: LaneKey
+    kept: Kept
+
+
+@dataclass(slots=True)
+class Tick:
+    """What housekeeping found to do (:func:`proxy.core.rotation.rotate`)."""
+
+    close: list[int]
+    """Sockets to close."""
+    ages: list[float]
+    """Ages of the sockets closed by rotation."""
+    reseed: list[Reseed]
+    """Heads to re-seed on a new lane (their socket was rotated)."""
 
 
 class KeptContexts:

@@ -36,7 +36,7 @@ from proxy.core.channel import Channel
 from proxy.core.conversation import HeadTable
 from proxy.core.explainer import MissExplainer
 from proxy.core.named_ids import parsed_ids
-from proxy.core.planner import Plan, PlanKind
+from proxy.core.plans import Continue, Full, Http, HttpContinue, OnLane
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
 from proxy.errors import ProxyError, RequestError, UpstreamError
@@ -191,12 +191,12 @@ async def _perform(x: Exchange) -> web.StreamResponse:
     x.prefix = hash_prefix_in_thread(x.req)
     while True:
         plan = x.rec.waited(*await x.svc.pool.plan(x.identity, x.req, replay=x.attempt > 0))
-        if plan.kind is PlanKind.HTTP:  # a stored new conversation's answer is adopted as a head
+        if isinstance(plan, Http):  # a stored new conversation's answer is adopted as a head
             return await _over_http(x, plan.reason, adopt=x.req.adoptable)
-        if plan.kind is PlanKind.HTTP_CONTINUE:
+        if isinstance(plan, HttpContinue):
             return await _http_continuation(x, plan)
         channel, failure = await _lease_and_pump(x, plan)
-        attempt = Attempt(x.attempt, plan.kind is PlanKind.CONTINUE, plan.stream_id is not None, x.req.stream)
+        attempt = Attempt(x.attempt, isinstance(plan, Continue), plan.lane[1] is not None, x.req.stream)
         verdict = decide(channel, failure, attempt, x.down.written)
         if isinstance(verdict, Answer):
             return await _answer(x, channel, verdict)
@@ -204,17 +204,17 @@ async def _perform(x: Exchange) -> web.StreamResponse:
             return await _over_http(x, PassthroughReason.FRAME_TOO_BIG)
 
 
-def _planned(x: Exchange, plan: Plan) -> bytes:
+def _planned(x: Exchange, plan: OnLane) -> bytes:
     """The plan stage: its record (and counts), a miss's explanation, the ``response.create`` frame."""
     first = x.attempt == 0
     x.rec.planned_lane(plan, x.req.n_items, first)
-    if first and plan.kind is PlanKind.FULL:  # where the miss departs (never content), after the answer
+    if first and isinstance(plan, Full):  # where the miss departs (never content), after the answer
         x.rec.explain(x.svc.misses.explain_later(x.identity.digest, x.req, plan.reason), plan.reason)
     x.down.headers["x-upshift-mode"] = x.rec.mode
     return plan.frame(x.req)
 
 
-async def _lease_and_pump(x: Exchange, plan: Plan) -> tuple[Channel, UpstreamError | None]:
+async def _lease_and_pump(x: Exchange, plan: OnLane) -> tuple[Channel, UpstreamError | None]:
     """Lease the plan's lane and pump one response on it; the lane keeps its head on the way out."""
     hold = x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
     channel = Channel(x.req.previous_response_id, hold_back_s=hold)
@@ -253,7 +253,7 @@ async def _answer(x: Exchange, channel: Channel, answer: Answer) -> web.StreamRe
         count_hold_back(channel)
 
 
-def _replay(x: Exchange, plan: Plan, channel: Channel, replay: Replay) -> bool:
+def _replay(x: Exchange, plan: OnLane, channel: Channel, replay: Replay) -> bool:
     """The replay stage: its record, the pool told what the upstream refused; ``True`` if it
     goes over HTTP."""
     count_hold_back(channel)  # what was held never reached the app
@@ -277,14 +277,14 @@ async def _over_http(x: Exchange, reason: Reason | None, adopt: bool = False) ->
     return fwd.response
 
 
-async def _http_continuation(x: Exchange, plan: Plan) -> web.StreamResponse:
+async def _http_continuation(x: Exchange, plan: HttpContinue) -> web.StreamResponse:
     """A stored head with no lane now: ``previous_response_id`` + the new items over
     plain HTTP; the upstream hydrates the stored response. ``previous_response_not_found`` gets
     the app's own body instead (:meth:`Options.continuation`)."""
     x.rec.planned_http(plan)
     x.down.headers["x-upshift-mode"] = Mode.CONTINUATION
-    body = http_continuation_body(x.req, plan.response_id, plan.new_items or [])
-    fwd = await _relay(x, body, Options.continuation(str(plan.response_id), x.req.body, x.down.on_id))
+    body = http_continuation_body(x.req, plan.response_id, plan.new_items)
+    fwd = await _relay(x, body, Options.continuation(plan.response_id, x.req.body, x.down.on_id))
     x.rec.continued_http(fwd)
     return fwd.response
 

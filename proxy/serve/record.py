@@ -19,7 +19,7 @@ from typing import Any
 
 from proxy.core.answer import status_outcome
 from proxy.core.explain import Explanation
-from proxy.core.planner import Plan, PlanKind
+from proxy.core.plans import Continue, HttpContinue, OnLane, Ready
 from proxy.core.request import Transport
 from proxy.core.waiting import Waiting
 from proxy.observe.log import access_log
@@ -159,7 +159,7 @@ class Record:
         """The plan stage: how the attempt goes upstream."""
         self.mode, self.reason, self.items_sent, self.items_avoided = mode, reason, items_sent, items_avoided
 
-    def waited(self, plan: Plan, waiting: Waiting) -> Plan:
+    def waited(self, plan: Ready, waiting: Waiting) -> Ready:
         """The wait stage: how long the attempt waited for a lane or a handshake, and how its
         wait for a lane ended (or why it did not wait); returns the plan it waited for."""
         self.wait_s += waiting.seconds
@@ -168,11 +168,11 @@ class Record:
             child(LANE_WAITS, waiting.outcome).inc()
         return plan
 
-    def planned_lane(self, plan: Plan, n_items: int, first: bool) -> None:
+    def planned_lane(self, plan: OnLane, n_items: int, first: bool) -> None:
         """The plan stage of an attempt on a lane (``first``: not a replay): continued with the
         plan's new items, or sent in full (a replay keeps the reason it replays for); what the
         echo left out that the match tolerated, counted once per request."""
-        cont = plan.kind is PlanKind.CONTINUE
+        cont = isinstance(plan, Continue)
         if (plan.dropped_reasoning or plan.dropped_phase) and first:
             accepted = "true" if cont else "false"
             if plan.dropped_reasoning:
@@ -180,16 +180,16 @@ class Record:
                 ECHO_TOLERANCES.labels(Tolerance.REASONING, accepted).inc()
             if plan.dropped_phase:
                 ECHO_TOLERANCES.labels(Tolerance.PHASE, accepted).inc()
-        if cont and plan.hydrated:
-            HYDRATED.inc()
-        if cont:
-            self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items or []), plan.items_avoided)
+        if isinstance(plan, Continue):
+            if plan.hydrated:
+                HYDRATED.inc()
+            self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items), plan.items_avoided)
         else:
             self.planned(Mode.FULL, plan.reason if first else self.reason, n_items, 0)
 
-    def planned_http(self, plan: Plan) -> None:
+    def planned_http(self, plan: HttpContinue) -> None:
         """The plan stage of a continuation over plain HTTP."""
-        self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items or []), plan.items_avoided)
+        self.planned(Mode.CONTINUATION, Hit.CONTINUATION, len(plan.new_items), plan.items_avoided)
         self.transport = Transport.HTTP
 
     def pumped(self, sent: int, upstream_s: float, tier: object = None, response: dict[str, Any] | None = None) -> None:

@@ -1,7 +1,7 @@
 """The learned socket caps, shared by the workers of one machine.
 
 A worker whose upgrade was refused with 429 writes what its planner learned
-(:class:`~proxy.core.planner.SocketCap`: the cap, ``retry-after`` + backoff, the next probe) to
+(:class:`~proxy.core.socketcaps.SocketCap`: the cap, ``retry-after`` + backoff, the next probe) to
 one small JSON file; every worker merges the file into its planner on its housekeeping pass
 (the stricter value wins), so the workers of a machine do not each hammer the cap in turn.
 
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import orjson
 
-from proxy.core.planner import Planner, SocketCap
+from proxy.core.planner import Planner
+from proxy.core.socketcaps import SocketCap
 
 __all__ = ["CapFile", "default_dir"]
 
@@ -118,7 +119,7 @@ class CapFile:
         self._mtime = mtime
         for digest, cap in self._read().items():
             if cap.probe_at > now:
-                planner.merge_cap(digest, cap)
+                planner.upgrades.merge(digest, cap)
 
     def publish(self, planner: Planner, digest: str, now: float) -> None:
         """Write what ``planner`` knows of ``digest``'s cap (merged with the file's)."""
@@ -134,7 +135,7 @@ class CapFile:
                 caps = {d: c for d, c in self._read().items() if c.probe_at > now}  # stale ones go
                 theirs = caps.get(digest)
                 if theirs is not None:
-                    planner.merge_cap(digest, theirs)
+                    planner.upgrades.merge(digest, theirs)
                 caps[digest] = planner.caps[digest]
                 rows = {
                     d: {"limit": c.limit, "until": c.until, "refusals": c.refusals, "probe_at": c.probe_at}

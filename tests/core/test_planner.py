@@ -17,30 +17,27 @@ import proxy.core.lanes as lanes
 from proxy.core.conversation import HeadTable
 from proxy.core.demux import LaneSignal, LaneSupport
 from proxy.core.lanes import (
+    EARLY_CLOSES_TO_REFUSE,
     LANE_TRANSITIONS,
+    LANES_RETRY_SECONDS,
     SOCKET_TRANSITIONS,
     InvalidTransition,
     LaneEvent,
+    LaneLimits,
     LaneState,
     SocketEvent,
     SocketState,
     lane_step,
     socket_step,
 )
-from proxy.core.planner import (
-    EARLY_CLOSES_TO_REFUSE,
-    LANES_RETRY_SECONDS,
-    LaneLimits,
-    Plan,
-    PlanKind,
-    Planner,
-    hold_off_seconds,
-)
+from proxy.core.planner import Planner
+from proxy.core.plans import Continue, Full, Http, OnLane, Plan, Wait
 from proxy.core.request import ParsedRequest, parse_request
+from proxy.core.socketcaps import hold_off_seconds
 from proxy.reasons import MissReason, PassthroughReason
 
 SEEN: set[tuple[str, str, str]] = set()
-"""Every (table, state, event) step the planners of this module took (``Planner.on_step``)."""
+"""Every (table, state, event) step the planners of this module took (``SocketBook.on_step``)."""
 
 
 def user(text: str) -> dict[str, Any]:
@@ -69,14 +66,21 @@ def note_step(table: str, state: enum.StrEnum, event: enum.StrEnum) -> None:
 
 def planner(**limits: Any) -> Planner:
     p = Planner(LaneLimits(**limits), HeadTable(max_heads=100, ttl_seconds=3600))
-    p.on_step = note_step
+    p.book.on_step = note_step
     return p
 
 
-def opened(p: Planner, plan: Plan, now: float = 0.0, *, lanes: bool = True) -> Plan:
+def opens(plan: Plan) -> list[int]:
+    """The sockets ``plan`` has the pool open: its lane's new socket, a spare."""
+    if not isinstance(plan, (Continue, Full)):
+        return []
+    return ([plan.lane[0]] if plan.open_socket else []) + ([plan.warm] if plan.warm is not None else [])
+
+
+def opened(p: Planner, plan: Plan, now: float = 0.0, *, lanes: bool = True) -> OnLane:
     """The plan's socket opened; with ``lanes`` its upstream proved ``stream_id`` lanes (the
     transcripts below are about a multiplexing upstream unless they say otherwise)."""
-    assert plan.lane is not None
+    assert isinstance(plan, (Continue, Full)), plan
     if plan.open_socket:
         p.opened(plan.lane[0], now)
     if lanes:
@@ -91,7 +95,7 @@ def prove(p: Planner, socket_id: int) -> None:
 
 
 def complete(p: Planner, plan: Plan, r: ParsedRequest, rid: str, now: float, *output: dict[str, Any]) -> list[int]:
-    assert plan.lane is not None
+    assert isinstance(plan, (Continue, Full)), plan
     return p.finished(plan.lane, now, req=r, response=response(rid, *output))
 
 
@@ -99,8 +103,8 @@ def test_first_turn_opens_a_socket_and_the_next_continues_on_its_lane() -> None:
     p = planner()
     r1 = req([user("go")])
     first = opened(p, p.plan("id", r1, 0.0))
-    assert (first.kind, first.reason, first.lane, first.open_socket) == (
-        PlanKind.FULL,
+    assert (type(first), first.reason, first.lane, first.open_socket) == (
+        Full,
         MissReason.NO_HEAD,
         (1, None),
         True,
@@ -108,8 +112,8 @@ def test_first_turn_opens_a_socket_and_the_next_continues_on_its_lane() -> None:
     assert complete(p, first, r1, "resp_1", 1.0, call(1)) == []
     r2 = req([user("go"), call(1), result(1)])
     second = p.plan("id", r2, 2.0)
-    assert (second.kind, second.lane, second.response_id, second.new_items) == (
-        PlanKind.CONTINUE,
+    assert (type(second), second.lane, second.response_id, second.new_items) == (
+        Continue,
         (1, None),
         "resp_1",
         [result(1)],
@@ -122,7 +126,7 @@ def test_every_head_the_planner_records_or_adopts_is_its_identitys_and_the_regis
     assert p.owners.capacity == 4096  # sixteen ids a head, at least 4096
     r = req([user("go")])
     complete(p, opened(p, p.plan("alice", r, 0.0)), r, "resp_1", 1.0, call(1))
-    p.adopt("alice", req([user("stored")], store=True), response("resp_http", call(2)), 2.0)
+    p.custody.adopt("alice", req([user("stored")], store=True), response("resp_http", call(2)), 2.0)
     assert p.owners.owner_of("resp_1") == "alice" and p.owners.owner_of("resp_http") == "alice"
     assert p.owners.owner_of("resp_unknown") is None
     for n in range(p.owners.capacity):
@@ -144,7 +148,7 @@ def test_conversations_spread_over_sockets_then_share_them_through_lanes() -> No
     plans = [p.plan("id", req([user(f"c{i}")]), 0.2) for i in range(2, 5)]
     assert [pl.lane for pl in plans] == [(2, None), (2, "u1"), (2, "u2")]
     assert all(pl.warm is None for pl in plans)  # the spread is reached: lanes from now on
-    assert p.lane_counts[LaneState.BUSY] == 5 and p.busy_sockets == 2
+    assert p.book.lane_counts[LaneState.BUSY] == 5 and p.book.busy_sockets == 2
 
 
 def test_an_idle_socket_is_reused_before_a_new_one_is_opened() -> None:
@@ -168,16 +172,16 @@ def test_an_unproven_socket_carries_one_response_and_probes_its_lanes_when_idle(
     r = req([user("a")])
     first = opened(p, p.plan("id", r, 0.0), lanes=False)
     assert first.lane == (1, None)
-    assert p.plan("id", req([user("b")]), 0.0).kind is PlanKind.WAIT  # never a second response
+    assert type(p.plan("id", req([user("b")]), 0.0)) is Wait  # never a second response
     complete(p, first, r, "resp_a", 1.0, call(1))
     probe = p.plan("id", req([user("b")]), 1.0)
     assert probe.lane == (1, "u1")  # idle: its first named lane goes alone
     # The head's next turn waits for its own lane (store: true would hydrate elsewhere or
     # continue over HTTP when nothing else is free).
     cont = p.plan("id", req([user("a"), call(1), result(1)]), 1.0)
-    assert (cont.kind, cont.over_http, cont.response_id) == (PlanKind.WAIT, True, "resp_a")
+    assert (type(cont), cont.reason) == (Wait, "continuation")  # for its own lane
     unstored = req([user("z")], store=False)
-    assert p.plan("id", unstored, 1.0).kind is PlanKind.WAIT
+    assert type(p.plan("id", unstored, 1.0)) is Wait
 
 
 def test_a_429_teaches_the_cap_with_backoff_and_one_probe_above_it() -> None:
@@ -186,11 +190,9 @@ def test_a_429_teaches_the_cap_with_backoff_and_one_probe_above_it() -> None:
     for i in range(8):  # slow start: at most 4 handshakes before any socket is open
         plan = p.plan("id", req([user(f"c{i}")]), 0.0)
         plans.append(plan)
-    opening = [pl for pl in plans if pl.open_socket or pl.warm is not None]
+    opening = [sid for pl in plans for sid in opens(pl)]
     assert 1 <= len(opening) <= 4
-    for pl in opening:
-        sid = pl.lane[0] if pl.open_socket and pl.lane is not None else pl.warm
-        assert sid is not None
+    for sid in opening:
         if sid <= 2:
             p.opened(sid, 0.1)
         else:
@@ -198,11 +200,11 @@ def test_a_429_teaches_the_cap_with_backoff_and_one_probe_above_it() -> None:
     assert p.learned_cap("id") == 2
     assert p.held_off("id", 1.0) and not p.held_off("id", 2.2)  # retry-after, then free again
     more = p.plan("id", req([user("more")]), 3.0)
-    assert not more.open_socket and more.warm is None  # at the cap: no upgrade before the probe time
+    assert not opens(more)  # at the cap: no upgrade before the probe time
     late = p.plan("id", req([user("late")]), 100.2)
-    assert late.open_socket or late.warm is not None  # one probe above the cap, after cap_probe_seconds
+    assert opens(late)  # one probe above the cap, after cap_probe_seconds
     again = p.plan("id", req([user("again")]), 100.2)
-    assert not again.open_socket and again.warm is None  # ... and only one at a time
+    assert not opens(again)  # ... and only one at a time
 
 
 def test_a_head_continues_on_its_lane_when_its_socket_is_at_the_active_limit() -> None:
@@ -214,7 +216,7 @@ def test_a_head_continues_on_its_lane_when_its_socket_is_at_the_active_limit() -
     busy = [p.plan("id", req([user(f"other{i}")]), 1.0) for i in range(2)]
     assert all(b.lane is not None and b.lane[0] == first.lane[0] for b in busy)  # socket 1 at its limit
     cont = p.plan("id", req([user("a"), call(1), result(1)]), 2.0)
-    assert (cont.kind, cont.lane, cont.response_id) == (PlanKind.CONTINUE, first.lane, "resp_a")
+    assert (type(cont), cont.lane, cont.response_id) == (Continue, first.lane, "resp_a")
     new = p.plan("id", req([user("new")]), 2.0)
     assert new.lane is not None and new.lane[0] != first.lane[0]  # a new head is placed elsewhere
 
@@ -222,7 +224,7 @@ def test_a_head_continues_on_its_lane_when_its_socket_is_at_the_active_limit() -
 def test_at_every_limit_the_plan_is_to_wait_then_http() -> None:
     p = planner(max_active_per_socket=1, max_sockets_per_identity=1, max_sockets_total=1)
     opened(p, p.plan("id", req([user("a")]), 0.0))
-    assert p.plan("id", req([user("b")]), 0.0).kind is PlanKind.WAIT
+    assert type(p.plan("id", req([user("b")]), 0.0)) is Wait
 
 
 def test_a_refused_upgrade_holds_off_new_sockets_only() -> None:
@@ -236,10 +238,10 @@ def test_a_refused_upgrade_holds_off_new_sockets_only() -> None:
     p.open_failed(other.lane[0], 1.0, status=429, headers={"retry-after": "5"})
     assert p.held_off("other", 2.0) and not p.held_off("id", 2.0)
     again = p.plan("other", req([user("x")]), 2.0)
-    assert (again.kind, again.reason) == (PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED)
+    assert (type(again), again.reason) == (Http, PassthroughReason.UPGRADE_REFUSED)
     # The held-off identity's existing lanes still continue; a refusal never costs a continuation.
     cont = p.plan("id", req([user("a"), call(1), result(1)]), 2.0)
-    assert cont.kind is PlanKind.CONTINUE
+    assert type(cont) is Continue
     assert not p.held_off("other", 7.0)
 
 
@@ -250,7 +252,7 @@ def test_a_failed_connect_without_status_holds_nothing_and_may_open_false_goes_h
     p.open_failed(plan.lane[0], 0.0, status=None, headers={})
     assert not p.held_off("id", 0.0)
     later = p.plan("id", req([user("a")]), 0.0, may_open=False)
-    assert (later.kind, later.reason) == (PlanKind.HTTP, PassthroughReason.WS_UNAVAILABLE)
+    assert (type(later), later.reason) == (Http, PassthroughReason.WS_UNAVAILABLE)
 
 
 def test_hold_off_durations() -> None:
@@ -268,9 +270,9 @@ def test_a_busy_head_is_head_busy_and_a_fork_goes_elsewhere() -> None:
     complete(p, first, r, "resp_a", 1.0, call(1))
     nxt = req([user("a"), call(1), result(1)])
     cont = p.plan("id", nxt, 2.0)
-    assert cont.kind is PlanKind.CONTINUE
+    assert type(cont) is Continue
     parallel = p.plan("id", nxt, 2.0)
-    assert (parallel.kind, parallel.reason) == (PlanKind.FULL, MissReason.HEAD_BUSY)
+    assert (type(parallel), parallel.reason) == (Full, MissReason.HEAD_BUSY)
     assert parallel.lane != cont.lane
 
 
@@ -279,16 +281,16 @@ def test_abandon_drains_and_frees_the_lane_without_a_head() -> None:
     r = req([user("a")])
     first = opened(p, p.plan("id", r, 0.0))
     assert first.lane is not None
-    p.abandon(first.lane)
-    assert p.lane(first.lane).state is LaneState.DRAINING  # type: ignore[union-attr]
+    p.custody.abandon(first.lane)
+    assert p.book.lane(first.lane).state is LaneState.DRAINING  # type: ignore[union-attr]
     assert p.finished(first.lane, 1.0) == []
-    assert p.lane(first.lane).state is LaneState.IDLE  # type: ignore[union-attr]
+    assert p.book.lane(first.lane).state is LaneState.IDLE  # type: ignore[union-attr]
     assert len(p.heads) == 0
     again = p.plan("id", req([user("b")]), 2.0)
     assert again.lane is not None
-    p.abandon(again.lane)
-    p.socket_lost(again.lane[0])  # a draining lane goes with its socket
-    assert p.lane(again.lane) is None
+    p.custody.abandon(again.lane)
+    p.custody.lost(again.lane[0])  # a draining lane goes with its socket
+    assert p.book.lane(again.lane) is None
 
 
 def test_a_failed_response_frees_the_lane_and_forgets_its_head() -> None:
@@ -310,14 +312,14 @@ def test_socket_loss_keeps_stored_heads_for_hydration_and_forgets_the_others() -
     assert a.lane is not None and b.lane is not None and a.lane[0] == b.lane[0]
     complete(p, a, stored, "resp_s", 1.0, call(1))
     complete(p, b, unstored, "resp_u", 1.0, call(2))
-    p.socket_lost(a.lane[0])
+    p.custody.lost(a.lane[0])
     assert p.socket(a.lane[0]) is None
     hydrated = p.plan("id", req([user("s"), call(1), result(1)]), 2.0)
-    assert (hydrated.kind, hydrated.hydrated, hydrated.response_id) == (PlanKind.CONTINUE, True, "resp_s")
+    assert (type(hydrated), hydrated.hydrated, hydrated.response_id) == (Continue, True, "resp_s")
     assert hydrated.open_socket and hydrated.lane is not None and hydrated.lane[0] != a.lane[0]
     opened(p, hydrated, 2.0)
     cold = p.plan("id", req([user("u"), call(2), result(2)], store=False), 2.0)
-    assert (cold.kind, cold.reason) == (PlanKind.FULL, MissReason.NO_HEAD)
+    assert (type(cold), cold.reason) == (Full, MissReason.NO_HEAD)
     opened(p, hydrated, 2.0)
     complete(p, hydrated, req([user("s"), call(1), result(1)]), "resp_s2", 3.0, call(3))
     assert p.heads.anchor_for("id", "resp_s") is None  # the hydrated parent is replaced
@@ -331,11 +333,11 @@ def test_eviction_detaches_a_stored_head_and_forgets_an_unstored_one() -> None:
     other = p.plan("id", req([user("t")]), 2.0)  # the only lane is taken over
     assert other.lane == a.lane
     back = p.plan("id", req([user("s"), call(1), result(1)]), 2.0)
-    assert back.kind is PlanKind.WAIT  # stored: still continuable, once a lane frees
+    assert type(back) is Wait  # stored: still continuable, once a lane frees
     assert other.lane is not None
     p.finished(other.lane, 3.0)
     again = p.plan("id", req([user("s"), call(1), result(1)]), 3.0)
-    assert (again.kind, again.hydrated) == (PlanKind.CONTINUE, True)
+    assert (type(again), again.hydrated) == (Continue, True)
 
 
 def test_while_a_socket_opens_or_probes_a_new_conversation_waits_and_evicts_no_head() -> None:
@@ -353,7 +355,7 @@ def test_while_a_socket_opens_or_probes_a_new_conversation_waits_and_evicts_no_h
     assert probe.open_socket and probe.lane == (2, "u1")
     d = req([user("d")], store=False)
     waiting = p.plan("id", d, 1.0)
-    assert (waiting.kind, waiting.growing, waiting.lane) == (PlanKind.WAIT, True, None)
+    assert (type(waiting), waiting.growing) == (Wait, True)
     p.opened(2, 1.1)
     sock = p.socket(2)
     assert sock is not None
@@ -362,10 +364,10 @@ def test_while_a_socket_opens_or_probes_a_new_conversation_waits_and_evicts_no_h
     prove(p, 2)
     assert p.plan("id", d, 1.2).lane == (2, None)  # proven: the socket takes a second response
     cont = p.plan("id", req([user("s"), call(1), result(1)], store=False), 1.2)
-    assert (cont.kind, cont.lane, cont.response_id) == (PlanKind.CONTINUE, a.lane, "resp_s")
+    assert (type(cont), cont.lane, cont.response_id) == (Continue, a.lane, "resp_s")
     # Nothing growing and every lane busy: a plain wait for busy lanes (pool_full after it).
     full = p.plan("id", req([user("e")], store=False), 1.3)
-    assert (full.kind, full.growing) == (PlanKind.WAIT, False)
+    assert (type(full), full.growing) == (Wait, False)
 
 
 def test_rotation_retires_busy_sockets_and_closes_idle_ones() -> None:
@@ -416,7 +418,7 @@ def test_lane_refusal_turns_named_lanes_off_for_a_while() -> None:
     a = opened(p, p.plan("id", req([user("a")]), 0.0))
     b = p.plan("id", req([user("b")]), 0.0)
     assert b.stream_id == "u1" and b.lane is not None and a.lane is not None
-    p.lanes_refused(0.0)
+    p.proof.refused(0.0)
     p.finished(b.lane, 0.0)
     assert not p.named_lanes
     c = p.plan("id", req([user("c")]), 0.0)
@@ -428,28 +430,28 @@ def test_lane_refusal_turns_named_lanes_off_for_a_while() -> None:
 def test_an_early_close_is_a_refusal_until_lanes_are_proven_then_only_a_run_of_them_is() -> None:
     # Never proven on this upstream: the first early close is how it refuses lanes.
     p = planner()
-    assert p.lanes_closed_early(0.0) and not p.named_lanes
+    assert p.proof.closed_early(0.0) and not p.named_lanes
     # Proven (a socket routed a stream_id): a lost socket, unless they keep coming.
     p = planner()
-    assert not p.lanes_signal(LaneSignal.PROVEN, 0.0)
+    assert not p.proof.signal(LaneSignal.PROVEN, 0.0)
     for _ in range(EARLY_CLOSES_TO_REFUSE - 1):
-        assert not p.lanes_closed_early(1.0) and p.named_lanes
-    assert not p.lanes_signal(LaneSignal.PROVEN, 2.0)  # a lane proven in between: the run restarts
+        assert not p.proof.closed_early(1.0) and p.named_lanes
+    assert not p.proof.signal(LaneSignal.PROVEN, 2.0)  # a lane proven in between: the run restarts
     for _ in range(EARLY_CLOSES_TO_REFUSE - 1):
-        assert not p.lanes_closed_early(3.0) and p.named_lanes
-    assert p.lanes_closed_early(3.0) and not p.named_lanes  # a run: the upstream refuses after all
+        assert not p.proof.closed_early(3.0) and p.named_lanes
+    assert p.proof.closed_early(3.0) and not p.named_lanes  # a run: the upstream refuses after all
     # After the retry window, the next try starts from nothing: unproven again.
     p.tick(3.0 + LANES_RETRY_SECONDS + 1)
-    assert p.named_lanes and p.lanes_closed_early(3.0 + LANES_RETRY_SECONDS + 2) and not p.named_lanes
+    assert p.named_lanes and p.proof.closed_early(3.0 + LANES_RETRY_SECONDS + 2) and not p.named_lanes
 
 
 def test_stream_limit_caps_that_sockets_lanes() -> None:
     p = planner(spread_sockets=1, max_sockets_per_identity=1)
     plans = [opened(p, p.plan("id", req([user(f"c{i}")]), 0.0)) for i in range(3)]
     assert plans[2].lane == (1, "u2")
-    p.stream_limit(plans[2].lane)  # type: ignore[arg-type]
+    p.book.stream_limit(plans[2].lane)  # type: ignore[arg-type]
     p.finished(plans[2].lane, 0.0)  # type: ignore[arg-type]
-    assert p.plan("id", req([user("d")]), 0.0).kind is PlanKind.WAIT
+    assert type(p.plan("id", req([user("d")]), 0.0)) is Wait
 
 
 def test_app_chained_requests_go_to_the_lane_that_holds_their_response() -> None:
@@ -458,7 +460,7 @@ def test_app_chained_requests_go_to_the_lane_that_holds_their_response() -> None
     a = opened(p, p.plan("id", r, 0.0))
     complete(p, a, r, "resp_a", 1.0)
     chained = p.plan("id", req([result(1)], previous_response_id="resp_a"), 2.0)
-    assert (chained.kind, chained.reason, chained.lane) == (PlanKind.FULL, MissReason.APP_CHAINED, a.lane)
+    assert (type(chained), chained.reason, chained.lane) == (Full, MissReason.APP_CHAINED, a.lane)
     stranger = p.plan("other", req([result(1)], previous_response_id="resp_a"), 2.0)
     assert stranger.lane != a.lane
 
@@ -469,7 +471,7 @@ def test_replays_are_full_sends() -> None:
     a = opened(p, p.plan("id", r, 0.0))
     complete(p, a, r, "resp_a", 1.0, call(1))
     replay = p.plan("id", req([user("a"), call(1), result(1)]), 2.0, replay=True)
-    assert replay.kind is PlanKind.FULL
+    assert type(replay) is Full
 
 
 def test_cancelled_connect_releases_the_reservation_and_close_all() -> None:
@@ -477,37 +479,37 @@ def test_cancelled_connect_releases_the_reservation_and_close_all() -> None:
     plan = p.plan("id", req([user("a")]), 0.0)
     assert plan.lane is not None and plan.open_socket
     p.finished(plan.lane, 0.0)  # the requester gave up while the socket was connecting
-    assert p.lane(plan.lane).state is LaneState.IDLE  # type: ignore[union-attr]
+    assert p.book.lane(plan.lane).state is LaneState.IDLE  # type: ignore[union-attr]
     p.opened(plan.lane[0], 0.5)
-    assert p.close_all() == [plan.lane[0]] and p.sockets() == []
-    assert sum(p.lane_counts.values()) == 0 and sum(p.socket_counts.values()) == 0
+    assert p.custody.close_all() == [plan.lane[0]] and p.sockets() == []
+    assert sum(p.book.lane_counts.values()) == 0 and sum(p.book.socket_counts.values()) == 0
 
 
 def test_a_connecting_socket_can_be_closed_and_an_open_one_closed_by_shutdown() -> None:
     p = planner()
     connecting = p.plan("id", req([user("a")]), 0.0)
     assert connecting.lane is not None
-    p.close_all()
+    p.custody.close_all()
     assert p.socket(connecting.lane[0]) is None
     lost = p.plan("id", req([user("b")]), 0.0)
     assert lost.lane is not None
-    p.socket_lost(lost.lane[0])  # lost while connecting: FAILED
+    p.custody.lost(lost.lane[0])  # lost while connecting: FAILED
 
 
 def test_retire_and_loss_while_retiring() -> None:
     p = planner()
     a = opened(p, p.plan("id", req([user("a")]), 0.0))
     assert a.lane is not None
-    assert p.retire(a.lane[0]) == []  # busy: retiring
-    p.socket_lost(a.lane[0])
+    assert p.custody.retire(a.lane[0]) == []  # busy: retiring
+    p.custody.lost(a.lane[0])
     b = opened(p, p.plan("id", req([user("b")]), 0.0))
     assert b.lane is not None
     p.finished(b.lane, 0.0)
-    assert p.retire(b.lane[0]) == [b.lane[0]]  # idle: closed at once
+    assert p.custody.retire(b.lane[0]) == [b.lane[0]]  # idle: closed at once
     c = opened(p, p.plan("id", req([user("c")]), 0.0))
     assert c.lane is not None
-    p.retire(c.lane[0])
-    assert p.close_all() == [c.lane[0]]
+    p.custody.retire(c.lane[0])
+    assert p.custody.close_all() == [c.lane[0]]
 
 
 def test_invalid_steps_raise() -> None:
@@ -531,7 +533,7 @@ def test_a_rotated_store_false_head_is_reseeded_on_a_new_lane() -> None:
     r = req([user("a")], store=False)
     first = opened(p, p.plan("id", r, 0.0))
     complete(p, first, r, "resp_a", 1.0, call(1))
-    assert len(p.kept) == 1
+    assert len(p.custody.kept) == 1
     tick = p.tick(11.0)
     assert first.lane is not None and tick.close == [first.lane[0]]
     (job,) = tick.reseed
@@ -541,8 +543,8 @@ def test_a_rotated_store_false_head_is_reseeded_on_a_new_lane() -> None:
     p.opened(lane.lane[0], 11.1)
     p.reseeded(job.anchor, lane.lane, 11.2, "resp_warm")
     nxt = p.plan("id", req([user("a"), call(1), result(1)], store=False), 12.0)
-    assert (nxt.kind, nxt.lane, nxt.response_id) == (PlanKind.CONTINUE, lane.lane, "resp_warm")
-    assert p.kept.get("resp_warm") is not None and p.kept.get("resp_a") is None
+    assert (type(nxt), nxt.lane, nxt.response_id) == (Continue, lane.lane, "resp_warm")
+    assert p.custody.kept.get("resp_warm") is not None and p.custody.kept.get("resp_a") is None
 
 
 def test_a_failed_reseed_lets_the_head_go() -> None:
@@ -552,4 +554,4 @@ def test_a_failed_reseed_lets_the_head_go() -> None:
     complete(p, first, r, "resp_a", 1.0, call(1))
     (job,) = p.tick(11.0).reseed
     p.reseeded(job.anchor, None, 11.0, None)
-    assert len(p.heads) == 0 and len(p.kept) == 0
+    assert len(p.heads) == 0 and len(p.custody.kept) == 0

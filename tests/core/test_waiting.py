@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.core.planner import PlanKind, Planner
+from proxy.core.planner import Planner
+from proxy.core.plans import Continue, Full, Http, HttpContinue, Wait
 from proxy.core.waiting import DEFAULT_BUSY_SECONDS, Estimates, Send, Waiting, wait_seconds
 from proxy.reasons import MissReason, PassthroughReason, WaitOutcome
 from tests.core.test_planner import call, complete, opened, planner, req, result, user
@@ -68,10 +69,10 @@ def test_a_store_false_head_does_not_wait_on_a_guess() -> None:
     # other lane), instead of waiting pool.wait_seconds for its socket.
     waiting = Waiting(now + 0.2)
     plan = p.plan("id", req(items, store=False), now + 0.2, waiting=waiting)
-    assert (plan.kind, plan.reason) == (PlanKind.HTTP, PassthroughReason.WAIT_NOT_WORTH_IT)
+    assert (type(plan), plan.reason) == (Http, PassthroughReason.WAIT_NOT_WORTH_IT)
     assert (waiting.outcome, waiting.deadline) == (WaitOutcome.WAIT_NOT_WORTH_IT, None)
     # Without a turn's Waiting the plan only states the situation.
-    assert p.plan("id", req(items, store=False), now + 0.2).kind is PlanKind.WAIT
+    assert type(p.plan("id", req(items, store=False), now + 0.2)) is Wait
 
 
 def test_a_store_false_head_waits_as_long_as_its_lane_is_expected_to_free_when_that_pays() -> None:
@@ -82,13 +83,13 @@ def test_a_store_false_head_waits_as_long_as_its_lane_is_expected_to_free_when_t
     p.estimates.observe_upstream("id", Send.CONTINUE, size, 0.2)  # a continuation saves 0.7 s
     # The probe began at 1.0; a lane is busy 1.0 s: it frees in 0.5 s, sooner than 0.7 s.
     waiting = Waiting(1.5)
-    assert p.plan("id", req(items, store=False), 1.5, waiting=waiting).kind is PlanKind.WAIT
+    assert type(p.plan("id", req(items, store=False), 1.5, waiting=waiting)) is Wait
     assert waiting.deadline is not None and abs(waiting.deadline - (1.5 + 0.7)) < 1e-9  # min(0.75, 0.7)
-    assert p.plan("id", req(items, store=False), 1.9, waiting=waiting).kind is PlanKind.WAIT
+    assert type(p.plan("id", req(items, store=False), 1.9, waiting=waiting)) is Wait
     # The probe ends (its lane frees): the turn is continued on its own lane.
     p.finished((1, "u1"), 1.95, req=req([user("b")], store=False), response={"id": "resp_b", "output": []})
     plan = p.plan("id", req(items, store=False), 1.95, waiting=waiting)
-    assert (plan.kind, plan.lane, plan.response_id) == (PlanKind.CONTINUE, (1, None), "resp_a")
+    assert (type(plan), plan.lane, plan.response_id) == (Continue, (1, None), "resp_a")
     assert waiting.outcome is WaitOutcome.LANE and abs(waiting.waited(1.95) - 0.45) < 1e-9
 
 
@@ -99,9 +100,9 @@ def test_a_store_false_head_whose_lane_stays_busy_past_the_wait_goes_now_in_full
     p.estimates.observe_upstream("id", Send.FULL, size, 0.9)
     p.estimates.observe_upstream("id", Send.CONTINUE, size, 0.2)
     waiting = Waiting(1.5)
-    assert p.plan("id", req(items, store=False), 1.5, waiting=waiting).kind is PlanKind.WAIT
+    assert type(p.plan("id", req(items, store=False), 1.5, waiting=waiting)) is Wait
     plan = p.plan("id", req(items, store=False), 2.2, waiting=waiting)  # the deadline, lane still busy
-    assert (plan.kind, plan.reason) == (PlanKind.HTTP, PassthroughReason.WAIT_NOT_WORTH_IT)
+    assert (type(plan), plan.reason) == (Http, PassthroughReason.WAIT_NOT_WORTH_IT)
     assert waiting.outcome is WaitOutcome.WAIT_EXPIRED
 
 
@@ -113,7 +114,7 @@ def test_a_store_false_head_with_a_free_lane_elsewhere_goes_there_in_full() -> N
     p.finished(spare.lane, 1.1)  # socket 2 free again, no head
     waiting = Waiting(1.2)
     plan = p.plan("id", req(items, store=False), 1.2, waiting=waiting)
-    assert (plan.kind, plan.reason, plan.lane) == (PlanKind.FULL, MissReason.WAIT_NOT_WORTH_IT, spare.lane)
+    assert (type(plan), plan.reason, plan.lane) == (Full, MissReason.WAIT_NOT_WORTH_IT, spare.lane)
     # Its answer is the conversation's head: the one left on the busy socket's lane goes.
     assert plan.lane is not None
     p.finished(plan.lane, 1.5, req=req(items, store=False), response={"id": "resp_a2", "output": []})
@@ -123,7 +124,7 @@ def test_a_store_false_head_with_a_free_lane_elsewhere_goes_there_in_full() -> N
 def _stored_head_no_lane(p: Planner) -> list[dict[str, Any]]:
     """An upstream without lanes, one socket: a stored head detached (its lane given to another
     conversation, which is in flight)."""
-    p.lanes_refused(0.0)
+    p.proof.refused(0.0)
     first = req([user("a")])
     plan = opened(p, p.plan("id", first, 0.0), lanes=False)
     complete(p, plan, first, "resp_a", 1.0, call(1))
@@ -137,7 +138,7 @@ def test_a_stored_head_without_a_lane_is_continued_over_http_at_once() -> None:
     items = _stored_head_no_lane(p)
     waiting = Waiting(1.2)
     plan = p.plan("id", req(items), 1.2, waiting=waiting)
-    assert (plan.kind, plan.response_id) == (PlanKind.HTTP_CONTINUE, "resp_a")
+    assert (type(plan), plan.response_id) == (HttpContinue, "resp_a")
     assert waiting.outcome is WaitOutcome.WAIT_NOT_WORTH_IT
 
 
@@ -149,11 +150,11 @@ def test_a_stored_head_waits_for_a_lane_when_http_continuations_measure_slower()
     p.estimates.observe_upstream("id", Send.CONTINUE, size, 0.3)
     # The lane in flight began at 1.0 and lanes stay busy 1.0 s: 0.3 s to go, 1.2 s saved.
     waiting = Waiting(1.7)
-    assert p.plan("id", req(items), 1.7, waiting=waiting).kind is PlanKind.WAIT
+    assert type(p.plan("id", req(items), 1.7, waiting=waiting)) is Wait
     assert waiting.deadline is not None and abs(waiting.deadline - (1.7 + 0.45)) < 1e-9
     p.finished((1, None), 1.9, req=req([user("b")]), response={"id": "resp_b", "output": []})
     plan = p.plan("id", req(items), 1.9, waiting=waiting)
-    assert (plan.kind, plan.response_id, plan.hydrated) == (PlanKind.CONTINUE, "resp_a", True)
+    assert (type(plan), plan.response_id, plan.hydrated) == (Continue, "resp_a", True)
     assert waiting.outcome is WaitOutcome.LANE
 
 
@@ -161,18 +162,18 @@ def test_http_continuations_off_make_it_a_plain_http_send() -> None:
     p = planner(spread_sockets=1, max_sockets_per_identity=1, http_continuations=False)
     items = _stored_head_no_lane(p)
     plan = p.plan("id", req(items), 1.2, waiting=Waiting(1.2))
-    assert (plan.kind, plan.reason) == (PlanKind.HTTP, PassthroughReason.UPGRADE_REFUSED)
+    assert (type(plan), plan.reason) == (Http, PassthroughReason.UPGRADE_REFUSED)
 
 
 def test_a_new_conversation_with_no_lane_goes_over_http_at_once() -> None:
     p = planner(spread_sockets=1, max_sockets_per_identity=1)
-    p.lanes_refused(0.0)
+    p.proof.refused(0.0)
     first = req([user("a")], store=False)
     opened(p, p.plan("id", first, 0.0), lanes=False)
     waiting = Waiting(0.5)
     plan = p.plan("id", req([user("b")], store=False), 0.5, waiting=waiting)
     # A full send over a socket saves nothing measured against one over HTTP: no wait.
-    assert (plan.kind, plan.reason) == (PlanKind.HTTP, PassthroughReason.WAIT_NOT_WORTH_IT)
+    assert (type(plan), plan.reason) == (Http, PassthroughReason.WAIT_NOT_WORTH_IT)
 
 
 def test_while_sockets_grow_a_new_conversation_waits_then_pool_full() -> None:
@@ -180,12 +181,12 @@ def test_while_sockets_grow_a_new_conversation_waits_then_pool_full() -> None:
     p.plan("id", req([user("a")]), 0.0)  # socket 1 in its handshake
     waiting = Waiting(0.0)
     plan = p.plan("id", req([user("b")], store=False), 0.0, waiting=waiting)
-    assert (plan.kind, plan.growing, waiting.deadline) == (PlanKind.WAIT, True, 1.0)
-    assert p.plan("id", req([user("b")], store=False), 5.0, waiting=waiting).kind is PlanKind.WAIT  # still growing
+    assert (type(plan), plan.growing, waiting.deadline) == (Wait, True, 1.0)
+    assert type(p.plan("id", req([user("b")], store=False), 5.0, waiting=waiting)) is Wait  # still growing
     assert waiting.deadline == 6.0
     late = p.plan("id", req([user("b")], store=False), 11.0, waiting=waiting)  # the connect bound
-    assert (late.kind, late.reason, waiting.outcome) == (
-        PlanKind.HTTP,
+    assert (type(late), late.reason, waiting.outcome) == (
+        Http,
         PassthroughReason.POOL_FULL,
         WaitOutcome.WAIT_EXPIRED,
     )

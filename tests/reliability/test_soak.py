@@ -265,4 +265,4 @@ async def test_mini_soak_in_process_leaves_no_task_socket_or_head_behind(
     assert len(heads._by_response) == len(heads._index) == len(heads._heads) <= 24
     probes = heads.prefixes._probes
     assert sum(len(anchors) for by_len in probes.values() for p in by_len.values() for anchors in p.values()) <= 24
-    assert len(sc.pool.planner.sockets()) == sc.pool.count() and len(sc.pool._tasks) == 0
+    assert len(sc.pool.planner.sockets()) == sc.pool.count() and len(sc.pool.connector.tasks) == 0

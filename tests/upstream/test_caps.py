@@ -9,7 +9,8 @@ from pathlib import Path
 import orjson
 
 from proxy.core.conversation import HeadTable
-from proxy.core.planner import LaneLimits, Planner
+from proxy.core.lanes import LaneLimits
+from proxy.core.planner import Planner
 from proxy.core.request import parse_request
 from proxy.upstream.caps import CapFile
 

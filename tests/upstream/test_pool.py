@@ -16,7 +16,7 @@ import pytest
 
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.conversation import HeadTable
-from proxy.core.planner import Plan, PlanKind
+from proxy.core.plans import Full, Http, Plan
 from proxy.core.request import build_frame, parse_request
 from proxy.intake.identity import Identity, identify
 from proxy.observe.metrics import REGISTRY
@@ -78,7 +78,7 @@ async def test_two_conversations_share_one_socket_in_parallel_once_its_lanes_are
     alice = who("sk-a", emulator.base_url)
     a, _ = await pool.plan(alice, req("a"))
     busy, _ = await pool.plan(alice, req("not while a runs"))
-    assert a.lane == (1, None) and busy.kind is PlanKind.HTTP  # unproven: one response at a time
+    assert a.lane == (1, None) and type(busy) is Http  # unproven: one response at a time
     await one(a, "a")
     b, _ = await pool.plan(alice, req("b"))
     assert b.lane == (1, "u1")  # the probe: the socket is idle, its first named lane
@@ -149,12 +149,12 @@ async def test_a_refused_upgrade_goes_http_only_without_a_socket(emulator: Emula
     alice = who("sk-a", emulator.base_url)
     emulator.faults.arm("refuse_upgrade", status=426)
     plan, _ = await pool.plan(alice, req("a"))
-    assert (plan.kind, plan.reason) == (PlanKind.HTTP, "upgrade_refused")
+    assert (type(plan), plan.reason) == (Http, "upgrade_refused")
     assert pool.planner.held_off(alice.digest, pool._clock())
     again, _ = await pool.plan(alice, req("b"))
-    assert (again.kind, again.reason) == (PlanKind.HTTP, "upgrade_refused")
+    assert (type(again), again.reason) == (Http, "upgrade_refused")
     other, _ = await pool.plan(who("sk-b", emulator.base_url), req("c"))
-    assert other.kind is PlanKind.FULL  # another identity is not held off
+    assert type(other) is Full  # another identity is not held off
     async with pool.lease(other) as turn:
         await run(turn, req("c"), other)
 
@@ -189,7 +189,7 @@ async def test_unreachable_upstream_plans_http() -> None:
     settings = Settings(upstream=f"http://127.0.0.1:{port}/v1")
     pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
     plan, _ = await pool.plan(who("sk-a", settings.upstream), req("a"))
-    assert (plan.kind, plan.reason) == (PlanKind.HTTP, "ws_unavailable")
+    assert (type(plan), plan.reason) == (Http, "ws_unavailable")
     assert pool.count() == 0
     await pool.close()
 
