@@ -82,7 +82,7 @@ from proxy.intake.identity import Identity
 from proxy.observe.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
 from proxy.reasons import ForwardOutcome, ForwardReason, Mode
 from proxy.serve.record import Record
-from proxy.upstream.passthrough import HOP_BY_HOP
+from proxy.upstream.forwarding import HOP_BY_HOP
 
 __all__ = ["Cluster", "arrived_privately"]
 

@@ -30,7 +30,7 @@ from proxy.core.sse import encode_event, nested_error
 from proxy.errors import UpstreamClosed
 from proxy.reasons import ForwardOutcome
 from proxy.serve.streaming import json_body
-from proxy.upstream.passthrough import HOP_BY_HOP
+from proxy.upstream.forwarding import HOP_BY_HOP
 from proxy.wire import sse
 
 __all__ = ["Answer", "Level", "Peer", "PeerError", "relay"]

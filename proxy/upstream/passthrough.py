@@ -13,12 +13,10 @@ connection takes the egress path of :mod:`proxy.upstream.egress` (forward proxy,
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import ssl
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +25,6 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 from yarl import URL
 
 from proxy import contracts
@@ -43,31 +40,13 @@ from proxy.observe.metrics import BODIES_ABORTED, POOL_WAIT, UPSTREAM_BYTES_SENT
 from proxy.reasons import BodyAbort
 from proxy.redact import redact_url, redact_urls
 from proxy.upstream.egress import egress_for
+from proxy.upstream.forwarding import RESPONSE_DROP, SKIP_AUTO, Swap, cleartext, decoded, forward_headers
 from proxy.upstream.sniff import IdSniffer, answer_members
 
-__all__ = ["HOP_BY_HOP", "Forwarded", "Passthrough", "error_response"]
+__all__ = ["Forwarded", "Passthrough", "error_response"]
 
 log = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-"""RFC 9110 §7.6.1 connection-specific headers, never forwarded."""
-
-_REQUEST_DROP = HOP_BY_HOP | {"host", "authorization", "cookie", "expect", "content-length", "x-upshift-forwarded"}
-_RESPONSE_DROP = HOP_BY_HOP | {"set-cookie", "x-request-id", "content-length", "date", "server"}
-_SKIP_AUTO = frozenset({"Accept-Encoding", "User-Agent", "Content-Type", "Accept"})
 CAPTURE_BYTES = 8 * 1024 * 1024
 """Largest answer of a stored request over HTTP kept to adopt its response as a head."""
 _ERROR_PEEK = 64 * 1024
@@ -89,39 +68,6 @@ class Forwarded:
     """The answer's body as sent to the app (``capture``: a 200 up to :data:`CAPTURE_BYTES`)."""
 
 
-class _Swap:
-    """Replaces every ``old`` by ``new`` in a byte stream cut anywhere (the last
-    ``len(old) - 1`` bytes of a chunk wait for the next one)."""
-
-    __slots__ = ("_keep", "_new", "_old", "_tail")
-
-    def __init__(self, old: bytes, new: bytes) -> None:
-        self._old, self._new, self._keep, self._tail = old, new, len(old) - 1, b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = (self._tail + chunk).replace(self._old, self._new)
-        # A match may start in the last len(old)-1 bytes: hold them (never part of a replacement,
-        # which ``new`` cannot complete: it does not end with a prefix of ``old``).
-        cut = max(len(data) - self._keep, 0)
-        self._tail = data[cut:]
-        return data[:cut]
-
-    def rest(self) -> bytes:
-        tail, self._tail = self._tail, b""
-        return tail
-
-
-def _decoded(body: bytes, encoding: str) -> bytes:
-    """``body`` as text bytes for a look inside (gzip or deflate undone, at most 1 MiB)."""
-    encoding = encoding.strip().lower()
-    if encoding not in ("gzip", "deflate"):
-        return body
-    try:
-        return zlib.decompressobj(wbits=47).decompress(body, 1 << 20)
-    except zlib.error:
-        return body
-
-
 def http_continuation_body(req: ParsedRequest, response_id: str | None, items: list[Any]) -> bytes:
     """The ``POST /v1/responses`` body of an HTTP continuation: the app's request with
     ``previous_response_id`` set and ``input`` = the new items, its HTTP-only fields
@@ -141,49 +87,9 @@ def http_continuation_body(req: ParsedRequest, response_id: str | None, items: l
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _cleartext(url: str) -> bool:
-    """An ``http://``/``ws://`` upstream that is not loopback (warned at startup)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "ws"):
-        return False
-    host = (parts.hostname or "").lower()
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host != "localhost"
-
-
 def error_response(exc: ProxyError, headers: dict[str, str]) -> web.Response:
     """An OpenAI-shaped JSON error answer for ``exc``."""
     return web.json_response(exc.body(), status=exc.status, headers=headers)
-
-
-def _forward_headers(
-    request: web.Request, authorization: str | None, keep_length: bool, key_header: str | None = None
-) -> CIMultiDict[str]:
-    """The app's headers for the upstream: hop-by-hop, cookies and ``Host`` dropped, the
-    ``Authorization`` from the key source. With an injected key in ``key_header`` (not
-    ``Authorization``), the app's own ``Authorization`` and ``api-key`` (its placeholders) are
-    dropped and ``key_header`` carries the bare key."""
-    listed = {h.strip().lower() for h in request.headers.getall("Connection", []) for h in h.split(",")}
-    injected = {"api-key", key_header.lower()} if key_header else set()
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in request.headers.items():
-        lowered = name.lower()
-        if lowered in _REQUEST_DROP or lowered in listed or lowered in injected:
-            if not (keep_length and lowered == "content-length"):
-                continue
-        if lowered == "content-encoding" and not keep_length:
-            continue  # a body read by the sidecar was decoded (read_body): it goes as it is now
-        out.add(name, value)
-    if not authorization:
-        return out
-    if key_header and key_header.lower() != "authorization":
-        scheme, _, key = authorization.partition(" ")
-        out[key_header] = key.strip() if scheme.lower() == "bearer" and key else authorization
-    else:
-        out["Authorization"] = authorization
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +177,7 @@ class Passthrough:
         """Open the client session (needs a running loop)."""
         t = self.settings.timeouts
         log.info("upstream %s, egress %s", redact_url(self.settings.upstream), self.egress.describe())
-        if _cleartext(self.settings.upstream):
+        if cleartext(self.settings.upstream):
             log.warning(
                 "the upstream %s is plain http:// off this machine: keys and content travel unencrypted",
                 redact_url(self.settings.upstream),
@@ -363,7 +269,7 @@ class Passthrough:
         data: bytes | AsyncIterator[bytes] | None = body
         if body is None and request.body_exists:  # a streamed body has deadlines too
             data = timed_stream(request.content, BodyClock(self.settings.limits, asyncio.get_running_loop().time()))
-        out_headers = _forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
+        out_headers = forward_headers(request, authorization, keep_length=body is None, key_header=self._key_header)
         if rewrite is not None or capture or opts.answer:
             out_headers["Accept-Encoding"] = "identity"  # its bytes are rewritten or read on the way
         sent = len(body) if body is not None else request.content_length or 0
@@ -375,7 +281,7 @@ class Passthrough:
                 headers=out_headers,
                 data=data,
                 allow_redirects=False,
-                skip_auto_headers=_SKIP_AUTO,
+                skip_auto_headers=SKIP_AUTO,
                 proxy=self._proxy,
                 proxy_headers=self._proxy_headers or None,
                 ssl=self._ssl,
@@ -405,7 +311,7 @@ class Passthrough:
                 held = await upstream.content.read(_ERROR_PEEK)
             except (aiohttp.ClientError, TimeoutError):
                 held = b""
-            if b"previous_response_not_found" in _decoded(held, upstream.headers.get("Content-Encoding", "")):
+            if b"previous_response_not_found" in decoded(held, upstream.headers.get("Content-Encoding", "")):
                 upstream.release()
                 # The answer is now a full send, and says so (x-upshift-mode).
                 shown = {**headers, "x-upshift-mode": "full"} if "x-upshift-mode" in headers else headers
@@ -423,9 +329,9 @@ class Passthrough:
             for name, value in upstream.headers.items():
                 lowered = name.lower()
                 # never a CORS grant to a web page (access-control-*).
-                if lowered not in _RESPONSE_DROP and not lowered.startswith("access-control-"):
+                if lowered not in RESPONSE_DROP and not lowered.startswith("access-control-"):
                     response.headers.add(name, value)
-            swap = _Swap(*rewrite) if rewrite is not None and "Content-Encoding" not in upstream.headers else None
+            swap = Swap(*rewrite) if rewrite is not None and "Content-Encoding" not in upstream.headers else None
             if swap is None and upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
                 response.content_length = upstream.content_length
             response.headers.update(headers)
