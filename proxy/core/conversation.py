@@ -78,7 +78,7 @@ class Keeper(Protocol):
         ...
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Head:
     """The end state of one completed response on one socket."""
 
@@ -105,38 +105,8 @@ class Head:
     """Under ``reasoning.context: current_turn``: its input's items other than reasoning, counted,
     and the SHA-256 state over their keys (:meth:`HeadTable._bare_lookup`)."""
 
-    def __init__(
-        self,
-        identity: str,
-        anchor: Hashable,
-        response_id: str,
-        settings: bytes,
-        n_input: int,
-        input_digest: bytes,
-        output: tuple[OutputFingerprint, ...],
-        last_used: float,
-        store: bool = False,
-        chained: bool = False,
-        items: bytes | None = None,
-        echo: tuple[EchoFields, ...] = (),
-    ) -> None:
-        self.identity = identity
-        self.anchor = anchor
-        self.response_id = response_id
-        self.settings = settings
-        self.n_input = n_input
-        self.input_digest = input_digest
-        self.output = output
-        self.last_used = last_used
-        self.store = store
-        self.chained = chained
-        self.items = items
-        self.echo = echo
-        self.compactions = ()
-        self.bare = None
 
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Match:
     """A continuation: send ``new_items`` with ``previous_response_id=response_id`` on ``anchor``."""
 
@@ -145,14 +115,8 @@ class Match:
     new_items: list[Any]
     items_avoided: int
 
-    def __init__(self, anchor: Hashable, response_id: str, new_items: list[Any], items_avoided: int) -> None:
-        object.__setattr__(self, "anchor", anchor)
-        object.__setattr__(self, "response_id", response_id)
-        object.__setattr__(self, "new_items", new_items)
-        object.__setattr__(self, "items_avoided", items_avoided)
 
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Lookup:
     """The outcome of :meth:`HeadTable.lookup`."""
 
@@ -164,30 +128,19 @@ class Lookup:
     dropped_phase: int = 0
     """Assistant messages of the head's output that the echo sent without their ``phase``."""
 
-    def __init__(
-        self, match: Match | None, reason: Hit | MissReason, dropped_reasoning: int = 0, dropped_phase: int = 0
-    ) -> None:
-        object.__setattr__(self, "match", match)
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
-        object.__setattr__(self, "dropped_phase", dropped_phase)
-
 
 _Key = tuple[str, bytes, int, bytes]
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class _Bucket:
     """Prefix lengths present among the heads of one (identity, settings)."""
 
     lengths: dict[int, int] = field(default_factory=dict)
     """Prefix length → heads with it (a plain dict: ``Counter``'s methods are interpreted code)."""
 
-    def __init__(self, lengths: dict[int, int] | None = None) -> None:
-        self.lengths = {} if lengths is None else lengths
 
-
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class _Prefix:
     """What the fast parse needs of one recorded body."""
 
@@ -197,12 +150,6 @@ class _Prefix:
     n_input: int
     input_state: Any
     """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
-
-    def __init__(self, identity: str, raw: RawPrefix, n_input: int, input_state: Any) -> None:
-        self.identity = identity
-        self.raw = raw
-        self.n_input = n_input
-        self.input_state = input_state
 
 
 _BYTES_PER_COMPARE = 512

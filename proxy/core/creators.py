@@ -250,7 +250,7 @@ _ESCAPED_NAME = re.compile(rb'"(?:[a-z_]|\\u[0-9a-fA-F]{4})*\\u[0-9a-fA-F]{4}(?:
 """A string of letters and ``_`` with at least one ``\\u`` escape (a checked name spelled so)."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class NamedIds:
     """The stored objects a request (an HTTP body, a relay frame) names, as the upstream reads them.
 
@@ -263,28 +263,12 @@ class NamedIds:
         vector_stores: The ``vector_store_ids`` of its ``file_search`` tools.
     """
 
-    previous_response_id: str | None
-    conversation: str | None
-    items: tuple[str, ...]
-    stream_id: str | None
-    files: tuple[str, ...]
-    vector_stores: tuple[str, ...]
-
-    def __init__(
-        self,
-        previous_response_id: str | None = None,
-        conversation: str | None = None,
-        items: tuple[str, ...] = (),
-        stream_id: str | None = None,
-        files: tuple[str, ...] = (),
-        vector_stores: tuple[str, ...] = (),
-    ) -> None:
-        object.__setattr__(self, "previous_response_id", previous_response_id)
-        object.__setattr__(self, "conversation", conversation)
-        object.__setattr__(self, "items", items)
-        object.__setattr__(self, "stream_id", stream_id)
-        object.__setattr__(self, "files", files)
-        object.__setattr__(self, "vector_stores", vector_stores)
+    previous_response_id: str | None = None
+    conversation: str | None = None
+    items: tuple[str, ...] = ()
+    stream_id: str | None = None
+    files: tuple[str, ...] = ()
+    vector_stores: tuple[str, ...] = ()
 
 
 def read_request(raw: bytes) -> NamedIds:

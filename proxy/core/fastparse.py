@@ -28,7 +28,7 @@ PROBE = 32
 """Bytes just before a prefix's end that index it (they hold the newest input item)."""
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class RawPrefix:
     """Where the previous body's input ended, and how to recognise everything before that."""
 
@@ -47,26 +47,6 @@ class RawPrefix:
     """The previous body's settings, processed (shared), while the head is hot (see :func:`fast_parse`)."""
     suffix: int = 0
     """Bytes of the previous body after its input array's ``]``."""
-
-    def __init__(
-        self,
-        length: int,
-        probe: bytes,
-        digest: bytes,
-        state: Any,
-        span: InputSpan,
-        _body: bytes | None = None,
-        settings: SettingsBlock | None = None,
-        suffix: int = 0,
-    ) -> None:
-        self.length = length
-        self.probe = probe
-        self.digest = digest
-        self.state = state
-        self.span = span
-        self._body = _body
-        self.settings = settings
-        self.suffix = suffix
 
     @property
     def body(self) -> bytes | None:

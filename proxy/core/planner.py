@@ -197,7 +197,7 @@ class PlanKind(enum.StrEnum):
     """``previous_response_id`` + the new items over plain HTTP (a stored head, no lane now)."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Plan:
     """The planner's decision for one attempt of one request."""
 
@@ -226,38 +226,6 @@ class Plan:
     growing: bool = False
     """A WAIT for lanes a moment away (a socket of the identity in its handshake or probing its
     lanes), not for busy ones: ``pool.wait_seconds`` counts from when the growing stops."""
-
-    def __init__(
-        self,
-        kind: PlanKind,
-        reason: Hit | MissReason | PassthroughReason | None,
-        lane: LaneKey | None = None,
-        open_socket: bool = False,
-        response_id: str | None = None,
-        new_items: list[Any] | None = None,
-        items_avoided: int = 0,
-        hydrated: bool = False,
-        dropped_reasoning: int = 0,
-        dropped_phase: int = 0,
-        close: tuple[int, ...] = (),
-        warm: int | None = None,
-        over_http: bool = False,
-        growing: bool = False,
-    ) -> None:
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "lane", lane)
-        object.__setattr__(self, "open_socket", open_socket)
-        object.__setattr__(self, "response_id", response_id)
-        object.__setattr__(self, "new_items", new_items)
-        object.__setattr__(self, "items_avoided", items_avoided)
-        object.__setattr__(self, "hydrated", hydrated)
-        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
-        object.__setattr__(self, "dropped_phase", dropped_phase)
-        object.__setattr__(self, "close", close)
-        object.__setattr__(self, "warm", warm)
-        object.__setattr__(self, "over_http", over_http)
-        object.__setattr__(self, "growing", growing)
 
     @property
     def stream_id(self) -> str | None:

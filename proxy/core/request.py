@@ -70,7 +70,7 @@ class Transport(enum.Enum):
     HTTP = "http"
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Base:
     """What a fast parse knows about the byte-identical prefix it skipped.
 
@@ -88,15 +88,8 @@ class Base:
     raw_state: Any
     raw_len: int
 
-    def __init__(self, anchor: Hashable, count: int, input_state: Any, raw_state: Any, raw_len: int) -> None:
-        object.__setattr__(self, "anchor", anchor)
-        object.__setattr__(self, "count", count)
-        object.__setattr__(self, "input_state", input_state)
-        object.__setattr__(self, "raw_state", raw_state)
-        object.__setattr__(self, "raw_len", raw_len)
 
-
-@dataclass(slots=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class SettingsBlock:
     """The non-input members of a body, processed once and reused while later bodies carry the
     very same bytes around their input (the steady state of an agent loop).
@@ -117,20 +110,6 @@ class SettingsBlock:
     digest: bytes
     huge: bool
     _members: tuple[bytes, bytes] | None = None
-
-    def __init__(
-        self,
-        before: dict[str, Any],
-        after: dict[str, Any],
-        digest: bytes,
-        huge: bool,
-        _members: tuple[bytes, bytes] | None = None,
-    ) -> None:
-        self.before = before
-        self.after = after
-        self.digest = digest
-        self.huge = huge
-        self._members = _members
 
     @classmethod
     def of(cls, req: ParsedRequest) -> SettingsBlock | None:
@@ -189,7 +168,7 @@ _MAX_BLOCKS = 256
 """Distinct settings blocks kept (oldest first out): apps have a handful of agent configurations."""
 
 
-@dataclass(slots=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class ParsedRequest:
     """One app request, parsed once.
 
@@ -235,44 +214,6 @@ class ParsedRequest:
     _count: int | None = field(default=None, repr=False)
     """Input items of a full parse whose items were released."""
     _tail_cache: list[bytes] | None = field(default=None, repr=False)
-
-    def __init__(
-        self,
-        body: bytes,
-        fields: dict[str, Any],
-        stream: bool,
-        store: bool,
-        previous_response_id: str | None,
-        settings_digest: bytes,
-        span: InputSpan | None = None,
-        base: Base | None = None,
-        tail: list[Any] | None = None,
-        settings: SettingsBlock | None = None,
-        prefix_parses: int = 0,
-        _items: list[Any] | None = None,
-        _keys: list[bytes] | None = None,
-        _partial: list[bytes] | None = None,
-        _prefix: dict[int, bytes] | None = None,
-        _count: int | None = None,
-        _tail_cache: list[bytes] | None = None,
-    ) -> None:
-        self.body = body
-        self.fields = fields
-        self.stream = stream
-        self.store = store
-        self.previous_response_id = previous_response_id
-        self.settings_digest = settings_digest
-        self.span = span
-        self.base = base
-        self.tail = tail
-        self.settings = settings
-        self.prefix_parses = prefix_parses
-        self._items = _items
-        self._keys = _keys
-        self._partial = [] if _partial is None else _partial
-        self._prefix = {} if _prefix is None else _prefix
-        self._count = _count
-        self._tail_cache = _tail_cache
 
     def all_items(self) -> list[Any]:
         """The whole input as a list of items (a string input is one user message).

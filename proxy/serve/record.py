@@ -72,7 +72,7 @@ _MISSED_OVER_HTTP = frozenset({PassthroughReason.POOL_FULL, PassthroughReason.WA
 """Passthrough reasons that are also continuation misses (a conversation's turn found no lane)."""
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Record:
     """One access-log line, filled in along the way (never content, never credentials)."""
 
@@ -109,51 +109,6 @@ class Record:
     """How its wait for a lane ended, or why it did not wait (``None``: no lane was busy)."""
 
     # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
-
-    def __init__(
-        self,
-        request_id: str,
-        route: Route = Route.RESPONSES,
-        mode: Mode = Mode.FULL,
-        reason: Reason | None = None,
-        transport: Transport | None = None,
-        items_in: int = 0,
-        items_sent: int = 0,
-        items_avoided: int = 0,
-        bytes_in: int = 0,
-        bytes_sent: int = 0,
-        status: int = 0,
-        outcome: RequestOutcome | None = None,
-        replays: int = 0,
-        upstream_s: float = 0.0,
-        added_s: float = 0.0,
-        explanation: Explanation | None = None,
-        explained: Reason | None = None,
-        explainer: Callable[[], Explanation | None] | None = None,
-        wait_s: float = 0.0,
-        wait: WaitOutcome | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.route = route
-        self.mode = mode
-        self.reason = reason
-        self.transport = transport
-        self.items_in = items_in
-        self.items_sent = items_sent
-        self.items_avoided = items_avoided
-        self.bytes_in = bytes_in
-        self.bytes_sent = bytes_sent
-        self.status = status
-        self.outcome = outcome
-        self.replays = replays
-        self.upstream_s = upstream_s
-        self.added_s = added_s
-        self.explanation = explanation
-        self.explained = explained
-        self.explainer = explainer
-        self.tier_requested = self.tier_served = None
-        self.wait_s = wait_s
-        self.wait = wait
 
     def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
         """The plan stage: how the attempt goes upstream."""
