@@ -101,7 +101,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
             options = await object_guard(svc, request)
         except RequestError as exc:
             response = refuse(exc, {"x-request-id": rec.request_id}, rec, started)
-            rec.status = response.status
+            rec.responded(response.status)
             return response
         fwd = await svc.passthrough.forward(
             request,
@@ -110,8 +110,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
             started=started,
             options=options,
         )
-        rec.status, rec.bytes_sent = fwd.status, fwd.bytes_sent
-        rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+        rec.passed_through(fwd)
         return fwd.response
     finally:
         rec.finish()

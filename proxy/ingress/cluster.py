@@ -65,7 +65,7 @@ from yarl import URL
 
 from proxy.config import Settings, parse_hostport, peer_urls
 from proxy.core.affinity import owner_key, rank, root_digest
-from proxy.core.reasons import ForwardOutcome, ForwardReason, Mode
+from proxy.core.reasons import ForwardOutcome, ForwardReason
 from proxy.errors import ConfigError
 from proxy.ingress.forward import (
     OWNER_HEADER,
@@ -534,7 +534,7 @@ class Cluster:
                 handed = await self._handoff.offer(int(name.removeprefix("worker-")), request, body)
                 HANDOFFS.labels(handed).inc()
                 if handed is HandoffOutcome.ADOPTED:
-                    rec.mode, rec.reason = Mode.FORWARDED, ForwardReason.HANDOFF
+                    rec.sent_to(ForwardReason.HANDOFF)
                     return HANDED_OFF()
                 if handed in (HandoffOutcome.OWNER_DOWN, HandoffOutcome.TIMEOUT):
                     # What a forward to this owner would have found: skip it, as a forward does.
@@ -631,7 +631,7 @@ class Cluster:
                 await self._mark_down(peer, f"connection lost before the answer: {exc}")
                 return None, ForwardOutcome.FAILED_BEFORE_ANSWER
             finally:
-                rec.upstream_s += time.perf_counter() - started
+                rec.upstream_time(time.perf_counter() - started)
             upshift = OWNER_HEADER in answer.headers
             if REFUSED_HEADER in answer.headers or (answer.status >= 500 and not upshift):
                 answer.response.close()
@@ -641,11 +641,11 @@ class Cluster:
                 elif not why:
                     await self._mark_down(peer, f"answered {answer.status} without an upshift owner")
                 return None, ForwardOutcome.REFUSED
-            rec.mode, rec.reason = Mode.FORWARDED, ForwardReason(peer.level.value)
+            rec.sent_to(ForwardReason(peer.level.value))
             started = time.perf_counter()
             try:
                 return await relay(peer, request, answer, self._idle)
             finally:
-                rec.upstream_s += time.perf_counter() - started
+                rec.upstream_time(time.perf_counter() - started)
         finally:
             peer.slots.release()

@@ -162,7 +162,7 @@ async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
     await svc.owners.check(arrival.identity.digest, parsed_ids(req))
     await warm_keys(req)
-    arrival.rec.items_in = req.n_items
+    arrival.rec.parsed(req.n_items)
     return req
 
 

@@ -21,6 +21,7 @@ from proxy.core.answer import status_outcome
 from proxy.core.explain import Explanation
 from proxy.core.planner import Plan, PlanKind
 from proxy.core.reasons import (
+    ForwardReason,
     Hit,
     Mode,
     PassthroughReason,
@@ -108,7 +109,16 @@ class Record:
     wait: WaitOutcome | None = None
     """How its wait for a lane ended, or why it did not wait (``None``: no lane was busy)."""
 
-    # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
+    # -- one write per stage of the request path (proxy/serve/handlers.py); no module but this
+    # one assigns a field (tests/test_record_stages.py) ----------------------------------------
+
+    def received(self, bytes_in: int) -> None:
+        """The intake stage: the request body's size (read, or declared when it streams on)."""
+        self.bytes_in = bytes_in
+
+    def parsed(self, items_in: int) -> None:
+        """The parse stage: the input items the app sent."""
+        self.items_in = items_in
 
     def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
         """The plan stage: how the attempt goes upstream."""
@@ -172,6 +182,42 @@ class Record:
             self.outcome = outcome
         self.added_s = added_s
 
+    def responded(self, status: int) -> None:
+        """The answer's HTTP status, as written to the app (``101``: a WebSocket upgrade)."""
+        self.status = status
+
+    def cancelled(self, status: int | None = None) -> None:
+        """The app went away before its answer (``status``: what the line says it got, 499)."""
+        self.outcome = RequestOutcome.CANCELLED
+        if status is not None:
+            self.status = status
+
+    def failed(self, status: int | None = None) -> None:
+        """The sidecar could not serve the request (``status``: the one it answered with)."""
+        self.outcome = RequestOutcome.PROXY_ERROR
+        if status is not None:
+            self.status = status
+
+    def connected(self, added_s: float) -> None:
+        """A WebSocket relay's upstream socket is open: the sidecar's time up to it."""
+        self.added_s = added_s
+
+    def sent_to(self, reason: ForwardReason) -> None:
+        """The request went to the process that owns it (``mode="forwarded"``), as ``reason`` says."""
+        self.mode, self.reason = Mode.FORWARDED, reason
+
+    def upstream_time(self, seconds: float) -> None:
+        """``seconds`` more spent waiting on what answers (another process, when forwarded)."""
+        self.upstream_s += seconds
+
+    def ended(self, elapsed_s: float) -> None:
+        """The end of a request served here, ``elapsed_s`` after it arrived: unless the answer
+        stage already said it, the sidecar's time is all of it but the upstream's own (a
+        stream's queueing after the answer began counts); then :meth:`finish`."""
+        if not self.added_s or self.upstream_s:
+            self.added_s = max(elapsed_s - self.upstream_s, 0.0)
+        self.finish()
+
     def replayed(self, cause: ReplayCause) -> None:
         """The attempt is replayed with the full input, for ``cause`` (``upshift_replays_total``)."""
         REPLAYS.labels(cause).inc()
@@ -185,6 +231,11 @@ class Record:
     def forwarded(self, fwd: Forwarded) -> None:
         """The HTTP passthrough answered: every item went, over HTTP."""
         self.items_sent, self.bytes_sent = self.items_in, fwd.bytes_sent
+        self.upstream_s, self.added_s = fwd.upstream_seconds, fwd.added_seconds
+
+    def passed_through(self, fwd: Forwarded) -> None:
+        """A route the sidecar only relays over HTTP answered (its status, bytes and times)."""
+        self.status, self.bytes_sent = fwd.status, fwd.bytes_sent
         self.upstream_s, self.added_s = fwd.upstream_seconds, fwd.added_seconds
 
     def continued_http(self, fwd: Forwarded) -> None:
