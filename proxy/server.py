@@ -109,10 +109,9 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         except (RequestError, MemoryRefused) as exc:
             shown = exc.headers(rec.request_id) if isinstance(exc, MemoryRefused) else {"x-request-id": rec.request_id}
             response = refuse(exc, shown, rec, started)
-            rec.status = response.status
+            rec.responded(response.status)
             return response
-        rec.status, rec.bytes_sent = fwd.status, fwd.bytes_sent
-        rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+        rec.passed_through(fwd)
         return fwd.response
     finally:
         rec.finish()

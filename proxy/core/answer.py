@@ -45,7 +45,7 @@ class AnswerKind(enum.StrEnum):
     """Write the sidecar's own error event (:attr:`Answer.events`) and end the SSE body."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Answer:
     """One answer to give the app."""
 
@@ -59,26 +59,8 @@ class Answer:
     error: str | None = None
     """The sidecar's own error code surfaced (``upshift_errors_total{code}``), if any."""
 
-    def __init__(
-        self,
-        kind: AnswerKind,
-        outcome: RequestOutcome | None = None,
-        status: int = 200,
-        body: Mapping[str, Any] | None = None,
-        headers: Mapping[str, str] | None = None,
-        events: tuple[Out, ...] = (),
-        error: str | None = None,
-    ) -> None:
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "outcome", outcome)
-        object.__setattr__(self, "status", status)
-        object.__setattr__(self, "body", body)
-        object.__setattr__(self, "headers", {} if headers is None else headers)
-        object.__setattr__(self, "events", events)
-        object.__setattr__(self, "error", error)
 
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """What decides between replay and answer, beside the channel: which attempt this was."""
 
@@ -91,14 +73,8 @@ class Attempt:
     stream: bool
     """The app asked for SSE."""
 
-    def __init__(self, number: int, continuation: bool, named: bool, stream: bool) -> None:
-        object.__setattr__(self, "number", number)
-        object.__setattr__(self, "continuation", continuation)
-        object.__setattr__(self, "named", named)
-        object.__setattr__(self, "stream", stream)
 
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Kept:
     """What the lane keeps of a finished attempt (``Turn.finish``)."""
 
@@ -108,11 +84,6 @@ class Kept:
     """The id of a response that did not complete: the app may still chain it."""
     retire: bool
     """The upstream aged the socket out (it closes it after this error): no new turns on it."""
-
-    def __init__(self, response: dict[str, Any] | None, chainable: str | None, retire: bool) -> None:
-        object.__setattr__(self, "response", response)
-        object.__setattr__(self, "chainable", chainable)
-        object.__setattr__(self, "retire", retire)
 
 
 def status_outcome(status: int) -> RequestOutcome:

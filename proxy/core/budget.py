@@ -81,7 +81,7 @@ class Verdict(enum.StrEnum):
     RELEASED = "released"
 
 
-@dataclass(eq=False, slots=True, init=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     """One request's share of the budget."""
 
@@ -109,30 +109,8 @@ class Ticket:
     keyless: bool = False
     """Sent without a credential: shares the keyless quota (:data:`KEYLESS_SHARE`)."""
 
-    def __init__(
-        self,
-        want: int,
-        held: int = 0,
-        verdict: Verdict = Verdict.WAITING,
-        waited: bool = False,
-        key: Hashable = None,
-        need: int = 0,
-        more: int = 0,
-        keyless: bool = False,
-    ) -> None:
-        self.want = want
-        self.held = held
-        self.verdict = verdict
-        self.waited = waited
-        self.key = key
-        self.need = need
-        self.more = more
-        self.promise = -1
-        self.slow = False
-        self.keyless = keyless
 
-
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Effects:
     """What the caller must do after a budget call."""
 
@@ -140,10 +118,6 @@ class Effects:
     """Tickets that were waiting and are granted now (wake them)."""
     evict: list[Hashable] = field(default_factory=list)
     """Kept bodies to let go of (already no longer counted)."""
-
-    def __init__(self, granted: list[Ticket] | None = None, evict: list[Hashable] | None = None) -> None:
-        self.granted = [] if granted is None else granted
-        self.evict = [] if evict is None else evict
 
 
 class Budget:

@@ -76,7 +76,7 @@ _DONE_STATUS = {"completed": Ending.COMPLETED, "incomplete": Ending.INCOMPLETE}
 _PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Out:
     """One event to emit to the app: the upstream's bytes, or an object to serialise."""
 
@@ -85,11 +85,6 @@ class Out:
     """The upstream JSON bytes, unchanged (``None`` when :attr:`obj` must be serialised)."""
     obj: dict[str, Any] | None = None
     """A patched lifecycle event or a normalised error event."""
-
-    def __init__(self, type: str, raw: bytes | None, obj: dict[str, Any] | None = None) -> None:
-        object.__setattr__(self, "type", type)
-        object.__setattr__(self, "raw", raw)
-        object.__setattr__(self, "obj", obj)
 
 
 @dataclass(frozen=True, slots=True)

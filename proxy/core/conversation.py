@@ -53,15 +53,12 @@ __all__ = ["HeadTable", "MissReason"]
 _Key = tuple[str, bytes, int, bytes]
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class _Bucket:
     """Prefix lengths present among the heads of one (identity, settings)."""
 
     lengths: dict[int, int] = field(default_factory=dict)
     """Prefix length → heads with it (a plain dict: ``Counter``'s methods are interpreted code)."""
-
-    def __init__(self, lengths: dict[int, int] | None = None) -> None:
-        self.lengths = {} if lengths is None else lengths
 
 
 class HeadTable:

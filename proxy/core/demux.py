@@ -60,16 +60,12 @@ class LaneSignal(enum.StrEnum):
     IGNORED = "ignored"
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Routed:
     """The event belongs to ``lane``'s response in flight."""
 
     lane: str | None
     signal: LaneSignal | None = None
-
-    def __init__(self, lane: str | None, signal: LaneSignal | None = None) -> None:
-        object.__setattr__(self, "lane", lane)
-        object.__setattr__(self, "signal", signal)
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,7 +96,7 @@ class Detail(enum.StrEnum):
     """The request's input equals the candidate's input: the same turn again."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Explanation:
     """Where a miss departed from its best candidate head (no content, ever).
 
@@ -119,24 +119,6 @@ class Explanation:
     detail: Detail | None = None
     candidate_items: int | None = None
     identity: str = ""
-
-    def __init__(
-        self,
-        reason: MissReason,
-        miss_item: int | None = None,
-        miss_type: str | None = None,
-        miss_field: str | None = None,
-        detail: Detail | None = None,
-        candidate_items: int | None = None,
-        identity: str = "",
-    ) -> None:
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "miss_item", miss_item)
-        object.__setattr__(self, "miss_type", miss_type)
-        object.__setattr__(self, "miss_field", miss_field)
-        object.__setattr__(self, "detail", detail)
-        object.__setattr__(self, "candidate_items", candidate_items)
-        object.__setattr__(self, "identity", identity)
 
     def fields(self) -> dict[str, Any]:
         """The access-log / ``/misses`` fields."""

@@ -34,7 +34,7 @@ class Listener(Protocol):
         ...
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Head:
     """The end state of one completed response on one socket."""
 
@@ -59,40 +59,10 @@ class Head:
     """Digests of the ``encrypted_content`` of the ``compaction`` items of its output."""
     bare: tuple[int, Any] | None = None
     """Under ``reasoning.context: current_turn``: its input's items other than reasoning, counted,
-    and the SHA-256 state over their keys (:class:`~proxy.core.bare.BareIndex`)."""
-
-    def __init__(
-        self,
-        identity: str,
-        anchor: Hashable,
-        response_id: str,
-        settings: bytes,
-        n_input: int,
-        input_digest: bytes,
-        output: tuple[OutputFingerprint, ...],
-        last_used: float,
-        store: bool = False,
-        chained: bool = False,
-        items: bytes | None = None,
-        echo: tuple[EchoFields, ...] = (),
-    ) -> None:
-        self.identity = identity
-        self.anchor = anchor
-        self.response_id = response_id
-        self.settings = settings
-        self.n_input = n_input
-        self.input_digest = input_digest
-        self.output = output
-        self.last_used = last_used
-        self.store = store
-        self.chained = chained
-        self.items = items
-        self.echo = echo
-        self.compactions = ()
-        self.bare = None
+    and the SHA-256 state over their keys (:class:`~proxy.core.sideindex.BareIndex`)."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Match:
     """A continuation: send ``new_items`` with ``previous_response_id=response_id`` on ``anchor``."""
 
@@ -101,14 +71,8 @@ class Match:
     new_items: list[Any]
     items_avoided: int
 
-    def __init__(self, anchor: Hashable, response_id: str, new_items: list[Any], items_avoided: int) -> None:
-        object.__setattr__(self, "anchor", anchor)
-        object.__setattr__(self, "response_id", response_id)
-        object.__setattr__(self, "new_items", new_items)
-        object.__setattr__(self, "items_avoided", items_avoided)
 
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Lookup:
     """The outcome of :meth:`~proxy.core.conversation.HeadTable.lookup`."""
 
@@ -119,14 +83,6 @@ class Lookup:
     """Reasoning items of the head's output that the echo left out."""
     dropped_phase: int = 0
     """Assistant messages of the head's output that the echo sent without their ``phase``."""
-
-    def __init__(
-        self, match: Match | None, reason: Hit | MissReason, dropped_reasoning: int = 0, dropped_phase: int = 0
-    ) -> None:
-        object.__setattr__(self, "match", match)
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
-        object.__setattr__(self, "dropped_phase", dropped_phase)
 
 
 _STRENGTH: dict[MissReason, int] = {

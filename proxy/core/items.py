@@ -121,7 +121,7 @@ def item_key(item: Mapping[str, Any]) -> bytes:
     return digest(_dumps(input_view(item)))
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class OutputFingerprint:
     """The projection of one upstream output item, kept as digests.
 
@@ -139,15 +139,6 @@ class OutputFingerprint:
     main: bytes
     alt: bytes | None = None
     phaseless: bytes | None = None
-
-    def __init__(
-        self, kind: str, id: str | None, main: bytes, alt: bytes | None = None, phaseless: bytes | None = None
-    ) -> None:
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "id", id)
-        object.__setattr__(self, "main", main)
-        object.__setattr__(self, "alt", alt)
-        object.__setattr__(self, "phaseless", phaseless)
 
 
 def _args_value(arguments: Any) -> Any:

@@ -115,7 +115,7 @@ _ESCAPED_NAME = re.compile(rb'"(?:[a-z_]|\\u[0-9a-fA-F]{4})*\\u[0-9a-fA-F]{4}(?:
 """A string of letters and ``_`` with at least one ``\\u`` escape (a checked name spelled so)."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class NamedIds:
     """The stored objects a request (an HTTP body, a relay frame) names, as the upstream reads them.
 
@@ -129,25 +129,11 @@ class NamedIds:
             members).
     """
 
-    previous_response_id: str | None
-    conversation: str | None
-    items: tuple[str, ...]
-    stream_id: str | None
-    objects: tuple[tuple[str, str, str], ...]
-
-    def __init__(
-        self,
-        previous_response_id: str | None = None,
-        conversation: str | None = None,
-        items: tuple[str, ...] = (),
-        stream_id: str | None = None,
-        objects: tuple[tuple[str, str, str], ...] = (),
-    ) -> None:
-        object.__setattr__(self, "previous_response_id", previous_response_id)
-        object.__setattr__(self, "conversation", conversation)
-        object.__setattr__(self, "items", items)
-        object.__setattr__(self, "stream_id", stream_id)
-        object.__setattr__(self, "objects", objects)
+    previous_response_id: str | None = None
+    conversation: str | None = None
+    items: tuple[str, ...] = ()
+    stream_id: str | None = None
+    objects: tuple[tuple[str, str, str], ...] = ()
 
     def of(self, kind: str) -> tuple[str, ...]:
         """The ids of ``kind`` in :attr:`objects`."""

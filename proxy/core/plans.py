@@ -29,7 +29,7 @@ from proxy.reasons import Hit, MissReason, PassthroughReason
 __all__ = ["Continue", "Full", "Http", "HttpContinue", "OnLane", "Plan", "Ready", "Wait"]
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Continue:
     """Continue the head ``response_id`` on ``lane`` (reserved: BUSY until the turn ends)."""
 
@@ -37,41 +37,16 @@ class Continue:
     response_id: str
     new_items: list[Any]
     items_avoided: int
-    dropped_reasoning: int
-    dropped_phase: int
+    dropped_reasoning: int = 0
+    dropped_phase: int = 0
     """Echoed items the match tolerated without their reasoning / ``phase``."""
-    hydrated: bool
+    hydrated: bool = False
     """The head's own lane is gone or taken: the upstream hydrates the stored response."""
-    open_socket: bool
+    open_socket: bool = False
     """The lane's socket is new: the pool opens it (``opened``/``open_failed``)."""
-    close: tuple[int, ...]
-    warm: int | None
+    close: tuple[int, ...] = ()
+    warm: int | None = None
     """A spare socket to open in the background (nobody waits for it)."""
-
-    def __init__(
-        self,
-        lane: LaneKey,
-        response_id: str,
-        new_items: list[Any],
-        items_avoided: int,
-        dropped_reasoning: int = 0,
-        dropped_phase: int = 0,
-        *,
-        hydrated: bool = False,
-        open_socket: bool = False,
-        close: tuple[int, ...] = (),
-        warm: int | None = None,
-    ) -> None:
-        object.__setattr__(self, "lane", lane)
-        object.__setattr__(self, "response_id", response_id)
-        object.__setattr__(self, "new_items", new_items)
-        object.__setattr__(self, "items_avoided", items_avoided)
-        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
-        object.__setattr__(self, "dropped_phase", dropped_phase)
-        object.__setattr__(self, "hydrated", hydrated)
-        object.__setattr__(self, "open_socket", open_socket)
-        object.__setattr__(self, "close", close)
-        object.__setattr__(self, "warm", warm)
 
     @property
     def reason(self) -> Hit:
@@ -88,36 +63,17 @@ class Continue:
         return build_frame(req, previous_response_id=self.response_id, items=self.new_items, stream_id=self.lane[1])
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Full:
     """Send the app's whole input on ``lane`` (reserved), for ``reason`` (``None``: a replay's)."""
 
     reason: Hit | MissReason | None
     lane: LaneKey
-    dropped_reasoning: int
-    dropped_phase: int
-    open_socket: bool
-    close: tuple[int, ...]
-    warm: int | None
-
-    def __init__(
-        self,
-        reason: Hit | MissReason | None,
-        lane: LaneKey,
-        dropped_reasoning: int = 0,
-        dropped_phase: int = 0,
-        *,
-        open_socket: bool = False,
-        close: tuple[int, ...] = (),
-        warm: int | None = None,
-    ) -> None:
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "lane", lane)
-        object.__setattr__(self, "dropped_reasoning", dropped_reasoning)
-        object.__setattr__(self, "dropped_phase", dropped_phase)
-        object.__setattr__(self, "open_socket", open_socket)
-        object.__setattr__(self, "close", close)
-        object.__setattr__(self, "warm", warm)
+    dropped_reasoning: int = 0
+    dropped_phase: int = 0
+    open_socket: bool = False
+    close: tuple[int, ...] = ()
+    warm: int | None = None
 
     @property
     def stream_id(self) -> str | None:
@@ -129,7 +85,7 @@ class Full:
         return build_frame(req, stream_id=self.lane[1])
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Wait:
     """No lane now: wait (until the turn's deadline, or a lane frees), then plan again.
 
@@ -137,48 +93,27 @@ class Wait:
     become an :class:`HttpContinue` when the wait ends); else why a new head has none."""
 
     reason: Hit | MissReason | None
-    close: tuple[int, ...]
-    growing: bool
+    close: tuple[int, ...] = ()
+    growing: bool = False
     """For lanes a moment away (a handshake, a lane probe), not for busy ones."""
 
-    def __init__(
-        self,
-        reason: Hit | MissReason | None,
-        close: tuple[int, ...] = (),
-        *,
-        growing: bool = False,
-    ) -> None:
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "close", close)
-        object.__setattr__(self, "growing", growing)
 
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Http:
     """Send the app's body over plain HTTP, for ``reason``."""
 
     reason: PassthroughReason
-    close: tuple[int, ...]
-
-    def __init__(self, reason: PassthroughReason, close: tuple[int, ...] = ()) -> None:
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "close", close)
+    close: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class HttpContinue:
     """Send ``previous_response_id`` + the new items over plain HTTP (the upstream hydrates)."""
 
     response_id: str
     new_items: list[Any]
     items_avoided: int
-    close: tuple[int, ...]
-
-    def __init__(self, response_id: str, new_items: list[Any], items_avoided: int, close: tuple[int, ...] = ()) -> None:
-        object.__setattr__(self, "response_id", response_id)
-        object.__setattr__(self, "new_items", new_items)
-        object.__setattr__(self, "items_avoided", items_avoided)
-        object.__setattr__(self, "close", close)
+    close: tuple[int, ...] = ()
 
 
 Plan = Continue | Full | Wait | Http | HttpContinue

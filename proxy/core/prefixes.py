@@ -23,7 +23,7 @@ from proxy.core.rawjson import InputSpan
 __all__ = ["Base", "KeptPrefix", "Keeper", "RawPrefix", "SettingsBlock", "prefix_digest"]
 
 
-@dataclass(slots=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class SettingsBlock:
     """The non-input members of a body, processed once and reused while later bodies carry the
     very same bytes around their input (the steady state of an agent loop).
@@ -47,26 +47,12 @@ class SettingsBlock:
     """The frame's members before and after ``input``, serialised once (by
     :func:`~proxy.core.request.build_frame`)."""
 
-    def __init__(
-        self,
-        before: dict[str, Any],
-        after: dict[str, Any],
-        digest: bytes,
-        huge: bool,
-        members: tuple[bytes, bytes] | None = None,
-    ) -> None:
-        self.before = before
-        self.after = after
-        self.digest = digest
-        self.huge = huge
-        self.members = members
-
     def fields(self, items: list[Any]) -> dict[str, Any]:
         """Every field in body order, ``input`` set to ``items``."""
         return {**self.before, "input": items, **self.after}
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class RawPrefix:
     """Where the previous body's input ended, and how to recognise everything before that."""
 
@@ -85,26 +71,6 @@ class RawPrefix:
     """The previous body's settings, processed (shared), while the head is hot (see :func:`fast_parse`)."""
     suffix: int = 0
     """Bytes of the previous body after its input array's ``]``."""
-
-    def __init__(
-        self,
-        length: int,
-        probe: bytes,
-        digest: bytes,
-        state: Any,
-        span: InputSpan,
-        _body: bytes | None = None,
-        settings: SettingsBlock | None = None,
-        suffix: int = 0,
-    ) -> None:
-        self.length = length
-        self.probe = probe
-        self.digest = digest
-        self.state = state
-        self.span = span
-        self._body = _body
-        self.settings = settings
-        self.suffix = suffix
 
     @property
     def body(self) -> bytes | None:
@@ -131,7 +97,7 @@ def prefix_digest(body: bytes, length: int) -> bytes:
     return hashlib.sha256(memoryview(body)[:length]).digest()[:16]
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class KeptPrefix:
     """What the fast parse needs of one recorded body."""
 
@@ -141,12 +107,6 @@ class KeptPrefix:
     n_input: int
     input_state: Any
     """SHA-256 state over the input item keys (extended, not recomputed, next turn)."""
-
-    def __init__(self, identity: str, raw: RawPrefix, n_input: int, input_state: Any) -> None:
-        self.identity = identity
-        self.raw = raw
-        self.n_input = n_input
-        self.input_state = input_state
 
 
 class Keeper(Protocol):
@@ -161,7 +121,7 @@ class Keeper(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Base:
     """What a fast parse knows about the byte-identical prefix it skipped.
 
@@ -178,10 +138,3 @@ class Base:
     input_state: Any
     raw_state: Any
     raw_len: int
-
-    def __init__(self, anchor: Hashable, count: int, input_state: Any, raw_state: Any, raw_len: int) -> None:
-        object.__setattr__(self, "anchor", anchor)
-        object.__setattr__(self, "count", count)
-        object.__setattr__(self, "input_state", input_state)
-        object.__setattr__(self, "raw_state", raw_state)
-        object.__setattr__(self, "raw_len", raw_len)

@@ -26,7 +26,7 @@ _MAX_TRIES = 8
 """Candidate positions checked before giving up (each costs a parse of a small part)."""
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class InputSpan:
     """Where the top-level ``input`` array sits in a body.
 
@@ -39,11 +39,6 @@ class InputSpan:
     key: int
     start: int
     end: int
-
-    def __init__(self, key: int, start: int, end: int) -> None:
-        object.__setattr__(self, "key", key)
-        object.__setattr__(self, "start", start)
-        object.__setattr__(self, "end", end)
 
 
 def parse_object_part(part: bytes) -> dict[str, Any] | None:

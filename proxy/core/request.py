@@ -42,7 +42,7 @@ class Transport(enum.Enum):
     HTTP = "http"
 
 
-@dataclass(slots=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class ParsedRequest:
     """One app request, parsed once.
 
@@ -88,44 +88,6 @@ class ParsedRequest:
     _count: int | None = field(default=None, repr=False)
     """Input items of a full parse whose items were released."""
     _tail_cache: list[bytes] | None = field(default=None, repr=False)
-
-    def __init__(
-        self,
-        body: bytes,
-        fields: dict[str, Any],
-        stream: bool,
-        store: bool,
-        previous_response_id: str | None,
-        settings_digest: bytes,
-        span: InputSpan | None = None,
-        base: Base | None = None,
-        tail: list[Any] | None = None,
-        settings: SettingsBlock | None = None,
-        prefix_parses: int = 0,
-        _items: list[Any] | None = None,
-        _keys: list[bytes] | None = None,
-        _partial: list[bytes] | None = None,
-        _prefix: dict[int, bytes] | None = None,
-        _count: int | None = None,
-        _tail_cache: list[bytes] | None = None,
-    ) -> None:
-        self.body = body
-        self.fields = fields
-        self.stream = stream
-        self.store = store
-        self.previous_response_id = previous_response_id
-        self.settings_digest = settings_digest
-        self.span = span
-        self.base = base
-        self.tail = tail
-        self.settings = settings
-        self.prefix_parses = prefix_parses
-        self._items = _items
-        self._keys = _keys
-        self._partial = [] if _partial is None else _partial
-        self._prefix = {} if _prefix is None else _prefix
-        self._count = _count
-        self._tail_cache = _tail_cache
 
     def all_items(self) -> list[Any]:
         """The whole input as a list of items (a string input is one user message).

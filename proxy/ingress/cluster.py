@@ -80,7 +80,7 @@ from proxy.ingress.peers import (
 from proxy.ingress.private import check_peer
 from proxy.intake.identity import Identity
 from proxy.observe.metrics import CLUSTER_PEERS, FORWARDS, FORWARDS_RECEIVED, HANDOFFS, OWNER_MISSES
-from proxy.reasons import ForwardOutcome, ForwardReason, Mode
+from proxy.reasons import ForwardOutcome, ForwardReason
 from proxy.serve.record import Record
 from proxy.upstream.forwarding import HOP_BY_HOP
 
@@ -395,7 +395,7 @@ class Cluster:
                 handed = await self._handoff.offer(int(name.removeprefix("worker-")), request, body)
                 HANDOFFS.labels(handed).inc()
                 if handed is HandoffOutcome.ADOPTED:
-                    rec.mode, rec.reason = Mode.FORWARDED, ForwardReason.HANDOFF
+                    rec.sent_to(ForwardReason.HANDOFF)
                     return HANDED_OFF()
                 if handed in (HandoffOutcome.OWNER_DOWN, HandoffOutcome.TIMEOUT):
                     # What a forward to this owner would have found: skip it, as a forward does.
@@ -475,7 +475,7 @@ class Cluster:
                 await self._mark_down(peer, f"connection lost before the answer: {exc}")
                 return None, ForwardOutcome.FAILED_BEFORE_ANSWER
             finally:
-                rec.upstream_s += time.perf_counter() - started
+                rec.upstream_time(time.perf_counter() - started)
             upshift = OWNER_HEADER in answer.headers
             if REFUSED_HEADER in answer.headers or (answer.status >= 500 and not upshift):
                 answer.response.close()
@@ -485,11 +485,11 @@ class Cluster:
                 elif not why:
                     await self._mark_down(peer, f"answered {answer.status} without an upshift owner")
                 return None, ForwardOutcome.REFUSED
-            rec.mode, rec.reason = Mode.FORWARDED, ForwardReason(peer.level.value)
+            rec.sent_to(ForwardReason(peer.level.value))
             started = time.perf_counter()
             try:
                 return await relay(peer, request, answer, self._idle)
             finally:
-                rec.upstream_s += time.perf_counter() - started
+                rec.upstream_time(time.perf_counter() - started)
         finally:
             peer.slots.release()

@@ -103,7 +103,7 @@ async def canonical_paths(request: web.Request, handler: Any) -> web.StreamRespo
     try:
         exc = InvalidRequest(f"Invalid URL ({request.method} {path}): the path has {fault}.")
         response = refuse(exc, {"x-request-id": rec.request_id}, rec, time.perf_counter())
-        rec.status = response.status
+        rec.responded(response.status)
         return response
     finally:
         rec.finish()

@@ -26,7 +26,7 @@ from proxy.intake.body import BodyClock, body_length, read_body
 from proxy.intake.identity import Identity
 from proxy.intake.memory import Lease, MemoryRefused
 from proxy.observe.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
-from proxy.reasons import BodyAbort, RequestOutcome
+from proxy.reasons import BodyAbort
 from proxy.serve.handlers import Arrival, Services, refuse
 from proxy.serve.record import Record
 from proxy.serve.streaming import ClientGone, new_request_id
@@ -71,18 +71,14 @@ class Reception:
         try:
             return await self._answer(route, serve)
         except asyncio.CancelledError:
-            self.rec.outcome = RequestOutcome.CANCELLED
+            self.rec.cancelled()
             raise
         except Exception:
-            self.rec.outcome, self.rec.status = RequestOutcome.PROXY_ERROR, 500
+            self.rec.failed(500)
             raise
         finally:
             INFLIGHT.dec()
-            if not self.rec.added_s or self.rec.upstream_s:
-                # Up to the answer's end (a stream's last byte is written by now), minus only
-                # the upstream's own time: the sidecar's queueing after the answer began counts.
-                self.rec.added_s = max(time.perf_counter() - self.started - self.rec.upstream_s, 0.0)
-            self.rec.finish()
+            self.rec.ended(time.perf_counter() - self.started)  # a stream's last byte is written by now
 
     async def _answer(self, route: Route, serve: Serve) -> web.StreamResponse:
         try:
@@ -98,7 +94,7 @@ class Reception:
             return await self._timed_out(exc)
         except MemoryRefused as exc:
             response = self._refuse(exc, exc.headers(self.rec.request_id))
-            self.rec.outcome = RequestOutcome.PROXY_ERROR
+            self.rec.failed()
             return self._answered(response)
 
     def _lease(self, length: int | None, identity: Identity) -> contextlib.AbstractAsyncContextManager[Lease | None]:
@@ -122,14 +118,14 @@ class Reception:
         """Under the lease: read the body, then the owner's answer, else this process's."""
         try:
             body = await read_body(self.request, self.svc.settings.limits.max_body_bytes, mem, self.clock)
-            self.rec.bytes_in = len(body)
+            self.rec.received(len(body))
             REQUEST_BYTES.inc(len(body))
             arrival = Arrival(self.request, body, identity, self.rec, self.started, mem)
             routed = await route(arrival)
         except ClientGone:
             BODIES_ABORTED.labels(BodyAbort.CLIENT_GONE).inc()
             log.info("the app closed its connection before its request body was complete")
-            self.rec.outcome, self.rec.status = RequestOutcome.CANCELLED, 499
+            self.rec.cancelled(499)
             return web.Response(status=400)  # nobody reads it: aiohttp drops it quietly
         except BodyTimeout as exc:
             return await self._timed_out(exc)
@@ -141,14 +137,14 @@ class Reception:
         if headers is None:
             headers = {"x-request-id": self.rec.request_id}
         response = refuse(exc, headers, self.rec, self.started)
-        self.rec.status = response.status
+        self.rec.responded(response.status)
         return response
 
     def _answered(self, response: web.StreamResponse) -> web.StreamResponse:
         """The answer's status on the record; a refusal with the body unread: aiohttp then reads
         and drops the rest for a while (so the app sees the answer, not a reset), then closes;
         if the body's deadline comes first, it stops there."""
-        self.rec.status = response.status
+        self.rec.responded(response.status)
         request, loop = self.request, asyncio.get_running_loop()
         if response.status < 400 or request.content.is_eof() or self.clock.deadline >= loop.time() + _LINGER:
             return response  # read to its end, or the lingering ends first

@@ -97,7 +97,7 @@ class Services:
 SERVICES = web.AppKey("upshift_services", Services)
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Arrival:
     """What the ingress layer hands the local handler: the request's body, read within the
     limit under its memory lease, who sent it, and its access record."""
@@ -109,22 +109,6 @@ class Arrival:
     started: float
     mem: Lease | None = None
 
-    def __init__(
-        self,
-        request: web.Request,
-        body: bytes,
-        identity: Identity,
-        rec: Record,
-        started: float,
-        mem: Lease | None = None,
-    ) -> None:
-        self.request = request
-        self.body = body
-        self.identity = identity
-        self.rec = rec
-        self.started = started
-        self.mem = mem
-
 
 def refuse(exc: ProxyError, headers: dict[str, str], rec: Record, started: float) -> web.Response:
     """A request refused by the sidecar itself (nothing forwarded)."""
@@ -134,7 +118,7 @@ def refuse(exc: ProxyError, headers: dict[str, str], rec: Record, started: float
     return web.Response(body=json_body(exc.body()), status=exc.status, content_type="application/json", headers=headers)
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Exchange:
     """One ``POST /v1/responses`` served here, from its parse to its answer: what every stage
     reads, and the one access record they fill (one stage, one write)."""
@@ -149,10 +133,6 @@ class Exchange:
     """0 for the first try; a replay counts up."""
     prefix: asyncio.Future[Any] | None = None
     """The history prefix's hash, computed in a thread for a large body (the next fast parse)."""
-
-    def __init__(self, svc: Services, req: ParsedRequest, down: Downstream, identity: Identity, rec: Record) -> None:
-        self.svc, self.req, self.down, self.identity, self.rec = svc, req, down, identity, rec
-        self.attempt, self.prefix = 0, None  # a first try; no prefix hash yet
 
 
 async def serve(svc: Services, arrival: Arrival) -> web.StreamResponse:
@@ -182,7 +162,7 @@ async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
     await svc.owners.check(arrival.identity.digest, parsed_ids(req))
     await warm_keys(req)
-    arrival.rec.items_in = req.n_items
+    arrival.rec.parsed(req.n_items)
     return req
 
 

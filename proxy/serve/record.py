@@ -42,6 +42,7 @@ from proxy.observe.metrics import (
 )
 from proxy.observe.misses import RECENT
 from proxy.reasons import (
+    ForwardReason,
     Hit,
     Mode,
     PassthroughReason,
@@ -72,7 +73,7 @@ _MISSED_OVER_HTTP = frozenset({PassthroughReason.POOL_FULL, PassthroughReason.WA
 """Passthrough reasons that are also continuation misses (a conversation's turn found no lane)."""
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Record:
     """One access-log line, filled in along the way (never content, never credentials)."""
 
@@ -108,52 +109,16 @@ class Record:
     wait: WaitOutcome | None = None
     """How its wait for a lane ended, or why it did not wait (``None``: no lane was busy)."""
 
-    # -- one write per stage of the request path (proxy/serve/handlers.py) --------------------
+    # -- one write per stage of the request path (proxy/serve/handlers.py); no module but this
+    # one assigns a field (tests/test_record_stages.py) ----------------------------------------
 
-    def __init__(
-        self,
-        request_id: str,
-        route: Route = Route.RESPONSES,
-        mode: Mode = Mode.FULL,
-        reason: Reason | None = None,
-        transport: Transport | None = None,
-        items_in: int = 0,
-        items_sent: int = 0,
-        items_avoided: int = 0,
-        bytes_in: int = 0,
-        bytes_sent: int = 0,
-        status: int = 0,
-        outcome: RequestOutcome | None = None,
-        replays: int = 0,
-        upstream_s: float = 0.0,
-        added_s: float = 0.0,
-        explanation: Explanation | None = None,
-        explained: Reason | None = None,
-        explainer: Callable[[], Explanation | None] | None = None,
-        wait_s: float = 0.0,
-        wait: WaitOutcome | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.route = route
-        self.mode = mode
-        self.reason = reason
-        self.transport = transport
-        self.items_in = items_in
-        self.items_sent = items_sent
-        self.items_avoided = items_avoided
+    def received(self, bytes_in: int) -> None:
+        """The intake stage: the request body's size (read, or declared when it streams on)."""
         self.bytes_in = bytes_in
-        self.bytes_sent = bytes_sent
-        self.status = status
-        self.outcome = outcome
-        self.replays = replays
-        self.upstream_s = upstream_s
-        self.added_s = added_s
-        self.explanation = explanation
-        self.explained = explained
-        self.explainer = explainer
-        self.tier_requested = self.tier_served = None
-        self.wait_s = wait_s
-        self.wait = wait
+
+    def parsed(self, items_in: int) -> None:
+        """The parse stage: the input items the app sent."""
+        self.items_in = items_in
 
     def planned(self, mode: Mode, reason: Reason | None, items_sent: int, items_avoided: int) -> None:
         """The plan stage: how the attempt goes upstream."""
@@ -217,6 +182,42 @@ class Record:
             self.outcome = outcome
         self.added_s = added_s
 
+    def responded(self, status: int) -> None:
+        """The answer's HTTP status, as written to the app (``101``: a WebSocket upgrade)."""
+        self.status = status
+
+    def cancelled(self, status: int | None = None) -> None:
+        """The app went away before its answer (``status``: what the line says it got, 499)."""
+        self.outcome = RequestOutcome.CANCELLED
+        if status is not None:
+            self.status = status
+
+    def failed(self, status: int | None = None) -> None:
+        """The sidecar could not serve the request (``status``: the one it answered with)."""
+        self.outcome = RequestOutcome.PROXY_ERROR
+        if status is not None:
+            self.status = status
+
+    def connected(self, added_s: float) -> None:
+        """A WebSocket relay's upstream socket is open: the sidecar's time up to it."""
+        self.added_s = added_s
+
+    def sent_to(self, reason: ForwardReason) -> None:
+        """The request went to the process that owns it (``mode="forwarded"``), as ``reason`` says."""
+        self.mode, self.reason = Mode.FORWARDED, reason
+
+    def upstream_time(self, seconds: float) -> None:
+        """``seconds`` more spent waiting on what answers (another process, when forwarded)."""
+        self.upstream_s += seconds
+
+    def ended(self, elapsed_s: float) -> None:
+        """The end of a request served here, ``elapsed_s`` after it arrived: unless the answer
+        stage already said it, the sidecar's time is all of it but the upstream's own (a
+        stream's queueing after the answer began counts); then :meth:`finish`."""
+        if not self.added_s or self.upstream_s:
+            self.added_s = max(elapsed_s - self.upstream_s, 0.0)
+        self.finish()
+
     def replayed(self, cause: ReplayCause) -> None:
         """The attempt is replayed with the full input, for ``cause`` (``upshift_replays_total``)."""
         REPLAYS.labels(cause).inc()
@@ -230,6 +231,11 @@ class Record:
     def forwarded(self, fwd: Forwarded) -> None:
         """The HTTP passthrough answered: every item went, over HTTP."""
         self.items_sent, self.bytes_sent = self.items_in, fwd.bytes_sent
+        self.upstream_s, self.added_s = fwd.upstream_seconds, fwd.added_seconds
+
+    def passed_through(self, fwd: Forwarded) -> None:
+        """A route the sidecar only relays over HTTP answered (its status, bytes and times)."""
+        self.status, self.bytes_sent = fwd.status, fwd.bytes_sent
         self.upstream_s, self.added_s = fwd.upstream_seconds, fwd.added_seconds
 
     def continued_http(self, fwd: Forwarded) -> None:

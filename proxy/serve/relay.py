@@ -48,7 +48,7 @@ from proxy.intake.identity import Identity
 from proxy.intake.memory import MemoryRefused
 from proxy.intake.meter import MessageMeter
 from proxy.observe.metrics import ERRORS, INFLIGHT
-from proxy.reasons import Mode, RequestOutcome, Route
+from proxy.reasons import Mode, Route
 from proxy.serve.creator_check import OwnerBook
 from proxy.serve.handlers import SERVICES, Services, refuse
 from proxy.serve.record import Record
@@ -139,13 +139,14 @@ async def _upgraded(
     try:
         upstream = await open_websocket(identity.ws_url, identity.headers, svc.settings)
     except UpstreamRefused as exc:
-        rec.status = exc.http_status if 400 <= exc.http_status <= 599 else 426
+        status = exc.http_status if 400 <= exc.http_status <= 599 else 426
+        rec.responded(status)
         kind = exc.headers.get("content-type", "application/json")
-        return web.Response(status=rec.status, body=exc.payload, headers={**headers, "Content-Type": kind})
+        return web.Response(status=status, body=exc.payload, headers={**headers, "Content-Type": kind})
     except UpstreamUnavailable as exc:
-        rec.status = 426
+        rec.responded(426)
         return web.Response(status=426, body=json_body(exc.body()), content_type="application/json", headers=headers)
-    rec.added_s = time.perf_counter() - started
+    rec.connected(time.perf_counter() - started)
     # no app message larger than what the upstream itself accepts in a frame, nor
     # than a request body may be (what the memory budget is sized for); aiohttp refuses a
     # larger one from its frame header (close 1009), before reading its payload.
@@ -158,7 +159,7 @@ async def _upgraded(
     except BaseException:
         await upstream.close(1001)
         raise
-    rec.status = 101
+    rec.responded(101)
     svc.relays.add(ws)
     loop = asyncio.get_running_loop()
     r = _Relay(ws, upstream, svc.owners, identity.digest, meter, svc.settings.pool.idle_close_seconds, loop)
@@ -192,7 +193,7 @@ async def _refuse_session(request: web.Request, headers: dict[str, str], rec: Re
     ws = web.WebSocketResponse()
     ws.headers.update(headers)
     await ws.prepare(request)
-    rec.status, rec.outcome = 101, RequestOutcome.PROXY_ERROR
+    rec.failed(101)
     await ws.close(code=RELAY_REFUSED_CODE, message=f"upshift: {why}; retry later".encode()[:_MAX_REASON])
     return ws
 

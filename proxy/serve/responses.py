@@ -58,13 +58,12 @@ async def _named(request: web.Request) -> web.StreamResponse:
                 raise ForeignResponseRoute(rid)
         except RequestError as exc:
             response = refuse(exc, headers, rec, started)
-            rec.status = response.status
+            rec.responded(response.status)
             return response
         headers["x-upshift-mode"] = "passthrough"
-        rec.bytes_in = len(body) if body is not None else request.content_length or 0
+        rec.received(len(body) if body is not None else request.content_length or 0)
         fwd = await svc.passthrough.forward(request, headers=headers, body=body, started=started)
-        rec.status, rec.bytes_sent = fwd.status, fwd.bytes_sent
-        rec.upstream_s, rec.added_s = fwd.upstream_seconds, fwd.added_seconds
+        rec.passed_through(fwd)
         return fwd.response
     finally:
         rec.finish()
