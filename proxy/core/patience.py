@@ -82,7 +82,7 @@ class Patience:
         saving = self.estimates.head_saving(identity, size, store) if identity else None
         if saving is not None:
             expected = self.estimates.grow(identity)
-            if expected is not None and expected >= saving:
+            if saving <= 0.0 or (expected is not None and expected >= saving):
                 waiting.outcome = WaitOutcome.WAIT_NOT_WORTH_IT
                 return False
             bound = saving if expected is None else min(saving, expected * LINGER)

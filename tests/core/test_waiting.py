@@ -261,3 +261,14 @@ def test_while_sockets_grow_a_new_head_gives_up_at_its_measured_bound() -> None:
     late = p.plan("id", body, 2.2, waiting=waiting)
     assert (type(late), late.reason, waiting.outcome) == (Http, PassthroughReason.POOL_FULL, WaitOutcome.WAIT_EXPIRED)
     assert abs((p.estimates.grow("id") or 0) - 0.2) < 1e-9  # such a wait takes at least this long
+
+
+def test_while_sockets_grow_a_new_head_whose_lane_saves_nothing_goes_now() -> None:
+    p = planner(spread_sockets=1, max_sockets_per_identity=1, wait_seconds=1.0, connect_seconds=10.0)
+    _growing(p)
+    body = req([user("b")], store=False)
+    _measured(p, full=0.2, cont=0.25, size=len(body.body))  # no rebuild cost measured
+    waiting = Waiting(2.0)
+    plan = p.plan("id", body, 2.0, waiting=waiting)
+    assert (type(plan), plan.reason, waiting.deadline) == (Http, PassthroughReason.WAIT_NOT_WORTH_IT, None)
+    assert p.estimates.grow("id") is None  # no wait, no sample
