@@ -239,8 +239,9 @@ class Planner:
         self, identity: str, req: ParsedRequest, now: float, plan: Full | Wait | Http, waiting: Waiting | None
     ) -> Plan:
         """A request that needs a new head (new conversation, app-chained, replay) and found
-        no lane now: it waits for lanes a moment away (bounded), for busy ones only while what
-        a lane saves (the full send over a socket against plain HTTP) exceeds the expected
+        no lane now: it waits for lanes a moment away while that pays (its next turn continued
+        in memory; bounded until measured: :meth:`Patience.grow`), for busy ones only while
+        what a lane saves (the full send over a socket against plain HTTP) exceeds the expected
         wait; else plain HTTP now."""
         if not isinstance(plan, Wait) or waiting is None:
             return plan
