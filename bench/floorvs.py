@@ -14,7 +14,8 @@ tool time between turns.
 Reported per run: per-turn p50/p99 at the app (its own clock) and the whole run's time, errors,
 the relay's CPU seconds, and for upshift the share of later turns continued and its added time
 read from the app's clock (the app's time minus the upstream's own time from the access line),
-the time its turns waited for a lane or a handshake (the access line's ``wait_ms``) and the
+the time its turns waited for a lane or a handshake (the access line's ``wait_ms``: how many
+turns waited 1 ms or more, their mean wait, p50/p99 over all turns), the access lines' reasons, and the
 added time of the conversations' first turns (new connections, new heads) apart.
 The emulator's time for a continued turn is the same for both relays (the context is cached on
 its connection either way), so the difference of the app's per-turn times is the difference of
@@ -118,7 +119,15 @@ async def run(relay: str, emu: EmulatorProc, logs: Path, n: int, turns: int, see
         reported = [lines[rid]["added_ms"] for rid, _ in kept]
         waited = [float(lines[rid].get("wait_ms") or 0.0) for rid, _ in kept]
         first = [ms - lines[rid]["upstream_ms"] for rid, ms in kept if lines[rid]["reason"] == "no_head"]
+        waits = [w for w in waited if w >= 1.0]  # a turn's plan always takes some microseconds
+        reasons: dict[str, int] = {}
+        for rid, _ in kept:
+            reason = str(lines[rid].get("reason"))
+            reasons[reason] = reasons.get(reason, 0) + 1
         result.update(
+            waited_turns=len(waits),
+            wait_ms_mean_of_waits=round(statistics.fmean(waits), 1) if waits else 0.0,
+            reasons=reasons,
             wait_ms_p50=round(statistics.median(waited), 1) if waited else None,
             wait_ms_p99=round(q(waited, 0.99), 1) if waited else None,
             first_turn_added_ms_p99=round(q(first, 0.99), 1) if first else None,

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config import ListenerSettings
-from proxy.ingress.listener import Guard, HardenedTCPSite
+from proxy.ingress.listener import Guard, HardenedTCPSite, HardenedUnixSite
 from proxy.kernel import KERNEL_TICK_MS, AcceptDrain, received_ago, tcp_socket
 from tests.loops import LOOP_KINDS, loop_runner
 
@@ -133,6 +133,53 @@ def test_the_api_listener_takes_a_burst_of_connections_at_once_and_closes_its_dr
             await runner.cleanup()
         with pytest.raises(ConnectionRefusedError):  # no descriptor of the listener left open
             socket.create_connection(("127.0.0.1", site.port), timeout=1).close()
+
+    with loop_runner(loop_kind) as runner:
+        runner.run(scenario())
+
+
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
+def test_the_private_unix_listener_takes_a_burst_at_once_and_its_connections_stay_private(
+    loop_kind: str, tmp_path: object
+) -> None:
+    path = f"{tmp_path}/w.sock"
+    seen: list[bool] = []
+
+    async def hello(request: web.Request) -> web.Response:
+        transport = request.transport
+        seen.append(transport is not None and isinstance(transport.get_extra_info("sockname"), str | bytes))
+        return web.Response(text="ok")
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/", hello)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        guard = Guard(ListenerSettings())
+        await HardenedUnixSite(runner, path, guard).start()
+        clients = []
+        for _ in range(60):  # the loop is busy: they wait in the accept queue
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.connect(path)
+            clients.append(client)
+        try:
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert guard.open == 60  # the loop's server alone: about one a turn
+            clients[-1].sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            clients[-1].setblocking(False)
+            loop = asyncio.get_running_loop()
+            answer = await asyncio.wait_for(loop.sock_recv(clients[-1], 4096), 5)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert seen == [True]  # accepted by the drain or the server alike: a unix connection
+        finally:
+            for client in clients:
+                client.close()
+            await runner.cleanup()
+        with pytest.raises((ConnectionRefusedError, FileNotFoundError)):  # no descriptor left listening
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            with probe:
+                probe.connect(path)
 
     with loop_runner(loop_kind) as runner:
         runner.run(scenario())

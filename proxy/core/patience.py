@@ -11,7 +11,10 @@ queue). Three rules set a deadline:
 - :meth:`Patience.brief` (``BRIEF``): a stored turn whose lanes are a moment away waits
   ``pool.http_continuation_after_seconds``, then goes over HTTP, which it can at once;
 - :meth:`Patience.grow` (``GROW``): a new head waits for lanes a moment away (a handshake, a
-  probe), ``pool.wait_seconds`` from when the growing stops, at most ``connect_seconds`` more.
+  probe), ``pool.wait_seconds`` from when the growing stops, at most ``connect_seconds`` more;
+  once what a lane saves a new head is measured (its next turn continued in memory), only
+  while the new heads' recent waits for such lanes are shorter than that saving, and never
+  beyond it nor past :data:`~proxy.core.waiting.LINGER` times those waits.
 
 Each returns whether the turn (still) waits; when it stops waiting it says why
 (:attr:`Waiting.outcome`). Nothing here reads a clock.
@@ -23,7 +26,7 @@ from collections import Counter
 
 from proxy.core.lanes import LaneLimits
 from proxy.core.sockets import SocketBook
-from proxy.core.waiting import Estimates, Send, Waiting, WaitRule, wait_seconds
+from proxy.core.waiting import LINGER, Estimates, Send, Waiting, WaitRule, wait_seconds
 from proxy.reasons import WaitOutcome
 
 __all__ = ["Patience"]
@@ -67,14 +70,39 @@ class Patience:
             waiting.deadline = waiting.started + self.limits.http_continuation_after_seconds
         return self._until(waiting, now)
 
-    def grow(self, waiting: Waiting, now: float) -> bool:
-        """A wait for lanes a moment away: ``pool.wait_seconds`` counts from when the growing
-        stops, at most ``timeouts.connect_seconds`` later."""
+    def grow(self, waiting: Waiting, now: float, identity: str = "", size: int = 0, store: bool = True) -> bool:
+        """A new head's wait for lanes a moment away: ``pool.wait_seconds`` counts from when the
+        growing stops, at most ``timeouts.connect_seconds`` later. Once what a lane saves a new
+        head of ``identity`` (a ``size``-byte request, ``store``) is measured, it waits only if
+        the recent waits for such lanes were shorter than that, and never longer than the
+        saving nor :data:`LINGER` times those waits (all counted from when it asked)."""
         lim = self.limits
         cap = waiting.started + lim.wait_seconds + lim.connect_seconds
-        waiting.rule, waiting.deadline = WaitRule.GROW, min(now + lim.wait_seconds, cap)
-        waiting.growing = True
-        return self._until(waiting, now)
+        deadline = min(now + lim.wait_seconds, cap)
+        saving = self.estimates.head_saving(identity, size, store) if identity else None
+        if saving is not None:
+            expected = self.estimates.grow(identity)
+            if saving <= 0.0 or (expected is not None and expected >= saving):
+                waiting.outcome = WaitOutcome.WAIT_NOT_WORTH_IT
+                return False
+            bound = saving if expected is None else min(saving, expected * LINGER)
+            deadline = min(deadline, waiting.started + bound)
+        waiting.rule, waiting.deadline = WaitRule.GROW, deadline
+        waiting.growing, waiting.identity = True, identity
+        if self._until(waiting, now):
+            return True
+        if identity:  # it gave up: such a wait takes at least this long
+            self.estimates.observe_grow(identity, now - waiting.started)
+        return False
+
+    def ended(self, waiting: Waiting, now: float, lane: bool) -> None:
+        """The turn has a plan that is not a wait (``lane``: a lane of its own); a new head's
+        wait for lanes a moment away that got one is a sample of how long those take."""
+        if waiting.deadline is None or not lane:
+            return
+        waiting.outcome = WaitOutcome.LANE
+        if waiting.rule is WaitRule.GROW and waiting.identity:
+            self.estimates.observe_grow(waiting.identity, now - waiting.started)
 
     @staticmethod
     def _until(waiting: Waiting, now: float) -> bool:

@@ -135,8 +135,7 @@ class Planner:
         if waiting is not None:
             if not isinstance(plan, Wait):
                 self.patience.unqueue(waiting)
-                if waiting.deadline is not None and isinstance(plan, (Continue, Full)):
-                    waiting.outcome = WaitOutcome.LANE
+                self.patience.ended(waiting, now, isinstance(plan, (Continue, Full)))
             elif waiting.rule is WaitRule.BUSY:
                 self.patience.queue(identity, waiting)
         if isinstance(plan, HttpContinue) and not self.limits.http_continuations:
@@ -240,8 +239,9 @@ class Planner:
         self, identity: str, req: ParsedRequest, now: float, plan: Full | Wait | Http, waiting: Waiting | None
     ) -> Plan:
         """A request that needs a new head (new conversation, app-chained, replay) and found
-        no lane now: it waits for lanes a moment away (bounded), for busy ones only while what
-        a lane saves (the full send over a socket against plain HTTP) exceeds the expected
+        no lane now: it waits for lanes a moment away while that pays (its next turn continued
+        in memory; bounded until measured: :meth:`Patience.grow`), for busy ones only while
+        what a lane saves (the full send over a socket against plain HTTP) exceeds the expected
         wait; else plain HTTP now."""
         if not isinstance(plan, Wait) or waiting is None:
             return plan
@@ -249,9 +249,10 @@ class Planner:
             # Lanes a moment away (a handshake, a probe): the new head waits for them, as its
             # next turns continue from the lane's memory (a head adopted from plain HTTP would
             # make its next turn a hydration, the upstream re-reading its store).
-            if self.patience.grow(waiting, now):
+            if self.patience.grow(waiting, now, identity, len(req.body), req.store):
                 return plan
-            return Http(PassthroughReason.POOL_FULL, plan.close)
+            expired = waiting.outcome is WaitOutcome.WAIT_EXPIRED
+            return Http(PassthroughReason.POOL_FULL if expired else PassthroughReason.WAIT_NOT_WORTH_IT, plan.close)
         # What the send itself gains on a lane; not what its later turns might, which a head
         # kept by a scarce lane seldom gets (the next new conversation evicts it).
         saving = self.estimates.saving(identity, Send.HTTP_FULL, len(req.body), on_lane=Send.FULL)

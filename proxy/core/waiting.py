@@ -16,7 +16,13 @@ sidecar). Both sides are measured, per identity, never assumed:
   JSON answer's are not alike), and a rebuilt context costs before the first token either way.
 
 Until an identity has samples of both sides, the saving is taken as nothing and the busy time
-as long (:data:`DEFAULT_BUSY_SECONDS`): a turn does not wait on a guess. Nothing here reads a
+as long (:data:`DEFAULT_BUSY_SECONDS`): a turn does not wait on a guess. A new head waiting for
+lanes a moment away (a handshake, a lane probe) is the exception: what it saves is its next
+turns continued in memory (:meth:`Estimates.head_saving`), not measurable before a conversation
+has continued, and until it is the head waits a bounded while (``pool.wait_seconds``), as a
+conversation sent over HTTP instead would make its next turn a hydration. Once measured, it
+waits only while the new heads' recent waits (:meth:`Estimates.grow`) are shorter than that
+saving. Nothing here reads a
 clock; the planner (:mod:`proxy.core.planner`) applies :func:`wait_seconds` and the pool only
 executes the resulting plan.
 """
@@ -79,10 +85,11 @@ class _Mean:
 
 
 class _Identity:
-    __slots__ = ("busy", "first", "first_any")
+    __slots__ = ("busy", "first", "first_any", "grow")
 
     def __init__(self) -> None:
         self.busy: _Mean | None = None
+        self.grow: _Mean | None = None
         self.first: dict[tuple[Send, int], _Mean] = {}
         self.first_any: dict[Send, _Mean] = {}
 
@@ -126,6 +133,38 @@ class Estimates:
             mine.first_any[send] = _Mean(seconds)
         else:
             overall.add(seconds)
+
+    def observe_grow(self, identity: str, seconds: float) -> None:
+        """A new head of ``identity`` waited ``seconds`` for lanes a moment away (a handshake, a
+        probe, the slow start) until it got one, or until it gave up (then: at least that)."""
+        mine = self._get(identity)
+        if mine.grow is None:
+            mine.grow = _Mean(seconds)
+        else:
+            mine.grow.add(seconds)
+
+    def grow(self, identity: str) -> float | None:
+        """Expected seconds a new head of ``identity`` waits for lanes a moment away, or ``None``."""
+        mine = self._ids.get(identity)
+        return mine.grow.value if mine is not None and mine.grow is not None else None
+
+    def head_saving(self, identity: str, size: int, store: bool) -> float | None:
+        """Seconds a lane saves a new head of a ``size``-byte request against sending it now
+        over plain HTTP, or ``None`` until that is measured.
+
+        What a head on a lane gains is its next turn: continued from the lane's memory
+        (:attr:`Send.CONTINUE`) rather than rebuilt upstream, which a stored answer adopted
+        from HTTP costs as a hydration (:attr:`Send.HTTP_CONTINUE`, else a full send's time:
+        the whole context is re-read either way) and a ``store: false`` one as a full send
+        (:attr:`Send.FULL`). Plus what the send itself gains on a socket against HTTP
+        (:meth:`saving`, 0 until measured). The next turn is taken as of the same size."""
+        here = self.upstream_time(identity, Send.CONTINUE, size)
+        there = self.upstream_time(identity, Send.HTTP_CONTINUE, size) if store else None
+        if there is None:
+            there = self.upstream_time(identity, Send.FULL, size)
+        if here is None or there is None:
+            return None
+        return max(there - here, 0.0) + self.saving(identity, Send.HTTP_FULL, size, on_lane=Send.FULL)
 
     def busy(self, identity: str) -> float:
         """Expected seconds a lane of ``identity`` stays busy with one response."""
@@ -174,7 +213,7 @@ class WaitRule(enum.Enum):
     BRIEF = "brief"
     """A stored turn's short wait for lanes a moment away."""
     GROW = "grow"
-    """For lanes a moment away, extended while they grow."""
+    """For lanes a moment away, extended while they grow, while that pays once measured."""
 
 
 @dataclass(slots=True)
@@ -194,7 +233,7 @@ class Waiting:
     queued: bool = False
     """It is counted among its identity's turns waiting for a busy lane."""
     identity: str = ""
-    """Whose queue it is in."""
+    """Whose queue it is in, or whose lanes a moment away it waits for."""
     seconds: float = 0.0
     """Seconds the turn spent before its plan was carried out (a wait, a handshake): set by the pool."""
 

@@ -344,6 +344,7 @@ class HardenedUnixSite(web.BaseSite):
         super().__init__(runner, backlog=1024)
         self.path = path
         self.guard = guard
+        self._drain: AcceptDrain | None = None
 
     @property
     def name(self) -> str:
@@ -358,3 +359,11 @@ class HardenedUnixSite(web.BaseSite):
                 os.unlink(self.path)  # left by this worker's previous life (the directory is ours alone)
         server = await loop.create_unix_server(factory, self.path, backlog=contracts.site_backlog(self))
         contracts.site_listening(self, server)
+        if server.sockets:
+            # Other workers' forwards and handoffs arrive in bursts too: the whole queue each turn.
+            self._drain = AcceptDrain(server.sockets[0], factory)
+
+    async def stop(self) -> None:
+        if self._drain is not None:
+            self._drain.close()
+        await super().stop()

@@ -13,7 +13,7 @@ from proxy.core.planner import Planner
 from proxy.core.plans import Continue, Full, Http, HttpContinue, Wait
 from proxy.core.waiting import DEFAULT_BUSY_SECONDS, Estimates, Send, Waiting, wait_seconds
 from proxy.reasons import MissReason, PassthroughReason, WaitOutcome
-from tests.core.test_planner import call, complete, opened, planner, req, result, user
+from tests.core.test_planner import call, complete, opened, planner, prove, req, result, user
 
 
 def test_the_rule_waits_only_while_the_expected_wait_is_shorter_than_the_saving() -> None:
@@ -190,3 +190,85 @@ def test_while_sockets_grow_a_new_conversation_waits_then_pool_full() -> None:
         PassthroughReason.POOL_FULL,
         WaitOutcome.WAIT_EXPIRED,
     )
+
+
+def test_a_new_heads_saving_is_its_next_turn_continued_in_memory() -> None:
+    est = Estimates()
+    est.observe_upstream("id", Send.FULL, 1000, 0.9)
+    assert est.head_saving("id", 1000, store=True) is None  # no continuation measured yet
+    est.observe_upstream("id", Send.CONTINUE, 1000, 0.3)
+    # A stored answer over HTTP makes the next turn a hydration: until one is measured, a
+    # rebuild costs what a full send does; a store: false one's next turn is a full send.
+    assert abs((est.head_saving("id", 1000, store=True) or 0) - 0.6) < 1e-9
+    est.observe_upstream("id", Send.HTTP_CONTINUE, 1000, 0.5)
+    assert abs((est.head_saving("id", 1000, store=True) or 0) - 0.2) < 1e-9
+    assert abs((est.head_saving("id", 1000, store=False) or 0) - 0.6) < 1e-9
+    # What the send itself gains on a socket against HTTP counts too, once measured.
+    est.observe_upstream("id", Send.HTTP_FULL, 1000, 1.0)
+    assert abs((est.head_saving("id", 1000, store=False) or 0) - 0.7) < 1e-9
+    assert est.grow("id") is None
+    est.observe_grow("id", 0.5)
+    est.observe_grow("id", 1.0)
+    assert abs((est.grow("id") or 0) - 0.6) < 1e-9
+
+
+def _growing(p: Planner) -> None:
+    """Socket 1 of ``id`` in its handshake: the identity's lanes are a moment away."""
+    p.plan("id", req([user("a")]), 0.0)
+
+
+def _measured(p: Planner, *, full: float, cont: float, size: int) -> None:
+    p.estimates.observe_upstream("id", Send.FULL, size, full)
+    p.estimates.observe_upstream("id", Send.CONTINUE, size, cont)
+
+
+def test_while_sockets_grow_a_new_head_goes_now_when_its_lane_saves_less_than_such_waits_take() -> None:
+    p = planner(spread_sockets=1, max_sockets_per_identity=1, wait_seconds=1.0, connect_seconds=10.0)
+    _growing(p)
+    body = req([user("b")])
+    _measured(p, full=0.35, cont=0.25, size=len(body.body))  # a continuation saves 0.1 s
+    p.estimates.observe_grow("id", 0.4)  # new heads waited 0.4 s for lanes a moment away
+    waiting = Waiting(2.0)
+    plan = p.plan("id", body, 2.0, waiting=waiting)
+    assert (type(plan), plan.reason) == (Http, PassthroughReason.WAIT_NOT_WORTH_IT)
+    assert (waiting.outcome, waiting.deadline) == (WaitOutcome.WAIT_NOT_WORTH_IT, None)
+
+
+def test_while_sockets_grow_a_new_head_waits_while_its_lane_pays_and_its_wait_is_a_sample() -> None:
+    p = planner(spread_sockets=1, max_sockets_per_identity=1, wait_seconds=1.0, connect_seconds=10.0)
+    _growing(p)
+    body = req([user("b")])
+    _measured(p, full=0.9, cont=0.3, size=len(body.body))  # a continuation saves 0.6 s
+    p.estimates.observe_grow("id", 0.2)
+    waiting = Waiting(2.0)
+    plan = p.plan("id", body, 2.0, waiting=waiting)
+    # Up to 1.5 times the recent waits (0.3 s), not the whole pool.wait_seconds.
+    assert (type(plan), plan.growing, waiting.deadline) == (Wait, True, 2.0 + 0.2 * 1.5)
+    p.opened(1, 2.1)
+    prove(p, 1)
+    plan = p.plan("id", body, 2.1, waiting=waiting)
+    assert type(plan) is Full and waiting.outcome is WaitOutcome.LANE
+    assert abs((p.estimates.grow("id") or 0) - (0.2 + 0.2 * (0.1 - 0.2))) < 1e-9  # it took 0.1 s
+
+
+def test_while_sockets_grow_a_new_head_gives_up_at_its_measured_bound() -> None:
+    p = planner(spread_sockets=1, max_sockets_per_identity=1, wait_seconds=1.0, connect_seconds=10.0)
+    _growing(p)
+    body = req([user("b")], store=False)
+    _measured(p, full=0.5, cont=0.3, size=len(body.body))  # saves 0.2 s; no wait measured yet
+    waiting = Waiting(2.0)
+    assert type(p.plan("id", body, 2.0, waiting=waiting)) is Wait and waiting.deadline == 2.2
+    late = p.plan("id", body, 2.2, waiting=waiting)
+    assert (type(late), late.reason, waiting.outcome) == (Http, PassthroughReason.POOL_FULL, WaitOutcome.WAIT_EXPIRED)
+    assert abs((p.estimates.grow("id") or 0) - 0.2) < 1e-9  # such a wait takes at least this long
+
+
+def test_while_sockets_grow_a_new_head_whose_lane_saves_nothing_goes_now() -> None:
+    p = planner(spread_sockets=1, max_sockets_per_identity=1, wait_seconds=1.0, connect_seconds=10.0)
+    _growing(p)
+    body = req([user("b")], store=False)
+    _measured(p, full=0.2, cont=0.25, size=len(body.body))  # no rebuild cost measured
+    waiting = Waiting(2.0)
+    plan = p.plan("id", body, 2.0, waiting=waiting)
+    assert (type(plan), plan.reason, waiting.deadline) == (Http, PassthroughReason.WAIT_NOT_WORTH_IT, None)
+    assert p.estimates.grow("id") is None  # no wait, no sample
