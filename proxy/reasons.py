@@ -94,6 +94,11 @@ class ObjectKind(enum.StrEnum):
     BATCHES = "batches"
     CONTAINERS = "containers"
     UPLOADS = "uploads"
+    UNTRACKED = "untracked"
+    """The ``/v1`` routes the sidecar neither owner-checks nor knows to name no stored object
+    (``/v1/fine_tuning/...``, ``/v1/evals/...``, ``/v1/assistants/...``, ``/v1/threads/...``,
+    ``/v1/videos/...``, ...): refused behind an injected key (403 ``not_shared``) unless listed,
+    when they are forwarded unchecked and every tenant sees every other's objects on them."""
 
 
 class Tolerance(enum.StrEnum):
