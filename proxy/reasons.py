@@ -192,8 +192,8 @@ class ErrorCode(enum.StrEnum):
     """A route or body named a stored object (a conversation, file, ...) of another identity (or,
     behind an injected key, of no known identity): answered 404 as for an unknown id."""
     NOT_SHARED = "not_shared"
-    """Behind an injected key, a list of every tenant's objects that ``identity.shared_objects``
-    does not open: 403."""
+    """Behind an injected key, a list of every tenant's objects, or a route of objects the sidecar
+    does not track, that ``identity.shared_objects`` does not open: 403."""
 
 
 class BodyAbort(enum.StrEnum):

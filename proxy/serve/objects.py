@@ -1,5 +1,6 @@
 """Stored objects other than responses behind the ``/v1`` relay: conversations, items, files,
-vector stores, stored chat completions, batches, containers, uploads.
+vector stores, stored chat completions, batches, containers, uploads; and the routes of objects
+the sidecar does not track.
 
 Behind an injected key the upstream's store is shared by every tenant, so each such object is
 its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
@@ -24,6 +25,11 @@ its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
   object, and behind an injected key one no process knows, is a 404 as for an unknown id.
 * **Listed, refused.** A list of the collection (``GET /v1/files``) would show every tenant's
   objects: behind an injected key it is refused (403 ``not_shared``).
+
+* **Not tracked, refused.** Any other ``/v1`` route (``/v1/fine_tuning/...``, ``/v1/evals/...``,
+  ...) behind an injected key is refused (403 ``not_shared``) unless it names no stored object of
+  a tenant (:func:`~proxy.core.named_ids.stateless_route`: models, embeddings, audio, images, ...)
+  or ``identity.shared_objects`` lists ``untracked``. (``/v1/responses`` has routes of its own.)
 
 ``identity.shared_objects`` opens a kind to every tenant (lists answered, ids unchecked). The
 owner is the tenant (:mod:`proxy.core.creators`): not the query string of a later read
