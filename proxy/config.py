@@ -80,10 +80,14 @@ class IdentitySettings:
     shared_objects: tuple[str, ...] = ()
     """Behind an injected key, stored objects every tenant may reach (``conversations``,
     ``items``, ``files``, ``vector_stores``, ``chat_completions``, ``batches``, ``containers``,
-    ``uploads``): their list routes are answered and their ids are not checked. Not listed (the
-    default): each object is its creator's tenant's (an ``item_reference`` input names an item the
-    sidecar saw created for the caller, else it is refused as an unknown id) and a list route is
-    refused (403 ``not_shared``)."""
+    ``uploads``): their list routes are answered and their ids are not checked; ``untracked``:
+    the ``/v1`` routes of objects the sidecar does not track (fine-tuning jobs, evals, assistants,
+    threads, ...) are forwarded unchecked, so every tenant sees every other's objects on them. Not
+    listed (the default): each object is its creator's tenant's (an ``item_reference`` input names
+    an item the sidecar saw created for the caller, else it is refused as an unknown id), a list
+    route is refused (403 ``not_shared``), and so is every ``/v1`` route that is neither a
+    ``/v1/responses`` route, a known collection's nor one naming no stored object (models,
+    embeddings, moderations, completions, audio, images, realtime client secrets)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -225,8 +225,8 @@ class ForeignObject(RequestError):
 
 
 class NotShared(RequestError):
-    """Behind an injected key, what would reach every tenant's objects (a list route) and
-    ``identity.shared_objects`` does not open."""
+    """Behind an injected key, what would reach every tenant's objects (a list route, a route of
+    objects the sidecar does not track) and ``identity.shared_objects`` does not open."""
 
     status = 403
     code = ErrorCode.NOT_SHARED

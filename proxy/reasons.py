@@ -94,6 +94,11 @@ class ObjectKind(enum.StrEnum):
     BATCHES = "batches"
     CONTAINERS = "containers"
     UPLOADS = "uploads"
+    UNTRACKED = "untracked"
+    """The ``/v1`` routes the sidecar neither owner-checks nor knows to name no stored object
+    (``/v1/fine_tuning/...``, ``/v1/evals/...``, ``/v1/assistants/...``, ``/v1/threads/...``,
+    ``/v1/videos/...``, ...): refused behind an injected key (403 ``not_shared``) unless listed,
+    when they are forwarded unchecked and every tenant sees every other's objects on them."""
 
 
 class Tolerance(enum.StrEnum):
@@ -187,8 +192,8 @@ class ErrorCode(enum.StrEnum):
     """A route or body named a stored object (a conversation, file, ...) of another identity (or,
     behind an injected key, of no known identity): answered 404 as for an unknown id."""
     NOT_SHARED = "not_shared"
-    """Behind an injected key, a list of every tenant's objects that ``identity.shared_objects``
-    does not open: 403."""
+    """Behind an injected key, a list of every tenant's objects, or a route of objects the sidecar
+    does not track, that ``identity.shared_objects`` does not open: 403."""
 
 
 class BodyAbort(enum.StrEnum):

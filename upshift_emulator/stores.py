@@ -1,6 +1,7 @@
 """Stored-object routes beyond files and conversations, as small as the sidecar's owner tests need:
 vector stores (create, add a file, add a file batch, retrieve), items added to a conversation,
-uploads (create, complete: the answer carries the new file) and stored chat completions (retrieve).
+uploads (create, complete: the answer carries the new file), stored chat completions (retrieve)
+and fine-tuning jobs (create, retrieve, list: an object the sidecar does not track).
 
 Each object belongs to the credential the emulator received (one injected key: every tenant's),
 as the real store does; nothing here checks which of the sidecar's tenants asks.
@@ -26,6 +27,7 @@ JSON = Any
 routes = web.RouteTableDef()
 _VECTOR_STORES = web.AppKey("emulator_vector_stores", dict)
 _UPLOADS = web.AppKey("emulator_uploads", dict)
+_FINE_TUNING = web.AppKey("emulator_fine_tuning_jobs", dict)
 CHAT_COMPLETIONS = web.AppKey("emulator_chat_completions", dict)
 """Stored chat completions (``store: true``): id → (owner, object)."""
 
@@ -34,6 +36,7 @@ def install(app: web.Application) -> None:
     """The routes and their tables."""
     app[_VECTOR_STORES] = {}
     app[_UPLOADS] = {}
+    app[_FINE_TUNING] = {}
     app[CHAT_COMPLETIONS] = {}
     app.add_routes(routes)
 
@@ -159,3 +162,35 @@ async def complete_upload(request: web.Request) -> web.Response:
 async def get_chat_completion(request: web.Request) -> web.Response:
     request.app[STATE].stats.other("chat.completions")
     return json_response(_mine(request.app[CHAT_COMPLETIONS], request, "completion_id", "Chat completion"))
+
+
+@routes.post("/v1/fine_tuning/jobs")
+async def create_fine_tuning_job(request: web.Request) -> web.Response:
+    """A job that never runs (``validating_files``): only its id, model and files are kept."""
+    request.app[STATE].stats.other("fine_tuning")
+    body = await _body(request)
+    job = {
+        "id": new_id("ftjob", 12),
+        "object": "fine_tuning.job",
+        "created_at": int(time.time()),
+        "model": body.get("model"),
+        "training_file": body.get("training_file"),
+        "suffix": body.get("suffix"),
+        "status": "validating_files",
+    }
+    request.app[_FINE_TUNING][job["id"]] = (request[OWNER], job)
+    return json_response(job)
+
+
+@routes.get("/v1/fine_tuning/jobs/{job_id}")
+async def get_fine_tuning_job(request: web.Request) -> web.Response:
+    request.app[STATE].stats.other("fine_tuning")
+    return json_response(_mine(request.app[_FINE_TUNING], request, "job_id", "Fine-tuning job"))
+
+
+@routes.get("/v1/fine_tuning/jobs")
+async def list_fine_tuning_jobs(request: web.Request) -> web.Response:
+    """Every job of the credential (one injected key: every tenant's)."""
+    request.app[STATE].stats.other("fine_tuning")
+    data = [job for owner, job in request.app[_FINE_TUNING].values() if owner == request[OWNER]]
+    return json_response({"object": "list", "data": data, "has_more": False})

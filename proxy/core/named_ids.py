@@ -46,6 +46,7 @@ __all__ = [
     "parsed_ids",
     "read_request",
     "request_ids",
+    "stateless_route",
 ]
 
 PARSE_INLINE = 256 * 1024
@@ -387,6 +388,45 @@ def object_route(method: str, path: str) -> ObjectRoute | None:
             return ObjectRoute(kind, object_id=rest[0], tail=tuple(rest[1:]))
         return ObjectRoute(kind, creates=method == "POST", lists=method == "GET")
     return None
+
+
+_STATELESS: frozenset[tuple[str, tuple[str, ...]]] = frozenset(
+    {
+        ("GET", ("models",)),
+        ("POST", ("embeddings",)),
+        ("POST", ("moderations",)),
+        ("POST", ("completions",)),
+        ("POST", ("audio", "speech")),
+        ("POST", ("audio", "transcriptions")),
+        ("POST", ("audio", "translations")),
+        ("POST", ("images", "generations")),
+        ("POST", ("images", "edits")),
+        ("POST", ("images", "variations")),
+        ("POST", ("realtime", "client_secrets")),
+        ("POST", ("realtime", "sessions")),
+        ("POST", ("realtime", "transcription_sessions")),
+    }
+)
+"""``/v1`` routes that name no stored object of a tenant (their answer is computed from the
+request, or is the org's catalogue): forwarded behind an injected key though no owner is checked
+(a JSON body's ids still are). The realtime ones mint a short-lived credential for one realtime
+session, which the app then uses against the upstream directly: a realtime session keeps its
+conversation in memory and an ephemeral credential opens no other route, so it reaches no
+tenant's stored object."""
+
+
+def stateless_route(method: str, path: str) -> bool:
+    """Whether ``method`` on the canonical ``/v1`` ``path`` names no stored object of a tenant
+    (:data:`_STATELESS`, or ``GET /v1/models/{id}``): the only routes besides the known
+    collections (:func:`object_route`) and ``/v1/responses`` forwarded behind an injected key
+    unless ``identity.shared_objects`` lists ``untracked``. Exact: a route not listed (``GET
+    /v1/audio/voices``, ``DELETE /v1/models/{id}``) is not stateless."""
+    if not path.startswith("/v1/"):
+        return False
+    segments = tuple(path.split("/")[2:])
+    if (method, segments) in _STATELESS:
+        return True
+    return method == "GET" and len(segments) == 2 and segments[0] == "models" and segments[1] != ""
 
 
 def answer_ids(route: ObjectRoute, method: str) -> tuple[tuple[str, ...], ...]:

@@ -1,5 +1,6 @@
 """Stored objects other than responses behind the ``/v1`` relay: conversations, items, files,
-vector stores, stored chat completions, batches, containers, uploads.
+vector stores, stored chat completions, batches, containers, uploads; and the routes of objects
+the sidecar does not track.
 
 Behind an injected key the upstream's store is shared by every tenant, so each such object is
 its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
@@ -25,6 +26,11 @@ its creator's tenant's, as a response id is (:mod:`proxy.serve.creator_check`):
 * **Listed, refused.** A list of the collection (``GET /v1/files``) would show every tenant's
   objects: behind an injected key it is refused (403 ``not_shared``).
 
+* **Not tracked, refused.** Any other ``/v1`` route (``/v1/fine_tuning/...``, ``/v1/evals/...``,
+  ...) behind an injected key is refused (403 ``not_shared``) unless it names no stored object of
+  a tenant (:func:`~proxy.core.named_ids.stateless_route`: models, embeddings, audio, images, ...)
+  or ``identity.shared_objects`` lists ``untracked``. (``/v1/responses`` has routes of its own.)
+
 ``identity.shared_objects`` opens a kind to every tenant (lists answered, ids unchecked). The
 owner is the tenant (:mod:`proxy.core.creators`): not the query string of a later read
 (``?limit=``, ``?stream=true&starting_after=N``) nor an optional header.
@@ -42,7 +48,15 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.core.named_ids import PARSE_INLINE, ObjectRoute, answer_ids, noun, object_route, read_request
+from proxy.core.named_ids import (
+    PARSE_INLINE,
+    ObjectRoute,
+    answer_ids,
+    noun,
+    object_route,
+    read_request,
+    stateless_route,
+)
 from proxy.errors import ClientGone, ForeignObject, InvalidRequest, NotShared
 from proxy.intake.body import BodyClock, read_body
 from proxy.intake.identity import Identity
@@ -98,10 +112,18 @@ async def guard(svc: Services, request: web.Request) -> AsyncIterator[tuple[Opti
         InvalidRequest: a credential header came twice (the identity); a read body does not
             parse as one JSON object, or repeats a key once it names an id.
         ForeignObject: the path or body names an object that is not the caller's.
-        NotShared: behind an injected key, a list of a collection not shared.
+        NotShared: behind an injected key, a list of a collection not shared, or a route of no
+            known collection that is not stateless (:func:`~proxy.core.named_ids.stateless_route`)
+            while ``untracked`` is not shared.
         BodyTooLarge, BodyTimeout, MemoryRefused: reading the body (as on ``POST /v1/responses``).
     """
     route = object_route(request.method, request.path)
+    if route is None and svc.owners.strict and not _opened(svc, request):
+        raise NotShared(
+            f"Behind the sidecar's injected key {request.method} {request.path} is not forwarded: the"
+            " sidecar does not track the objects it may name, so every tenant would reach every"
+            " other's; an operator opens such routes with identity.shared_objects: [untracked]."
+        )
     checked = route is not None and route.kind not in svc.owners.shared
     reads = svc.owners.strict and _reads_body(request)
     if not checked and not reads:
@@ -125,6 +147,12 @@ async def guard(svc: Services, request: web.Request) -> AsyncIterator[tuple[Opti
             named = read_request(body) if len(body) <= PARSE_INLINE else await asyncio.to_thread(read_request, body)
             await svc.owners.check(identity.digest, named)
         yield options, body
+
+
+def _opened(svc: Services, request: web.Request) -> bool:
+    """Whether a ``/v1`` route of no known collection is forwarded behind an injected key: it
+    names no stored object of a tenant, or the operator shares the untracked routes."""
+    return ObjectKind.UNTRACKED in svc.owners.shared or stateless_route(request.method, request.path)
 
 
 async def _path(svc: Services, request: web.Request, identity: Identity, route: ObjectRoute) -> Options | None:
