@@ -391,9 +391,9 @@ class HeadTable:
         bare = None
         if req.previous_response_id is None and current_turn(req):
             bare = bare_state(self._heads.get(req.base.anchor) if req.base is not None else None, req)
-        self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
+            self.discard(anchor)
             return None
         output = response.get("output")
         chained = req.previous_response_id is not None
@@ -416,17 +416,20 @@ class HeadTable:
                 last_used=now,
             )
             head.items = digests
-            head.echo = tuple(echo_fields(i, s) for i, s in zip(items, seen, strict=True))
-            if self.listener is not None:
-                self.listener.recorded(head, req)
             raw = raw_prefix(req, prefix_state)
             prefix = KeptPrefix(identity, raw, req.n_items, state) if raw is not None else None
-        head.store = req.store
-        head.bare = bare
-        if not chained:
             for item in items:
                 if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
                     head.compactions += (digest_of(item["encrypted_content"]),)
+        head.store = req.store
+        head.bare = bare
+        # The lane's previous head goes (a continuation's base, usually), and its notes with it,
+        # before the new head's are taken: the listener is told of the two in that order.
+        self.discard(anchor)
+        if not chained:
+            head.echo = tuple(echo_fields(i, s) for i, s in zip(items, seen, strict=True))
+            if self.listener is not None:
+                self.listener.recorded(head, req)
         self._insert(head, now, prefix)
         return head
 
@@ -434,7 +437,6 @@ class HeadTable:
         """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
         anchor = head.anchor
         self._heads[anchor] = head
-        self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
         if head.compactions:
             self._compactions.add(head)
@@ -449,6 +451,7 @@ class HeadTable:
             bucket.lengths[head.n_input] = bucket.lengths.get(head.n_input, 0) + 1
             if prefix is not None:
                 self.prefixes.add(anchor, prefix, now)
+        self._fair_heads.add(head.identity, anchor)
         while len(self._heads) > self.max_heads:
             self.discard(self._fair_heads.victim() or next(iter(self._heads)))
 
@@ -466,8 +469,6 @@ class HeadTable:
             self._bare.remove(head, anchor)
         if head.chained:
             return
-        if self.listener is not None:
-            self.listener.discarded(head)
         self.prefixes.take(anchor)
         key = self._key(head)
         anchors = self._index.get(key)
@@ -484,6 +485,8 @@ class HeadTable:
             del bucket.lengths[head.n_input]
         if not bucket.lengths:
             del self._buckets[bucket_key]
+        if self.listener is not None:
+            self.listener.discarded(head)
 
     def expire(self, now: float) -> list[Hashable]:
         """Drop heads unused for ``ttl_seconds`` and bodies older than the cache's
