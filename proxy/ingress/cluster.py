@@ -266,7 +266,7 @@ class Cluster:
 
     def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """Mark answers to forwarded requests, so the forwarder knows an upshift answered."""
-        if MARKER in request.headers or arrived_privately(request):
+        if MARKER in request.headers or (self.worker is not None and arrived_privately(request)):
             # the pod URL reaches the app only with logging.level debug.
             debug = self.settings.logging.level == "debug"
             response.headers[OWNER_HEADER] = (self.self_url or "1") if debug else "1"

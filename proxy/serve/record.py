@@ -71,6 +71,8 @@ _MAX_EXPLAINING = 64
 _EXPLAINING = [0]
 _MISSED_OVER_HTTP = frozenset({PassthroughReason.POOL_FULL, PassthroughReason.WAIT_NOT_WORTH_IT})
 """Passthrough reasons that are also continuation misses (a conversation's turn found no lane)."""
+_SENT_ON_SOCKETS = UPSTREAM_BYTES_SENT.labels("websocket")
+"""``upshift_upstream_bytes_sent_total`` of the sockets, looked up once (a constant label)."""
 
 
 @dataclass(slots=True)
@@ -160,7 +162,7 @@ class Record:
     def pumped(self, sent: int, upstream_s: float, tier: object = None, response: dict[str, Any] | None = None) -> None:
         """The pump stage: ``sent`` more bytes went upstream on a socket; the upstream's time so far;
         ``tier``: the ``service_tier`` asked for, counted with the served one when ``response`` ended."""
-        child(UPSTREAM_BYTES_SENT, "websocket").inc(sent)
+        _SENT_ON_SOCKETS.inc(sent)
         self.bytes_sent += sent
         self.upstream_s = upstream_s
         if response is not None:
