@@ -460,6 +460,8 @@ class HeadTable:
         head = self._heads.pop(anchor, None)
         if head is None:
             return
+        if not head.chained:
+            self.prefixes.take(anchor)  # its prefix and hot body first: their memory is free at once
         self._fair_heads.remove(anchor)
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
@@ -469,7 +471,6 @@ class HeadTable:
             self._bare.remove(head, anchor)
         if head.chained:
             return
-        self.prefixes.take(anchor)
         key = self._key(head)
         anchors = self._index.get(key)
         if anchors is not None:
