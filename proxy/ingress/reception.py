@@ -118,9 +118,10 @@ class Reception:
             body = await read_body(self.request, self.svc.settings.limits.max_body_bytes, mem, self.clock)
             self.rec.received(len(body))
             REQUEST_BYTES.inc(len(body))
-            routed = None
-            if cluster is not None:
-                routed = await cluster.maybe_forward(self.request, body, identity, self.rec)
+            arrival = Arrival(self.request, body, identity, self.rec, self.started, mem)
+            routed = (
+                await cluster.maybe_forward(self.request, body, identity, self.rec) if cluster is not None else None
+            )
         except ClientGone:
             BODIES_ABORTED.labels(BodyAbort.CLIENT_GONE).inc()
             log.info("the app closed its connection before its request body was complete")
@@ -130,9 +131,7 @@ class Reception:
             return await self._timed_out(exc)
         except RequestError as exc:
             return self._answered(self._refuse(exc))
-        if routed is None:
-            routed = await serve(self.svc, Arrival(self.request, body, identity, self.rec, self.started, mem))
-        return self._answered(routed)
+        return self._answered(routed if routed is not None else await serve(self.svc, arrival))
 
     def _refuse(self, exc: ProxyError, headers: dict[str, str] | None = None) -> web.Response:
         if headers is None:
