@@ -120,7 +120,9 @@ class Reception:
             REQUEST_BYTES.inc(len(body))
             arrival = Arrival(self.request, body, identity, self.rec, self.started, mem)
             routed = (
-                await cluster.maybe_forward(self.request, body, identity, self.rec) if cluster is not None else None
+                await cluster.maybe_forward(self.request, body, identity, self.rec)
+                if cluster is not None and cluster.routes
+                else None
             )
         except ClientGone:
             BODIES_ABORTED.labels(BodyAbort.CLIENT_GONE).inc()
