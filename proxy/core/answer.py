@@ -97,7 +97,8 @@ def kept(channel: Channel) -> Kept:
     """What the lane keeps of ``channel``'s response, whatever the answer."""
     response = channel.response if channel.ending is Ending.COMPLETED else None
     rid = channel.response.get("id") if response is None and channel.response is not None else None
-    aged = channel.terminal is not None and is_connection_limit(channel.terminal)
+    # A completed response carries no error: only another ending can be the connection's age.
+    aged = response is None and channel.terminal is not None and is_connection_limit(channel.terminal)
     return Kept(response, rid if isinstance(rid, str) else None, aged)
 
 

@@ -190,7 +190,14 @@ class Budget:
         return self._admit()
 
     def ask(
-        self, want: int, buffered: int = 0, *, key: Hashable = None, need: int = 0, keyless: bool = False
+        self,
+        want: int,
+        buffered: int = 0,
+        *,
+        key: Hashable = None,
+        need: int = 0,
+        keyless: bool = False,
+        heads: int | None = None,
     ) -> tuple[Ticket, Effects]:
         """Reserve ``want`` bytes: granted now (maybe evicting kept bodies), queued, or refused
         because it could not fit even into an empty budget.
@@ -203,11 +210,12 @@ class Budget:
         ``need`` (:meth:`grow`, :meth:`ask_more`) until :meth:`done_reading`; it is admitted only
         while every body being read can still complete (see the module docstring).
         ``key``: whose request it is (fair admission). ``keyless``: sent without a credential
-        (the keyless quota).
+        (the keyless quota). ``heads``: what the heads take now, measured as the request arrives
+        (:meth:`set_heads` first: waiters that fit once they shrank are let in before this one).
         """
         ticket = Ticket(max(want, 0), key=key, keyless=keyless)
         ticket.need = max(need, ticket.want)
-        out = Effects()
+        out = self.set_heads(heads) if heads is not None else Effects()
         if ticket.need > self.capacity - self.heads:
             ticket.verdict = Verdict.TOO_LARGE
             return ticket, out

@@ -4,7 +4,8 @@ A *head* is the end state of one completed response: the app's input to it (as d
 upstream's output items (as fingerprints), the response id, and the lane (*anchor*, a
 ``(socket id, stream_id)`` key) whose cache holds it. The upstream caches only a lane's latest
 response, so a lane has at most one head. Which lanes exist and whether one is free is the
-planner's business (``proxy/core/planner.py``), not this table's: it only asks ``usable(head)``.
+planner's business (``proxy/core/planner.py``), not this table's: a lookup passes over the anchors the
+planner says are busy.
 A stored head outlives its lane (the upstream can hydrate it from any socket).
 
 No conversation id is needed. A request continues a head when (client-echo.md §4):
@@ -33,7 +34,8 @@ which response id (:mod:`proxy.core.creators`) and where a miss departs
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +121,10 @@ class HeadTable:
         """The head kept under ``anchor``."""
         return self._heads.get(anchor)
 
+    def head(self, anchor: Hashable) -> Head:
+        """The head kept under ``anchor`` (a lookup's match names one)."""
+        return self._heads[anchor]
+
     def recent(self, limit: int) -> Iterator[tuple[Hashable, Head]]:
         """``(anchor, head)`` of the most recently used heads first, at most ``limit``."""
         for seen, anchor in enumerate(reversed(self._heads)):
@@ -137,14 +143,15 @@ class HeadTable:
         identity: str,
         req: ParsedRequest,
         now: float,
-        usable: Callable[[Head], bool],
+        busy: AbstractSet[Hashable] = frozenset(),
     ) -> Lookup:
         """Find the head ``req`` continues, or say why there is none.
 
-        ``usable(head)`` is the planner's word on whether the head can be continued now (its lane
-        is idle, or it was stored and its lane is gone); a matching head that is not usable
-        makes the miss ``head_busy``. Only reads: the caller expires heads before (:meth:`expire`)
-        and touches the head it continues (:meth:`touch`).
+        ``busy``: anchors whose heads the planner cannot continue now (their lanes are busy); a
+        matching head under one is passed over and makes the miss ``head_busy``. The planner asks
+        first with none, and again with the matched anchor added if it finds that one busy (the
+        next best match may be usable). Only reads: the caller expires heads before
+        (:meth:`expire`) and touches the head it continues (:meth:`touch`).
         """
         if req.previous_response_id is not None:
             return Lookup(None, MissReason.APP_CHAINED)
@@ -153,7 +160,7 @@ class HeadTable:
             # A fast parse knows its head: try it first; on a miss the search below decides.
             head = self._heads.get(req.base.anchor)
             if head is not None and head.identity == identity and head.settings == req.settings_digest:
-                found = self._try(head, req.tail, 0, req.base.count, usable, current)
+                found = self._try(head, req.tail, 0, req.base.count, busy, current)
                 if isinstance(found, Lookup):
                     return found
         bucket = self._buckets.get((identity, req.settings_digest))
@@ -166,7 +173,7 @@ class HeadTable:
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
                     items, at, skipped = req.items_from(n)  # the fast parse's tail when it suffices
-                    tried = self._try(self._heads[anchor], items, at, skipped, usable, current)
+                    tried = self._try(self._heads[anchor], items, at, skipped, busy, current)
                     if isinstance(tried, Lookup):
                         return tried
                     why, dropped = tried
@@ -174,32 +181,32 @@ class HeadTable:
                         dropped_seen = dropped
                     reason = stronger(reason, why)
         if reason in (MissReason.NO_HEAD, MissReason.DIVERGED) and self._compactions.holds(identity):
-            pruned = self._pruned(identity, req, usable, current)
+            pruned = self._pruned(identity, req, busy, current)
             if isinstance(pruned, Lookup):
                 return pruned
             if pruned is not None:
                 reason = pruned
         if current and reason in BARE_AFTER and self._bare.holds(identity, req.settings_digest):
-            bare = self._bare_lookup(identity, req, usable)
+            bare = self._bare_lookup(identity, req, busy)
             if bare is not None:
                 return bare
         if reason == MissReason.NO_HEAD and self._matches_other_settings(identity, req):
             reason = MissReason.SETTINGS_CHANGED
         return Lookup(None, reason, *dropped_seen)
 
-    def _bare_lookup(self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool]) -> Lookup | None:
+    def _bare_lookup(self, identity: str, req: ParsedRequest, busy: AbstractSet[Hashable]) -> Lookup | None:
         """Under ``current_turn``: a head whose input equals the request's but for reasoning items,
         continued when a user message follows the echo of its output (why: :mod:`proxy.core.sideindex`)."""
         items = req.all_items()
         found = self._bare.candidates(identity, req, items)
         for n, anchor in reversed(found):  # the longest (latest) first
-            tried = self._try(self._heads[anchor], items, n, 0, usable, True, need_user=True)
+            tried = self._try(self._heads[anchor], items, n, 0, busy, True, need_user=True)
             if isinstance(tried, Lookup):
                 return tried
         return None
 
     def _pruned(
-        self, identity: str, req: ParsedRequest, usable: Callable[[Head], bool], current: bool
+        self, identity: str, req: ParsedRequest, busy: AbstractSet[Hashable], current: bool
     ) -> Lookup | MissReason | None:
         """A history pruned at a compaction item (its first item): the head whose output holds
         that item continues it when the request echoes that output from the compaction item on.
@@ -220,7 +227,7 @@ class HeadTable:
         start = next((i for i, fp in enumerate(head.output) if fp.kind == "compaction"), None)
         if start is None:
             return MissReason.PRUNED_AT_COMPACTION
-        tried = self._try(head, items, at, skipped, usable, current, start)
+        tried = self._try(head, items, at, skipped, busy, current, start)
         if isinstance(tried, Lookup):
             return tried
         why = tried[0]
@@ -232,7 +239,7 @@ class HeadTable:
         items: Sequence[Any],
         n: int,
         skipped: int,
-        usable: Callable[[Head], bool],
+        busy: AbstractSet[Hashable],
         current: bool = False,
         start: int = 0,
         need_user: bool = False,
@@ -261,7 +268,7 @@ class HeadTable:
             return MissReason.DROPPED_REASONING, drops
         if phases and Tolerance.PHASE not in self.tolerate:
             return MissReason.DROPPED_PHASE, drops
-        if not usable(head):
+        if head.anchor in busy:
             return MissReason.HEAD_BUSY, drops
         match = Match(head.anchor, head.response_id, list(items[n + consumed :]), skipped + n + consumed)
         return Lookup(match, Hit.CONTINUATION, *drops)
@@ -384,9 +391,9 @@ class HeadTable:
         bare = None
         if req.previous_response_id is None and current_turn(req):
             bare = bare_state(self._heads.get(req.base.anchor) if req.base is not None else None, req)
-        self.discard(anchor)
         response_id = response.get("id")
         if not isinstance(response_id, str):
+            self.discard(anchor)
             return None
         output = response.get("output")
         chained = req.previous_response_id is not None
@@ -409,17 +416,20 @@ class HeadTable:
                 last_used=now,
             )
             head.items = digests
-            head.echo = tuple(echo_fields(i, s) for i, s in zip(items, seen, strict=True))
-            if self.listener is not None:
-                self.listener.recorded(head, req)
             raw = raw_prefix(req, prefix_state)
             prefix = KeptPrefix(identity, raw, req.n_items, state) if raw is not None else None
-        head.store = req.store
-        head.bare = bare
-        if not chained:
             for item in items:
                 if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
                     head.compactions += (digest_of(item["encrypted_content"]),)
+        head.store = req.store
+        head.bare = bare
+        # The lane's previous head goes (a continuation's base, usually), and its notes with it,
+        # before the new head's are taken: the listener is told of the two in that order.
+        self.discard(anchor)
+        if not chained:
+            head.echo = tuple(echo_fields(i, s) for i, s in zip(items, seen, strict=True))
+            if self.listener is not None:
+                self.listener.recorded(head, req)
         self._insert(head, now, prefix)
         return head
 
@@ -427,7 +437,6 @@ class HeadTable:
         """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
         anchor = head.anchor
         self._heads[anchor] = head
-        self._fair_heads.add(head.identity, anchor)
         self._by_response[head.response_id] = anchor
         if head.compactions:
             self._compactions.add(head)
@@ -442,6 +451,7 @@ class HeadTable:
             bucket.lengths[head.n_input] = bucket.lengths.get(head.n_input, 0) + 1
             if prefix is not None:
                 self.prefixes.add(anchor, prefix, now)
+        self._fair_heads.add(head.identity, anchor)
         while len(self._heads) > self.max_heads:
             self.discard(self._fair_heads.victim() or next(iter(self._heads)))
 
@@ -450,6 +460,8 @@ class HeadTable:
         head = self._heads.pop(anchor, None)
         if head is None:
             return
+        if not head.chained:
+            self.prefixes.take(anchor)  # its prefix and hot body first: their memory is free at once
         self._fair_heads.remove(anchor)
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
@@ -459,9 +471,6 @@ class HeadTable:
             self._bare.remove(head, anchor)
         if head.chained:
             return
-        if self.listener is not None:
-            self.listener.discarded(head)
-        self.prefixes.take(anchor)
         key = self._key(head)
         anchors = self._index.get(key)
         if anchors is not None:
@@ -477,6 +486,8 @@ class HeadTable:
             del bucket.lengths[head.n_input]
         if not bucket.lengths:
             del self._buckets[bucket_key]
+        if self.listener is not None:
+            self.listener.discarded(head)
 
     def expire(self, now: float) -> list[Hashable]:
         """Drop heads unused for ``ttl_seconds`` and bodies older than the cache's

@@ -393,13 +393,13 @@ class PrefixCache:
         next prefix is then checked with the digest; same answer, slower."""
         if self._hot.pop(anchor, None) is None:
             return
+        if self.keeper is not None:
+            self.keeper.cooled(anchor)
         self._fair_hot.remove(anchor)
         prefix = self._prefixes.get(anchor)
         if prefix is not None and prefix.raw.body is not None:
             self._hot_size -= len(prefix.raw.body)
             prefix.raw.body = None
-        if self.keeper is not None:
-            self.keeper.cooled(anchor)
 
     def expire(self, now: float) -> None:
         """Let go of the bodies older than ``hot_seconds``."""

@@ -25,7 +25,7 @@ false`` head waits for its own lane while that pays, else goes in full now.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from proxy.core.conversation import HeadTable
@@ -159,7 +159,11 @@ class Planner:
         if replay:
             return self._new_head(identity, req, now, self._full(identity, now, None, may_open), waiting)
         self.heads.expire(now)
-        lookup = self.heads.lookup(identity, req, now, book.usable)
+        lookup = self.heads.lookup(identity, req, now)
+        busy: set[Hashable] = set()
+        while lookup.match is not None and not book.usable(self.heads.head(lookup.match.anchor)):
+            busy.add(lookup.match.anchor)  # its lane is busy: the next best match may serve
+            lookup = self.heads.lookup(identity, req, now, busy)
         match = lookup.match
         if match is None:
             plan = self._full(identity, now, lookup.reason, may_open, lookup)

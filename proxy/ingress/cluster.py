@@ -184,6 +184,12 @@ class Cluster:
         """Whether any forwarding can happen."""
         return self._websocket and (len(self._members) > 1 or bool(self._workers))
 
+    @property
+    def routes(self) -> bool:
+        """Whether :meth:`maybe_forward` may answer now: a request can be forwarded from here
+        (:attr:`enabled`), or a forward received is checked (a peer secret); else it is ``None``."""
+        return self.enabled or self.auth.enabled
+
     def set_members(self, urls: tuple[str, ...] | list[str]) -> None:
         """Replace the replica peer set (from DNS): only conversations whose owner changed move."""
         members = tuple(sorted({u.rstrip("/") for u in urls}))
@@ -266,7 +272,7 @@ class Cluster:
 
     def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """Mark answers to forwarded requests, so the forwarder knows an upshift answered."""
-        if MARKER in request.headers or arrived_privately(request):
+        if MARKER in request.headers or (self.worker is not None and arrived_privately(request)):
             # the pod URL reaches the app only with logging.level debug.
             debug = self.settings.logging.level == "debug"
             response.headers[OWNER_HEADER] = (self.self_url or "1") if debug else "1"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ssl
 import time
-from functools import partial
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -27,7 +26,7 @@ from proxy.ingress.peerauth import PROOF_PATH
 from proxy.ingress.peers import Resolver, WorkerPlacement
 from proxy.ingress.reception import Reception
 from proxy.reasons import Mode, Route
-from proxy.serve.handlers import SERVICES, Arrival, refuse, serve
+from proxy.serve.handlers import SERVICES, refuse
 from proxy.serve.record import Record
 from proxy.serve.streaming import new_request_id
 
@@ -49,16 +48,7 @@ CLUSTER = web.AppKey("upshift_cluster", Cluster)
 async def post_responses(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses``: received (:class:`~proxy.ingress.reception.Reception`), then
     answered by the process or replica owning the conversation, else here."""
-    svc = request.app[SERVICES]
-    return await Reception(request, svc).answer(partial(_route, request), partial(serve, svc))
-
-
-async def _route(request: web.Request, arrival: Arrival) -> web.StreamResponse | None:
-    """The owner's answer when another process or replica owns the conversation, else None."""
-    cluster = request.app.get(CLUSTER)
-    if cluster is None:
-        return None
-    return await cluster.maybe_forward(request, arrival.body, arrival.identity, arrival.rec)
+    return await Reception(request, request.app[SERVICES]).answer(request.app.get(CLUSTER))
 
 
 def path_fault(raw_path: str) -> str | None:

@@ -7,7 +7,9 @@ until the answer is written, admitted fairly by identity), its body under the de
 here, as it always was: a bad head or body (4xx, the record says ``client_error``), no memory
 (429/503 + ``retry-after``), a body that did not keep arriving (408, the connection closed), an
 app gone mid-body (nobody reads the answer). The access record is opened, closed and counted
-here whatever happens; the answer itself comes from the callables the front passes.
+here whatever happens. The answer comes from the process or replica owning the conversation
+when the cluster says so (:meth:`~proxy.ingress.cluster.Cluster.maybe_forward`), else from this
+process's handler (:func:`~proxy.serve.handlers.serve`).
 """
 
 from __future__ import annotations
@@ -16,30 +18,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from functools import partial
 
 from aiohttp import web
 
 from proxy.errors import BodyTimeout, ProxyError, RequestError
+from proxy.ingress.cluster import Cluster
 from proxy.intake.body import BodyClock, body_length, read_body
 from proxy.intake.identity import Identity
 from proxy.intake.memory import Lease, MemoryRefused
 from proxy.observe.metrics import BODIES_ABORTED, INFLIGHT, REQUEST_BYTES
 from proxy.reasons import BodyAbort
-from proxy.serve.handlers import Arrival, Services, refuse
+from proxy.serve.handlers import Arrival, Services, refuse, serve
 from proxy.serve.record import Record
 from proxy.serve.streaming import ClientGone, new_request_id
 
-__all__ = ["Reception", "Route", "Serve"]
+__all__ = ["Reception"]
 
 log = logging.getLogger("proxy.ingress.front")
 """The front's logger (these lines were the front's before the reception had a module)."""
-
-Route = Callable[[Arrival], Awaitable[web.StreamResponse | None]]
-"""The answer of the process or replica owning the conversation, or ``None``: serve here."""
-Serve = Callable[[Arrival], Awaitable[web.StreamResponse]]
-"""This process's answer (:func:`proxy.serve.handlers.serve`)."""
 
 _NO_LEASE: contextlib.nullcontext[None] = contextlib.nullcontext()
 """Stands in for the memory lease when there is no gate (an app built without one)."""
@@ -64,12 +61,13 @@ class Reception:
         # keep a minimum rate), waiting for memory included.
         self.clock = BodyClock(svc.settings.limits, asyncio.get_running_loop().time())
 
-    async def answer(self, route: Route, serve: Serve) -> web.StreamResponse:
-        """Receive the request, then answer it by ``route``, else by ``serve``; the access
+    async def answer(self, cluster: Cluster | None) -> web.StreamResponse:
+        """Receive the request, then answer it: forwarded to its owner when ``cluster`` (absent:
+        a single process) says another process or replica owns it, else served here; the access
         record is finished (and the request counted in flight meanwhile) on every path."""
         INFLIGHT.inc()
         try:
-            return await self._answer(route, serve)
+            return await self._answer(cluster)
         except asyncio.CancelledError:
             self.rec.cancelled()
             raise
@@ -80,7 +78,7 @@ class Reception:
             INFLIGHT.dec()
             self.rec.ended(time.perf_counter() - self.started)  # a stream's last byte is written by now
 
-    async def _answer(self, route: Route, serve: Serve) -> web.StreamResponse:
+    async def _answer(self, cluster: Cluster | None) -> web.StreamResponse:
         try:
             # The identity is known from the headers: the memory budget admits fairly by it.
             length = body_length(self.request)
@@ -89,7 +87,7 @@ class Reception:
             return self._refuse(exc)
         try:
             async with self._lease(length, identity) as mem:
-                return await self._leased(identity, mem, route, serve)
+                return await self._leased(identity, mem, cluster)
         except BodyTimeout as exc:  # the deadline passed while it waited for memory
             return await self._timed_out(exc)
         except MemoryRefused as exc:
@@ -114,14 +112,18 @@ class Reception:
             progress=partial(_sent, request),
         )
 
-    async def _leased(self, identity: Identity, mem: Lease | None, route: Route, serve: Serve) -> web.StreamResponse:
+    async def _leased(self, identity: Identity, mem: Lease | None, cluster: Cluster | None) -> web.StreamResponse:
         """Under the lease: read the body, then the owner's answer, else this process's."""
         try:
             body = await read_body(self.request, self.svc.settings.limits.max_body_bytes, mem, self.clock)
             self.rec.received(len(body))
             REQUEST_BYTES.inc(len(body))
             arrival = Arrival(self.request, body, identity, self.rec, self.started, mem)
-            routed = await route(arrival)
+            routed = (
+                await cluster.maybe_forward(self.request, body, identity, self.rec)
+                if cluster is not None and cluster.routes
+                else None
+            )
         except ClientGone:
             BODIES_ABORTED.labels(BodyAbort.CLIENT_GONE).inc()
             log.info("the app closed its connection before its request body was complete")
@@ -131,7 +133,7 @@ class Reception:
             return await self._timed_out(exc)
         except RequestError as exc:
             return self._answered(self._refuse(exc))
-        return self._answered(routed if routed is not None else await serve(arrival))
+        return self._answered(routed if routed is not None else await serve(self.svc, arrival))
 
     def _refuse(self, exc: ProxyError, headers: dict[str, str] | None = None) -> web.Response:
         if headers is None:

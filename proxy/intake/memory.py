@@ -215,11 +215,10 @@ class MemoryGate:
         deadline: float | None = None,
         keyless: bool = False,
     ) -> Ticket:
-        if self.heads is not None:
-            self._apply(self.budget.set_heads(len(self.heads) * HEAD_COST))
         if need > want:  # a body larger than its first step: the promises it meets are measured
             self._observe()
-        ticket, out = self.budget.ask(want, buffered, key=key, need=need, keyless=keyless)
+        heads = len(self.heads) * HEAD_COST if self.heads is not None else None
+        ticket, out = self.budget.ask(want, buffered, key=key, need=need, keyless=keyless, heads=heads)
         self._apply(out)
         if ticket.verdict is Verdict.TOO_LARGE:
             MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()

@@ -476,17 +476,3 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
 """Every value each label of the sidecar's own metrics may take (``version`` and ``python`` of
 ``upshift_build_info`` are free: checked by shape). The ingress layer's
 ``upshift_handoffs_total{outcome}`` adds :class:`proxy.ingress.handoff.HandoffOutcome`."""
-
-
-_CHILDREN: dict[tuple[object, ...], Counter] = {}
-"""Labelled children of the per-turn counters, by label values (every label is an enum value:
-a bounded set), so that a turn looks each up in one dict instead of prometheus' ``labels``."""
-
-
-def child(metric: Counter, *values: str) -> Counter:
-    """``metric.labels(*values)``, looked up once per label set (per-turn cost)."""
-    key = (metric, *values)
-    found = _CHILDREN.get(key)
-    if found is None:
-        found = _CHILDREN[key] = metric.labels(*values)
-    return found

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +80,6 @@ def _read(path: str) -> bytes:
         raise _Unusable(f"{path}: {exc.strerror}") from None
 
 
-def _idle(anchor: Hashable) -> bool:
-    return True
-
-
 def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *, tolerate: Iterable[Tolerance]) -> Any:
     """Run the matcher with ``matching.tolerate``: ``("continuation", items sent, items avoided,
     the echo's tolerated departures)`` or ``("miss", Explanation)``.
@@ -103,7 +99,7 @@ def explain_files(previous: bytes, response: dict[str, Any], following: bytes, *
         req = heads.parse(_IDENTITY, following)
     except InvalidRequest as exc:
         raise _Unusable(f"next request: {exc.message}") from None
-    found = heads.lookup(_IDENTITY, req, 1.0, _idle)
+    found = heads.lookup(_IDENTITY, req, 1.0)
     if found.match is not None:
         tolerated = {Tolerance.REASONING: found.dropped_reasoning, Tolerance.PHASE: found.dropped_phase}
         return "continuation", len(found.match.new_items), found.match.items_avoided, tolerated

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
+
 from proxy.core.answer import status_outcome
 from proxy.core.explain import Explanation
 from proxy.core.plans import Continue, HttpContinue, OnLane, Ready
@@ -38,7 +40,6 @@ from proxy.observe.metrics import (
     REQUESTS,
     SERVICE_TIERS,
     UPSTREAM_BYTES_SENT,
-    child,
 )
 from proxy.observe.misses import RECENT
 from proxy.reasons import (
@@ -71,6 +72,22 @@ _MAX_EXPLAINING = 64
 _EXPLAINING = [0]
 _MISSED_OVER_HTTP = frozenset({PassthroughReason.POOL_FULL, PassthroughReason.WAIT_NOT_WORTH_IT})
 """Passthrough reasons that are also continuation misses (a conversation's turn found no lane)."""
+_SENT_ON_SOCKETS = UPSTREAM_BYTES_SENT.labels("websocket")
+"""``upshift_upstream_bytes_sent_total`` of the sockets, looked up once (a constant label)."""
+
+
+_CHILDREN: dict[tuple[object, ...], Counter] = {}
+"""Labelled children of the counters the record writes per turn, by label values (every label is an enum value:
+a bounded set), so that a turn looks each up in one dict instead of prometheus' ``labels``."""
+
+
+def child(metric: Counter, *values: str) -> Counter:
+    """``metric.labels(*values)``, looked up once per label set (per-turn cost)."""
+    key = (metric, *values)
+    found = _CHILDREN.get(key)
+    if found is None:
+        found = _CHILDREN[key] = metric.labels(*values)
+    return found
 
 
 @dataclass(slots=True)
@@ -160,7 +177,7 @@ class Record:
     def pumped(self, sent: int, upstream_s: float, tier: object = None, response: dict[str, Any] | None = None) -> None:
         """The pump stage: ``sent`` more bytes went upstream on a socket; the upstream's time so far;
         ``tier``: the ``service_tier`` asked for, counted with the served one when ``response`` ended."""
-        child(UPSTREAM_BYTES_SENT, "websocket").inc(sent)
+        _SENT_ON_SOCKETS.inc(sent)
         self.bytes_sent += sent
         self.upstream_s = upstream_s
         if response is not None:

@@ -26,11 +26,11 @@ from aiohttp import web
 
 from proxy import contracts
 from proxy.core.answer import Answer, AnswerKind, finished
-from proxy.core.channel import TERMINAL, Channel, Out
+from proxy.core.channel import TERMINAL, Channel, HoldPath, Out
 from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import ClientGone, UpstreamTimeout
 from proxy.intake.memory import Lease
-from proxy.observe.metrics import HELD_LIFECYCLE, child
+from proxy.observe.metrics import HELD_LIFECYCLE
 
 log = logging.getLogger("upshift.streaming")
 
@@ -58,9 +58,11 @@ def json_body(obj: Any) -> bytes:
 
 
 _LAST = frozenset(TERMINAL) | {"response.done"}
+"""Event types after which nothing more is written: their write also ends the body."""
 _CREATIONS = frozenset({"response.created", "response.output_item.added"})
 """Events that show the app a new id (the response's, an output item's: ``item_reference``)."""
-"""Event types after which nothing more is written: their write also ends the body."""
+_HELD = {path: HELD_LIFECYCLE.labels(path) for path in HoldPath}
+"""``upshift_held_lifecycle_total`` by path, looked up once (a constant label set)."""
 
 
 def _frames(outs: list[Out]) -> bytes:
@@ -327,7 +329,7 @@ def count_hold_back(channel: Channel) -> None:
     """
     path = channel.hold_path
     if path is not None:
-        child(HELD_LIFECYCLE, path.value).inc()
+        _HELD[path].inc()
 
 
 def new_request_id() -> str:

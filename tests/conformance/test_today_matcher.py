@@ -112,7 +112,7 @@ def test_every_continuation_reads_as_the_app_sent(case: tuple[list[JSON], list[J
         echo = echo[cut[-1] :] if cut else echo
     if "drop_caller" in edits:
         echo = [{k: v for k, v in i.items() if k != "caller"} for i in echo]
-    found = table.lookup("id", parse_request(body(echo, context)), 1.0, lambda head: True)
+    found = table.lookup("id", parse_request(body(echo, context)), 1.0)
     app_reads = context_digest(echo, rule)
     if found.match is not None:
         upstream = history + output + found.match.new_items

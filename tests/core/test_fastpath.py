@@ -14,8 +14,6 @@ from proxy.core.conversation import HeadTable
 from proxy.core.request import build_frame, parse_request
 from proxy.errors import InvalidRequest
 
-IDLE = lambda anchor: True  # noqa: E731
-
 
 def call(n: int) -> dict[str, Any]:
     return {
@@ -54,7 +52,7 @@ def run_chain(turns: int, style: str, texts: list[str], hot: bool = True) -> tup
     raw = body(items, style)
     for n in range(turns):
         req = heads.parse("id", raw)
-        found = heads.lookup("id", req, n, IDLE)
+        found = heads.lookup("id", req, n)
         if n:
             assert req.base is not None, f"turn {n} was not fast-parsed"
             assert found.match is not None, found.reason
@@ -105,7 +103,7 @@ def test_retry_of_same_body_is_not_a_continuation() -> None:
     first = body(items)
     heads.record("id", "s1", heads.parse("id", first), {"id": "resp_0", "output": [call(0)]}, 0)
     again = heads.parse("id", first)
-    assert heads.lookup("id", again, 1, IDLE).reason == "retry"
+    assert heads.lookup("id", again, 1).reason == "retry"
 
 
 @pytest.mark.parametrize(
@@ -150,7 +148,7 @@ def test_settings_change_after_input_is_seen_by_fast_parse() -> None:
     heads, items, raw = run_chain(2, "compact", ["out"])
     changed = raw.replace(b'"store":false', b'"store":false,"temperature":0.1')
     req = heads.parse("id", changed)
-    assert heads.lookup("id", req, 9, IDLE).match is None
+    assert heads.lookup("id", req, 9).match is None
 
 
 @pytest.mark.parametrize("style", ["compact", "spaced", "indented"])
@@ -163,7 +161,7 @@ def test_hot_turns_reuse_the_settings_and_never_parse_the_prefix(style: str) -> 
         slow = parse_request(raw)
         assert req.settings_digest == slow.settings_digest
         assert req.fields == slow.fields | {"input": req.fields["input"]}
-        found = heads.lookup("id", req, n, IDLE)
+        found = heads.lookup("id", req, n)
         if n:
             assert req.settings is not None, f"turn {n}: settings parsed again"
             assert found.match is not None, found.reason

@@ -148,7 +148,7 @@ def test_continuation_only_when_the_context_is_identical(data: st.DataObject) ->
             mutated_ever = mutated_ever or sent != app_items
         body = orjson.dumps({**fields, "input": sent})
         req = heads.parse("me", body)
-        found = heads.lookup("me", req, turn, lambda anchor: True)
+        found = heads.lookup("me", req, turn)
         anchor = f"s{turn % 3}"
         if found.match is not None:
             anchor = str(found.match.anchor)
@@ -180,7 +180,7 @@ def test_faithful_echo_is_always_continued(data: st.DataObject) -> None:
     items: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
     for turn in range(4):
         req = heads.parse("me", orjson.dumps({"model": "m", "input": items}))
-        found = heads.lookup("me", req, turn, lambda anchor: True)
+        found = heads.lookup("me", req, turn)
         assert (found.match is not None) == (turn > 0), (turn, found.reason)
         output = data.draw(output_items(turn))
         heads.record("me", "s", req, {"id": f"resp_{turn}", "output": output}, turn)

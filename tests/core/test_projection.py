@@ -170,7 +170,7 @@ def _through_table(output: list[dict[str, Any]], echo: list[dict[str, Any]], tol
     req = heads.parse("me", orjson.dumps({"model": "m", "input": first}))
     heads.record("me", "s", req, {"id": "resp_1", "output": output}, 0.0)
     body = {"model": "m", "input": [*first, *echo, {"role": "user", "content": "next"}]}
-    return heads.lookup("me", heads.parse("me", orjson.dumps(body)), 1.0, lambda head: True)
+    return heads.lookup("me", heads.parse("me", orjson.dumps(body)), 1.0)
 
 
 @pytest.mark.parametrize(("item", "field", "decision"), ROWS, ids=[f"{i}:{f}" for i, f, _ in ROWS])

@@ -13,7 +13,6 @@ from proxy.core.explainer import MissExplainer
 from proxy.reasons import Hit, Mode, Tolerance
 from tests.core.test_conversation import call, reasoning, req, response, result
 
-IDLE = lambda anchor: True  # noqa: E731
 SYSTEM = {"role": "system", "content": "You are helpful. Today is 2026-12-01T10:00."}
 USER = {"role": "user", "content": "do 3 steps"}
 
@@ -23,7 +22,7 @@ def three_turns(heads: HeadTable, first: list[Any]) -> list[Any]:
     history = list(first)
     for turn in (1, 2, 3):
         r = req(history)
-        assert heads.lookup("id", r, turn, IDLE).reason in ("continuation", MissReason.NO_HEAD)
+        assert heads.lookup("id", r, turn).reason in ("continuation", MissReason.NO_HEAD)
         heads.record("id", "s1", r, response(f"resp_{turn}", call(turn)), turn)
         history += [call(turn), result(turn)]
     return history
@@ -31,7 +30,7 @@ def three_turns(heads: HeadTable, first: list[Any]) -> list[Any]:
 
 def miss(misses: MissExplainer, items: list[Any], **fields: Any) -> tuple[str, Any]:
     r = req(items, **fields)
-    found = misses.heads.lookup("id", r, 10, IDLE)
+    found = misses.heads.lookup("id", r, 10)
     assert found.match is None
     return found.reason, misses.explain("id", r, found.reason)
 
@@ -74,7 +73,7 @@ def test_reserialised_arguments_equal_continue_but_changed_ones_are_reported() -
     heads = misses.heads
     heads.record("id", "s1", req([USER]), response("resp_1", call(1, '{"path":"a.py","n":2}')), 0)
     same = req([USER, call(1, '{ "n": 2.0, "path": "a.py" }'), result(1)])
-    assert heads.lookup("id", same, 1, IDLE).match is not None
+    assert heads.lookup("id", same, 1).match is not None
     reason, exp = miss(misses, [USER, call(1, '{"path":"a.py","n":"2"}'), result(1)])
     assert reason == MissReason.DIVERGED
     assert exp is not None
@@ -123,7 +122,7 @@ def test_echoed_message_text_changed() -> None:
     out = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}
     heads.record("id", "s1", req([USER]), response("resp_1", out), 0)
     as_string = {"role": "assistant", "content": "done"}
-    assert heads.lookup("id", req([USER, as_string, USER]), 1, IDLE).match is not None
+    assert heads.lookup("id", req([USER, as_string, USER]), 1).match is not None
     edited = {"role": "assistant", "content": [{"type": "output_text", "text": "done!"}]}
     _, exp = miss(misses, [USER, edited, USER])
     assert exp is not None and (exp.miss_item, exp.miss_type, exp.miss_field) == (1, "message", "content[0].text")
@@ -187,7 +186,7 @@ def test_explained_later_sees_the_heads_of_the_miss_not_those_recorded_since() -
     history = three_turns(heads, [SYSTEM, USER])
     edited = [dict(SYSTEM, content="You are helpful. Today is 2026-12-01T10:05."), *history[1:]]
     r = req(edited)
-    found = heads.lookup("id", r, 10, IDLE)
+    found = heads.lookup("id", r, 10)
     at_miss = misses.explain("id", r, found.reason)
     later = misses.explain_later("id", r, found.reason)
     assert later is not None and at_miss is not None
@@ -288,7 +287,7 @@ def test_an_edit_is_explained_behind_thousands_of_heads_found_by_how_its_input_e
     # Recorded after the miss: the explanation, computed later, does not see it.
     fresh = [{"role": "system", "content": "Another agent."}, USER]
     r = req([dict(fresh[0], content="Another agent, edited."), *fresh[1:], call(1), result(1)])
-    later = misses.explain_later("id", r, heads.lookup("id", r, 10, IDLE).reason)
+    later = misses.explain_later("id", r, heads.lookup("id", r, 10).reason)
     heads.record("id", "s2", req(fresh), response("resp_f1", call(1)), 12)
     assert later is not None
     exp = later()
@@ -393,5 +392,5 @@ def test_dropped_phase_is_explained_at_the_message_and_names_the_field() -> None
     assert exp is not None and (exp.miss_item, exp.miss_field, exp.detail) == (1, "phase", Detail.FIELD)
     tolerant = HeadTable(max_heads=100, ttl_seconds=600, tolerate=[Tolerance.PHASE])
     tolerant.record("id", "s1", req([USER]), response("resp_1", COMMENTARY, call(1)), 0)
-    found = tolerant.lookup("id", req([USER, phaseless, call(1), result(1)]), 10, IDLE)
+    found = tolerant.lookup("id", req([USER, phaseless, call(1), result(1)]), 10)
     assert found.match is not None and found.dropped_phase == 1
