@@ -4,9 +4,8 @@ A *head* is the end state of one completed response: the app's input to it (as d
 upstream's output items (as fingerprints), the response id, and the lane (*anchor*, a
 ``(socket id, stream_id)`` key) whose cache holds it. The upstream caches only a lane's latest
 response, so a lane has at most one head. Which lanes exist and whether one is free is the
-planner's business (``proxy/core/planner.py``), not this table's: a lookup passes over the anchors the
-planner says are busy.
-A stored head outlives its lane (the upstream can hydrate it from any socket).
+planner's business, not this table's: a lookup passes over the anchors the planner says are
+busy. A stored head outlives its lane (the upstream can hydrate it from any socket).
 
 No conversation id is needed. A request continues a head when (client-echo.md §4):
 
@@ -22,13 +21,10 @@ head's input is a retry of that turn, not its successor. A head the planner cann
 (its lane busy) is never used (the request goes out with full input instead). Everything is
 synchronous and pure; the clock is passed in.
 
-:class:`HeadTable` is the index: match (:meth:`~HeadTable.lookup`, which only reads: the planner
-expires before and calls :meth:`~HeadTable.touch` on the head it continues), record, expire.
-Beside it: the records (:mod:`proxy.core.heads`), the raw prefixes and hot bodies for the next
-turn's fast parse (:class:`proxy.core.fastparse.PrefixCache`, told what to add and forget), the
-side indexes of pruned and ``current_turn`` histories (:mod:`proxy.core.sideindex`), who created
-which response id (:mod:`proxy.core.creators`) and where a miss departs
-(:mod:`proxy.core.explainer`, which reads this table).
+:class:`HeadTable` matches (:meth:`~HeadTable.lookup` only reads; the planner expires first
+and touches the head it continues), records and expires. Beside it: :mod:`proxy.core.heads`
+(the records), :class:`~proxy.core.fastparse.PrefixCache` (the next fast parse's prefixes) and
+:mod:`proxy.core.sideindex` (pruned and ``current_turn`` histories).
 """
 
 from __future__ import annotations
@@ -139,11 +135,7 @@ class HeadTable:
         return self.prefixes.parse(identity, body)
 
     def lookup(
-        self,
-        identity: str,
-        req: ParsedRequest,
-        now: float,
-        busy: AbstractSet[Hashable] = frozenset(),
+        self, identity: str, req: ParsedRequest, now: float, busy: AbstractSet[Hashable] = frozenset()
     ) -> Lookup:
         """Find the head ``req`` continues, or say why there is none.
 

@@ -4,9 +4,8 @@ Every process computes the owner of a ``POST /v1/responses`` from its body alone
 (:mod:`proxy.core.affinity`), at two levels: first the *replica* (rendezvous over
 ``cluster.peers`` or the addresses of ``cluster.peers_dns``), then, on a machine running
 ``--workers N``, the *worker* (rendezvous over the N workers). A request on the wrong process is
-forwarded (aiohttp's client, :mod:`proxy.ingress.forward`) to the owner's listener (a
-replica's URL, or a worker's private unix socket) and the answer is streamed back unchanged, so the owner's conversation
-heads keep continuing it.
+forwarded (aiohttp's client, :mod:`proxy.ingress.forward`) to the owner's listener (a replica's
+URL, or a worker's private unix socket); the answer streams back unchanged.
 
 Rules:
 
