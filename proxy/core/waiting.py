@@ -22,9 +22,8 @@ turns continued in memory (:meth:`Estimates.head_saving`), not measurable before
 has continued, and until it is the head waits a bounded while (``pool.wait_seconds``), as a
 conversation sent over HTTP instead would make its next turn a hydration. Once measured, it
 waits only while the new heads' recent waits (:meth:`Estimates.grow`) are shorter than that
-saving. Nothing here reads a
-clock; the planner (:mod:`proxy.core.planner`) applies :func:`wait_seconds` and the pool only
-executes the resulting plan.
+saving. Nothing here reads a clock; the planner's patience (:mod:`proxy.core.patience`) applies
+:func:`wait_seconds` and the pool only executes the resulting plan.
 """
 
 from __future__ import annotations
