@@ -336,14 +336,6 @@ def _bound(runner: web.AppRunner) -> tuple[str, int]:
     return str(address[0]), int(address[1])
 
 
-GC_THRESHOLDS = (10_000, 20, 10)
-"""The collector's thresholds once start-up is frozen (``gc.set_threshold``; CPython's default
-is ``(700, 10, 10)``). A turn allocates thousands of short-lived objects, nearly all freed by
-reference counting; at 700 the youngest generation was collected every few turns and a full
-pass (20-80 ms on the event loop) came about three times in a run of 1,800 turns. At 10,000 the
-young passes are rarer and the full ones about once a run; cycles are still collected."""
-
-
 async def serve(server: Server, *, name: str = "", stop: asyncio.Event | None = None) -> int:
     """Start ``server``, serve until SIGTERM or SIGINT (or until ``stop`` is set), then drain.
 
@@ -360,7 +352,6 @@ async def serve(server: Server, *, name: str = "", stop: asyncio.Event | None = 
     # again and again on the event loop.
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,6 +20,9 @@ from proxy.reasons import ObjectKind, OwnerVerdict
 
 __all__ = ["OwnerBook", "RemoteOwners"]
 
+_RESPONSE_PREFIX = "resp_"
+"""How a response id starts (an output item's never does)."""
+
 
 class RemoteOwners(Protocol):
     """Asks the other processes of the cluster about an id this process does not know."""
@@ -46,9 +49,16 @@ class OwnerBook:
         self.remote: RemoteOwners | None = None
         """Set by the composition root when there are other processes to ask."""
 
-    def note(self, identity: str, response_id: str) -> None:
-        """``identity`` created ``response_id`` (call before the app can see the id)."""
-        self.registry.note(identity, response_id)
+    def note(self, identity: str, object_id: str) -> None:
+        """``identity`` created ``object_id`` (call before the app can see the id).
+
+        Behind an injected key every id is remembered (an ``item_reference`` to an output item
+        is refused unless its tenant's). With the app's own key an id of unknown owner is
+        allowed anyway (the upstream's key check separates tenants): only response ids are
+        remembered then, so another key's ``previous_response_id`` is still refused here,
+        while output items, a few per turn, fill no memory."""
+        if self.strict or object_id.startswith(_RESPONSE_PREFIX):
+            self.registry.note(identity, object_id)
 
     def adopt(self, identity: str, object_id: str) -> None:
         """``identity`` may name ``object_id``, seen in an answer under an object it owns, unless
