@@ -128,13 +128,11 @@ class Demux:
             return False
         return self.support is LaneSupport.PROVEN or not self._flight
 
-    def sent(self, lane: str | None) -> bool:
-        """A create for ``lane`` went out; returns whether it was allowed (:meth:`may_send`).
-        Recorded either way: a socket that carries two unproven responses routes neither's
-        events by guessing, it fails them (:class:`Unroutable`)."""
-        allowed = self.may_send(lane)
+    def sent(self, lane: str | None) -> None:
+        """A create for ``lane`` went out. Recorded whether :meth:`may_send` allowed it or not:
+        a socket that carries two unproven responses routes neither's events by guessing, it
+        fails them (:class:`Unroutable`)."""
         self._flight[lane] = None
-        return allowed
 
     def _to(self, lane: str | None) -> Routed:
         routed = self._routed.get(lane)

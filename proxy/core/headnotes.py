@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.core.fields import NON_SETTINGS_FIELDS
-from proxy.core.items import _kind, canonical, projection
+from proxy.core.items import canonical, projection
 from proxy.core.request import ParsedRequest
 
 __all__ = [
@@ -112,9 +112,8 @@ def _shared(paths: tuple[str, ...]) -> tuple[str, ...]:
 def echo_fields(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> EchoFields:
     """What a head keeps of one upstream output item to name the field an echo changed
     (``seen``: its :func:`~proxy.core.items.projection`, when the caller has it)."""
-    kind = _kind(item)
     out = [(path, value_digest(value)) for path, value in field_paths(item, seen)]
-    if kind == "reasoning" and item.get("encrypted_content") is not None:
+    if item.get("type") == "reasoning" and item.get("encrypted_content") is not None:
         out.append(("encrypted_content", value_digest(item["encrypted_content"])))
     return _shared(tuple(path for path, _ in out)), b"".join(d for _, d in out)
 

@@ -96,8 +96,10 @@ class Patience:
         return False
 
     def ended(self, waiting: Waiting, now: float, lane: bool) -> None:
-        """The turn has a plan that is not a wait (``lane``: a lane of its own); a new head's
-        wait for lanes a moment away that got one is a sample of how long those take."""
+        """The turn that waited has a plan that is not a wait (``lane``: a lane of its own): it
+        leaves its queue, and a new head's wait for lanes a moment away that got one is a
+        sample of how long those take."""
+        self.unqueue(waiting)
         if waiting.deadline is None or not lane:
             return
         waiting.outcome = WaitOutcome.LANE

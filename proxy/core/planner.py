@@ -134,8 +134,8 @@ class Planner:
         plan = self._situation(identity, req, now, replay, may_open, waiting)
         if waiting is not None:
             if not isinstance(plan, Wait):
-                self.patience.unqueue(waiting)
-                self.patience.ended(waiting, now, isinstance(plan, (Continue, Full)))
+                if waiting.deadline is not None:  # only a turn that waited is queued or a sample
+                    self.patience.ended(waiting, now, isinstance(plan, (Continue, Full)))
             elif waiting.rule is WaitRule.BUSY:
                 self.patience.queue(identity, waiting)
         if isinstance(plan, HttpContinue) and not self.limits.http_continuations:

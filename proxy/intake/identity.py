@@ -184,12 +184,15 @@ def request_identity(app_headers: Mapping[str, str], query: str, settings: Setti
         for name in (*settings.identity.headers, settings.api_key.header):
             if len(getall(name, ())) > 1:
                 raise InvalidRequest(f"The credential header '{name}' was sent more than once.")
+    authorization, key_header = app_headers.get("Authorization"), None
+    if keys.injects:  # the sidecar's own key goes upstream (passthrough: the app's, unchanged)
+        authorization, key_header = keys.authorization(authorization), settings.api_key.header
     return identify(
         app_headers,
         upstream=settings.upstream,
-        authorization=keys.authorization(app_headers.get("Authorization")),
+        authorization=authorization,
         openai_beta=settings.pool.openai_beta,
         query=query,
         credential_headers=settings.identity.headers,
-        key_header=settings.api_key.header if keys.injects else None,
+        key_header=key_header,
     )

@@ -467,8 +467,8 @@ class Lease:
         if ticket is None:
             return
         budget = self.gate.budget
-        self.gate._reading.pop(ticket, None)
-        self.gate._apply(budget.done_reading(ticket, self.frame))
+        if self.gate._reading.pop(ticket, None) is not None:  # admitted in steps: its promise ends
+            self.gate._apply(budget.done_reading(ticket, self.frame))
         if self.covered > size:
             self.gate._apply(budget.settle(ticket, AMPLIFICATION * size + self.base))
             self.covered = size
