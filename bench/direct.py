@@ -73,6 +73,19 @@ def q(values: list[float], quantile: float) -> float:
     return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))] if ordered else 0.0
 
 
+def run_summary(took: list[float], started: float, errors: int, continued: int, later: int) -> dict[str, Any]:
+    """One workload's figures: per-turn p50/p99 (ms), the whole run's time, turns, errors and
+    the share of later turns continued."""
+    return {
+        "turn_ms_p50": round(statistics.median(took), 1) if took else 0.0,
+        "turn_ms_p99": round(q(took, 0.99), 1),
+        "run_s": round(time.perf_counter() - started, 2),
+        "turns": len(took),
+        "errors": errors,
+        "continued_later": round(continued / later, 4) if later else 0.0,
+    }
+
+
 def access_lines(log: Path) -> dict[str, dict[str, Any]]:
     """The sidecar's access lines in its log, by ``request_id``."""
     found: dict[str, dict[str, Any]] = {}
@@ -121,16 +134,7 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
     started = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False) as http:
         await asyncio.gather(*(loop(http, i) for i in range(conversations)))
-    return {
-        "turn_ms_p50": round(statistics.median(took), 1) if took else 0.0,
-        "turn_ms_p99": round(q(took, 0.99), 1),
-        "run_s": round(time.perf_counter() - started, 2),
-        "turns": len(took),
-        "errors": errors,
-        "modes": modes,
-        "continued_later": round(continued / later, 4) if later else 0.0,
-        "_ids": ids,
-    }
+    return {**run_summary(took, started, errors, continued, later), "modes": modes, "_ids": ids}
 
 
 async def condition(name: str, conversations: int | None, turns: int, seed: int) -> dict[str, Any]:

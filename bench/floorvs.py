@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .direct import DEFAULTS, KEY, access_lines, q
+from .direct import DEFAULTS, KEY, access_lines, q, run_summary
 from .floor import FloorProc
 from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
 
@@ -87,15 +87,7 @@ async def workload(base_url: str, conversations: int, turns: int, seed: int) -> 
     started = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False) as http:
         await asyncio.gather(*(loop(http, i) for i in range(conversations)))
-    return {
-        "turn_ms_p50": round(statistics.median(took), 1) if took else 0.0,
-        "turn_ms_p99": round(q(took, 0.99), 1),
-        "run_s": round(time.perf_counter() - started, 2),
-        "turns": len(took),
-        "errors": errors,
-        "continued_later": round(continued / later, 4) if later else 0.0,
-        "_ids": ids,
-    }
+    return {**run_summary(took, started, errors, continued, later), "_ids": ids}
 
 
 async def run(relay: str, emu: EmulatorProc, logs: Path, n: int, turns: int, seed: int) -> dict[str, Any]:
