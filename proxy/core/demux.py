@@ -95,8 +95,10 @@ class Demux:
         """Lanes with a response in flight, in the order their creates were sent."""
         self._routed: dict[str | None, Routed] = {}
         """One :class:`Routed` per lane (an event costs no allocation on the hot path)."""
-        self._members: dict[str, bytes] = {}
-        """Each named lane's ``"stream_id":…`` member as the upstream writes it."""
+        self._members: dict[str, tuple[bytes, bytes, bytes]] = {}
+        """Each named lane's ``"stream_id":…`` member as the upstream writes it, with that member
+        as the object's last (``,member}``) and first (``{member,``) (built once per lane, not
+        once per event)."""
 
     def __repr__(self) -> str:
         return f"<Demux {self.support} in flight {list(self._flight)}>"
@@ -195,15 +197,29 @@ class Demux:
         if not isinstance(event, dict):
             raise BadEvent("The upstream sent a frame that is not a JSON object.")
         sid = event.pop("stream_id", None)
-        if sid is not None and not isinstance(sid, str):
-            sid = None  # not a lane name: placed as an event without one (its bytes unchanged)
-        route = self.route(sid, event)
-        if sid is not None and route.__class__ is Routed:
-            member = self._members.get(sid)
-            if member is None:
-                member = self._members[sid] = b'"stream_id":' + orjson.dumps(sid)
-            raw = strip_stream_id(raw, sid, event, member)
-        return route, raw, event
+        if sid is None:
+            return self.route(None, event), raw, event
+        if sid.__class__ is not str:
+            # not a lane name: placed as an event without one (its bytes unchanged)
+            return self.route(None, event), raw, event
+        if self.support is LaneSupport.PROVEN and sid in self._flight:
+            route: Routed | Stray | Unroutable = self._to(sid)  # the hot path: route()'s answer
+        else:
+            route = self.route(sid, event)
+            if route.__class__ is not Routed:
+                return route, raw, event
+        forms = self._members.get(sid)
+        if forms is None:
+            member = b'"stream_id":' + orjson.dumps(sid)
+            forms = self._members[sid] = (member, b"," + member + b"}", b"{" + member + b",")
+        member, tail, head = forms
+        # Where upstreams put it (last, or first) is cut here without a call; anywhere else,
+        # strip_stream_id decides.
+        if raw.endswith(tail):
+            return route, raw[: len(raw) - len(tail)] + b"}", event
+        if raw.startswith(head):
+            return route, b"{" + raw[len(head) :], event
+        return route, strip_stream_id(raw, sid, event, member), event
 
 
 def strip_stream_id(raw: bytes, sid: str, event: dict[str, Any], member: bytes = b"") -> bytes:
