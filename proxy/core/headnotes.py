@@ -109,13 +109,47 @@ def _shared(paths: tuple[str, ...]) -> tuple[str, ...]:
     return paths
 
 
+_SAFE_NAMES: dict[Any, str] = {}
+"""Keys already passed through :func:`schema_name` (``"?"`` for one that is not a schema name):
+output items use a handful of keys, so a head's record runs no regex for them."""
+_MAX_SAFE_NAMES = 4096
+
+
+def _safe_name(key: Any) -> str:
+    name = _SAFE_NAMES.get(key)
+    if name is None:
+        name = schema_name(key) or "?"
+        if len(_SAFE_NAMES) < _MAX_SAFE_NAMES and isinstance(key, str) and len(key) <= 64:
+            _SAFE_NAMES[key] = name
+    return name
+
+
 def echo_fields(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> EchoFields:
     """What a head keeps of one upstream output item to name the field an echo changed
-    (``seen``: its :func:`~proxy.core.items.projection`, when the caller has it)."""
-    out = [(path, value_digest(value)) for path, value in field_paths(item, seen)]
+    (``seen``: its :func:`~proxy.core.items.projection`, when the caller has it).
+
+    The paths and digests of :func:`field_paths`, in its order, built in one pass (a head's
+    record runs this for every output item)."""
+    paths: list[str] = []
+    digests: list[bytes] = []
+    for key, value in (projection(item) if seen is None else seen).items():
+        name = _safe_name(key)
+        if key not in _LISTS or not isinstance(value, list) or not value:
+            paths.append(name)
+            digests.append(value_digest(value))
+            continue
+        for index, part in enumerate(value):
+            if isinstance(part, dict) and part:
+                for k, v in part.items():
+                    paths.append(f"{name}[{index}].{_safe_name(k)}")
+                    digests.append(value_digest(v))
+            else:
+                paths.append(f"{name}[{index}]")
+                digests.append(value_digest(part))
     if item.get("type") == "reasoning" and item.get("encrypted_content") is not None:
-        out.append(("encrypted_content", value_digest(item["encrypted_content"])))
-    return _shared(tuple(path for path, _ in out)), b"".join(d for _, d in out)
+        paths.append("encrypted_content")
+        digests.append(value_digest(item["encrypted_content"]))
+    return _shared(tuple(paths)), b"".join(digests)
 
 
 class _Head(Protocol):
