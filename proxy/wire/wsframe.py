@@ -147,6 +147,9 @@ class FrameReader:
                 break
             payload = data[pos + header : end]
             pos = end
+            if (first == 0x81 or first == 0x82) and not self._fragments:
+                out.append(payload)  # a whole text or binary message: _frame's answer, without the call
+                continue
             if not self._frame(out, opcode, bool(first & 0x80), payload):
                 return out
         if pos < size:
