@@ -14,14 +14,11 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from proxy.core.creators import OwnerRegistry
-from proxy.core.named_ids import NamedIds, noun
+from proxy.core.named_ids import NamedIds, kind_of, noun
 from proxy.errors import ForeignObject, ForeignResponse
 from proxy.reasons import ObjectKind, OwnerVerdict
 
 __all__ = ["OwnerBook", "RemoteOwners"]
-
-_RESPONSE_PREFIX = "resp_"
-"""How a response id starts (an output item's never does)."""
 
 
 class RemoteOwners(Protocol):
@@ -54,10 +51,11 @@ class OwnerBook:
 
         Behind an injected key every id is remembered (an ``item_reference`` to an output item
         is refused unless its tenant's). With the app's own key an id of unknown owner is
-        allowed anyway (the upstream's key check separates tenants): only response ids are
-        remembered then, so another key's ``previous_response_id`` is still refused here,
-        while output items, a few per turn, fill no memory."""
-        if self.strict or object_id.startswith(_RESPONSE_PREFIX):
+        allowed anyway (the upstream's key check separates tenants): output items, a few per
+        turn and the only ids without a known prefix (:func:`~proxy.core.named_ids.kind_of`),
+        are not remembered then; responses and every other object still are, so another key's
+        id is still refused here."""
+        if self.strict or kind_of(object_id, ObjectKind.ITEMS) is not ObjectKind.ITEMS:
             self.registry.note(identity, object_id)
 
     def adopt(self, identity: str, object_id: str) -> None:
