@@ -357,7 +357,6 @@ class Passthrough:
                         _sniffed(sniffer, held, on_id)
                     await response.write(swap.feed(held) if swap is not None else held)
                 async for chunk in upstream.content.iter_any():
-                    t_last = time.perf_counter() - received_ago(sock)
                     if sniffer is not None and not sniffer.done:
                         _sniffed(sniffer, chunk, on_id)
                     out = swap.feed(chunk) if swap is not None else chunk
@@ -373,6 +372,8 @@ class Passthrough:
                             continue
                         out, pending = b"".join(pending), None  # too large: its ids stay unknown
                     await response.write(out)
+                # The answer's last bytes are the connection's latest: read their age once, here.
+                t_last = time.perf_counter() - received_ago(sock)
                 if pending is not None:
                     whole = b"".join(pending)
                     for object_id in answer_members(whole, opts.answer):
