@@ -23,7 +23,10 @@ Reported per condition and run: per-turn p50/p99 at the app (its own clock), the
 time, errors, and for upshift the share of later turns continued, the sidecar's CPU seconds,
 its added time from the app's clock (the app's time minus the upstream's own time, per request
 from the access line) beside what its access line reported, and the machine's load before and
-after. ``never_slower``: upshift's p50, p99 and whole run no higher than direct's plus the
+after. ``--upstream-nice -10`` (as root) runs the emulator ahead of the app and the relay: on a
+2-core machine the relay's CPU otherwise delays the emulator's own pacing, which a remote
+upstream would not feel; the results say which niceness it had (``upstream_nice``).
+``never_slower``: upshift's p50, p99 and whole run no higher than direct's plus the
 noise of the two direct runs (and 5 ms, 0.1 s).
 """
 
@@ -65,6 +68,10 @@ CONDITIONS: dict[str, tuple[list[str], bool, int, list[dict[str, Any]]]] = {
     ),
 }
 """Emulator flags, the conversations' ``store``, how many (unless ``--conversations``), faults."""
+NICE_HELP = (
+    "the emulator's niceness (e.g. -10, as root): on a small machine the relay's CPU otherwise delays "
+    "the emulator's own pacing, which a remote upstream would not feel (0: unchanged, the default)"
+)
 
 
 def q(values: list[float], quantile: float) -> float:
@@ -137,15 +144,17 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
     return {**run_summary(took, started, errors, continued, later), "modes": modes, "_ids": ids}
 
 
-async def condition(name: str, conversations: int | None, turns: int, seed: int) -> dict[str, Any]:
+async def condition(name: str, conversations: int | None, turns: int, seed: int, nice: int = 0) -> dict[str, Any]:
     """One condition: direct, upshift, direct, on one emulator."""
     flags, store, default_n, faults = CONDITIONS[name]
     n = conversations or default_n
     logs = Path(tempfile.mkdtemp(prefix=f"bench-direct-{name}-"))
     emu = EmulatorProc(logs, {}, ["--latency-preset", "fast", *flags])
     emu.start()
+    upstream_nice = emu.stand_apart(nice) if nice else 0
     await emu.ready()
     result: dict[str, Any] = {"condition": name, "conversations": n, "store": store, "load_before": os.getloadavg()[0]}
+    result["upstream_nice"] = upstream_nice
     try:
         first = await workload(emu.base_url, n, turns, store, seed)
         await emu.reset()
@@ -195,12 +204,13 @@ async def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--upstream-nice", type=int, default=0, help=NICE_HELP)
     args = p.parse_args(argv)
     install_signal_handlers()
     results = []
     try:
         for name in (c for c in args.conditions.split(",") if c):
-            result = await condition(name, args.conversations, args.turns, args.seed)
+            result = await condition(name, args.conversations, args.turns, args.seed, args.upstream_nice)
             print(json.dumps(result), flush=True)
             results.append(result)
     finally:

@@ -17,6 +17,9 @@ read from the app's clock (the app's time minus the upstream's own time from the
 the time its turns waited for a lane or a handshake (the access line's ``wait_ms``: how many
 turns waited 1 ms or more, their mean wait, p50/p99 over all turns), the access lines' reasons, and the
 added time of the conversations' first turns (new connections, new heads) apart.
+``--upstream-nice -10`` (as root) runs the emulator ahead of the app and the relay: on a
+2-core machine the relay's CPU otherwise delays the emulator's own pacing, which a remote
+upstream would not feel; the results say which niceness it had (``upstream_nice``).
 The emulator's time for a continued turn is the same for both relays (the context is cached on
 its connection either way), so the difference of the app's per-turn times is the difference of
 the relays' added times. The machine's load is read before and after each run.
@@ -38,7 +41,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .direct import DEFAULTS, KEY, access_lines, q, run_summary
+from .direct import DEFAULTS, KEY, NICE_HELP, access_lines, q, run_summary
 from .floor import FloorProc
 from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
 
@@ -138,11 +141,13 @@ async def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--upstream-nice", type=int, default=0, help=NICE_HELP)
     args = p.parse_args(argv)
     install_signal_handlers()
     logs = Path(tempfile.mkdtemp(prefix="bench-floorvs-"))
     emu = EmulatorProc(logs, {}, ["--latency-preset", "fast", "--ws-max-connections-per-key", "0"])
     emu.start()
+    upstream_nice = emu.stand_apart(args.upstream_nice) if args.upstream_nice else 0
     results: list[dict[str, Any]] = []
     try:
         await emu.ready()
@@ -160,6 +165,7 @@ async def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "p99_over_floor_ms": [round(u["turn_ms_p99"] - f["turn_ms_p99"], 1) for f, u in zip(floor, ours, strict=True)],
         "p50_over_floor_ms": [round(u["turn_ms_p50"] - f["turn_ms_p50"], 1) for f, u in zip(floor, ours, strict=True)],
         "floor_p99_noise_ms": round(max(f["turn_ms_p99"] for f in floor) - min(f["turn_ms_p99"] for f in floor), 1),
+        "upstream_nice": upstream_nice,
     }
     print(json.dumps(summary), flush=True)
     if args.json:
