@@ -323,6 +323,14 @@ class Budget:
         call (:meth:`take_pending`): the core tells no shell, the shell asks."""
         self.pending += self.unkeep(key).granted
 
+    def rekeep(self, old: Hashable | None, key: Hashable, size: int) -> bool:
+        """:meth:`cooled` of ``old`` (if not ``None``), then :meth:`keep` of ``key``: a head's
+        kept body replaced by its successor's in one call (the waiters the old one's memory
+        lets in come first, then the new one is kept only if none still waits)."""
+        if old is not None:
+            self.cooled(old)
+        return self.keep(key, size)
+
     def take_pending(self) -> list[Ticket]:
         """The waiters :meth:`cooled` let in since the last call (to wake), handed over once."""
         pending, self.pending = self.pending, []
