@@ -32,11 +32,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.core.budget import FairShares
 from proxy.core.explain import item_digests
-from proxy.core.fair import FairShares
 from proxy.core.fastparse import PrefixCache, kept_prefix
 from proxy.core.heads import Head, Listener, Lookup, Match, Recorded, stronger
 from proxy.core.items import echo_matches, fingerprint, phase_dropped, projection
@@ -49,14 +48,6 @@ __all__ = ["HeadTable", "MissReason"]
 
 
 _Key = tuple[str, bytes, int, bytes]
-
-
-@dataclass(slots=True)
-class _Bucket:
-    """Prefix lengths present among the heads of one (identity, settings)."""
-
-    lengths: dict[int, int] = field(default_factory=dict)
-    """Prefix length → heads with it (a plain dict: ``Counter``'s methods are interpreted code)."""
 
 
 class HeadTable:
@@ -89,7 +80,9 @@ class HeadTable:
         self.tolerate = frozenset(tolerate) | ({Tolerance.REASONING} if allow_dropped_reasoning else set())
         self._heads: OrderedDict[Hashable, Head] = OrderedDict()
         self._index: dict[_Key, list[Hashable]] = {}
-        self._buckets: dict[tuple[str, bytes], _Bucket] = {}
+        self._buckets: dict[tuple[str, bytes], dict[int, int]] = {}
+        """(identity, settings) → the prefix lengths of its heads → heads with each (a plain
+        dict: ``Counter``'s methods are interpreted code)."""
         self._by_response: dict[str, Hashable] = {}
         self._fair_heads = FairShares()
         """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes."""
@@ -160,7 +153,7 @@ class HeadTable:
         dropped_seen = (0, 0)
         if bucket is not None:
             n_items = req.n_items
-            lengths = {n for n in bucket.lengths if n <= n_items}
+            lengths = {n for n in bucket if n <= n_items}
             digests = req.prefix_digests(lengths)
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
@@ -302,7 +295,7 @@ class HeadTable:
         for (ident, settings), bucket in self._buckets.items():
             if ident != identity or settings == req.settings_digest:
                 continue
-            lengths = {n for n in bucket.lengths if n < req.n_items}
+            lengths = {n for n in bucket if n < req.n_items}
             for n, value in req.prefix_digests(lengths).items():
                 if (identity, settings, n, value) in self._index:
                     return True
@@ -397,16 +390,8 @@ class HeadTable:
             head = Head(identity, anchor, response_id, req.settings_digest, 0, b"", fps, now, chained=True)
         else:
             state = req.input_state()
-            head = Head(
-                identity=identity,
-                anchor=anchor,
-                response_id=response_id,
-                settings=req.settings_digest,
-                n_input=req.n_items,
-                input_digest=state.digest()[:16],
-                output=fps,
-                last_used=now,
-            )
+            input_digest = state.digest()[:16]
+            head = Head(identity, anchor, response_id, req.settings_digest, req.n_items, input_digest, fps, now)
             head.items = digests
             for item in items:
                 if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
@@ -436,8 +421,8 @@ class HeadTable:
             bucket_key = (head.identity, head.settings)
             bucket = self._buckets.get(bucket_key)
             if bucket is None:  # (not setdefault: that builds a bucket on every insert)
-                bucket = self._buckets[bucket_key] = _Bucket()
-            bucket.lengths[head.n_input] = bucket.lengths.get(head.n_input, 0) + 1
+                bucket = self._buckets[bucket_key] = {}
+            bucket[head.n_input] = bucket.get(head.n_input, 0) + 1
             if isinstance(source, Recorded):
                 prefix = kept_prefix(head.identity, source.req, source.state, source.prefix_state)
             else:
@@ -473,12 +458,12 @@ class HeadTable:
                 del self._index[key]
         bucket_key = (head.identity, head.settings)
         bucket = self._buckets[bucket_key]
-        left = bucket.lengths[head.n_input] - 1
+        left = bucket[head.n_input] - 1
         if left > 0:
-            bucket.lengths[head.n_input] = left
+            bucket[head.n_input] = left
         else:
-            del bucket.lengths[head.n_input]
-        if not bucket.lengths:
+            del bucket[head.n_input]
+        if not bucket:
             del self._buckets[bucket_key]
 
     def discard(self, anchor: Hashable) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from proxy.core.fair import FairShares
+from proxy.core.budget import FairShares
 from proxy.core.fields import validate_fields, validate_items
 from proxy.core.prefixes import Base, Keeper, KeptPrefix, RawPrefix, SettingsBlock, prefix_digest
 from proxy.core.rawjson import InputSpan, blank_back, blank_forward, locate_input, parse_object_part
