@@ -356,9 +356,9 @@ class PrefixCache:
 
     def replace(self, anchor: Hashable, prefix: KeptPrefix | None, now: float) -> None:
         """Keep ``prefix`` under ``anchor`` in place of the one there, if any (``None``: only
-        that one goes), its body if memory allows: the old body's memory is handed back and the
-        new one's asked for in one step of the keeper (:meth:`Keeper.rekeep`), and its fair
-        share moves in one step."""
+        that one goes), its body if memory allows. The old body's memory is handed back and the
+        new one's asked for in one call of the keeper (:meth:`Keeper.rekeep`); the anchor's
+        fair share moves to the new body in one step."""
         old = self._prefixes.pop(anchor, None)
         hot = False
         if old is not None:
@@ -368,35 +368,34 @@ class PrefixCache:
                 if old.raw.body is not None:
                     self._hot_size -= len(old.raw.body)
                     old.raw.body = None
-        if prefix is None:
+        body = prefix.raw.body if prefix is not None else None
+        if prefix is not None:
+            self._prefixes[anchor] = prefix
+            self._probe(anchor, prefix)
+        if prefix is not None and body is not None and self.keeper is not None:
+            if not self.keeper.rekeep(anchor if hot else None, anchor, len(body)):
+                body = prefix.raw.body = None  # no memory to spare: the digest serves this prefix
+        elif hot and self.keeper is not None:
+            self.keeper.cooled(anchor)
+        if prefix is None or body is None:
             if hot:
-                if self.keeper is not None:
-                    self.keeper.cooled(anchor)
                 self._fair_hot.remove(anchor)
             return
+        self._hot[anchor] = now
+        self._hot_size += len(body)
+        self._fair_hot.add(prefix.identity, anchor, len(body))  # the old body's share, if any, moves
+        while self._hot_size > self.hot_bytes and self._hot:
+            self.cool(self._fair_hot.victim() or next(iter(self._hot)))
+
+    def _probe(self, anchor: Hashable, prefix: KeptPrefix) -> None:
+        """Add ``anchor``'s ``prefix`` to the probes."""
         raw = prefix.raw
-        self._prefixes[anchor] = prefix
         by_length = self._probes.setdefault(prefix.identity, {})
         probes = by_length.get(raw.length)
         if probes is None:
             probes = by_length[raw.length] = {}
             insort(self._lengths.setdefault(prefix.identity, []), raw.length)
         probes.setdefault(raw.probe, {}).setdefault(raw.digest, []).append(anchor)
-        if self.keeper is not None:
-            if raw.body is None:
-                if hot:
-                    self.keeper.cooled(anchor)
-            elif not self.keeper.rekeep(anchor if hot else None, anchor, len(raw.body)):
-                raw.body = None  # no memory to spare: the digest serves this prefix
-        if raw.body is None:
-            if hot:
-                self._fair_hot.remove(anchor)
-            return
-        self._hot[anchor] = now
-        self._hot_size += len(raw.body)
-        self._fair_hot.add(prefix.identity, anchor, len(raw.body))  # the old body's share, if any, moves
-        while self._hot_size > self.hot_bytes and self._hot:
-            self.cool(self._fair_hot.victim() or next(iter(self._hot)))
 
     def take(self, anchor: Hashable) -> KeptPrefix | None:
         """Forget the prefix of ``anchor`` (its body let go first) and return it."""
