@@ -13,6 +13,10 @@ Sans-I/O accounting (the async gate is :mod:`proxy.intake.memory`). Three kinds 
   evicts the least recently kept ones (their heads fall back to the digest: same answer);
 * **heads**: the conversation heads and their sockets (:meth:`Budget.set_heads`).
 
+At the bounds on kept bodies and heads (their bytes, their count) the one that gives way is the
+heaviest tenant's least recently used (:class:`FairShares`): a tenant that opens ten times its
+share, or splits one credential into many identities, evicts its own, never another tenant's.
+
 A reservation or a growth that does not fit waits (the body is not read meanwhile: TCP
 backpressure). Waiters are admitted round-robin over their keys (the caller's identity), first
 come first within a key, growths of bodies being read before new requests, and **any waiter that
@@ -35,14 +39,13 @@ reads a clock.
 
 from __future__ import annotations
 
-import enum
+import heapq
 from collections import OrderedDict, deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 
+from proxy.core.fair import tenant_of
 from proxy.core.sizing import (
     AMPLIFICATION,
-    DEFAULT_MEMORY_BYTES,
     HEAD_COST,
     HEADER_ROOM,
     KEYLESS_SHARE,
@@ -52,10 +55,10 @@ from proxy.core.sizing import (
     Kind,
     derive,
 )
+from proxy.core.tickets import Effects, Ticket, Verdict
 
 __all__ = [
     "AMPLIFICATION",
-    "DEFAULT_MEMORY_BYTES",
     "HEAD_COST",
     "HEADER_ROOM",
     "KEYLESS_SHARE",
@@ -64,6 +67,7 @@ __all__ = [
     "Budget",
     "Derived",
     "Effects",
+    "FairShares",
     "Kind",
     "Ticket",
     "Verdict",
@@ -71,53 +75,73 @@ __all__ = [
 ]
 
 
-class Verdict(enum.StrEnum):
-    """The state of a :class:`Ticket`."""
+class FairShares:
+    """Per-group LRU order and weight totals; :meth:`victim` is the heaviest group's oldest.
 
-    GRANTED = "granted"
-    WAITING = "waiting"
-    TOO_LARGE = "too_large"
-    CANCELLED = "cancelled"
-    RELEASED = "released"
+    Items (conversation heads, kept bodies) belong to a group (the tenant of the identity they
+    are given) and weigh something (1 for a head, its size for a kept body). Pure and
+    O(log groups) per change (a lazy max-heap of group totals)."""
 
+    def __init__(self) -> None:
+        self._items: dict[str, OrderedDict[Hashable, int]] = {}
+        self._group_of: dict[Hashable, str] = {}
+        self._totals: dict[str, int] = {}
+        self._heap: list[tuple[int, str]] = []
 
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """One request's share of the budget."""
+    def __len__(self) -> int:
+        return len(self._group_of)
 
-    want: int
-    """Bytes asked for (granted: held)."""
-    held: int = 0
-    """Bytes counted now: ``want`` once granted; while waiting, what the connection's buffers
-    already hold of the unread body (see :meth:`Budget.ask`)."""
-    verdict: Verdict = Verdict.WAITING
-    waited: bool = False
-    """Whether it had to queue."""
-    key: Hashable = None
-    """Whose request it is (the identity): waiters are admitted round-robin over keys."""
-    need: int = 0
-    """The most it will hold once its body is read (above ``want``: a body still arriving,
-    granted step by step, see :meth:`Budget.ask`)."""
-    more: int = 0
-    """A growth waiting in the queue (a granted ticket whose next step did not fit)."""
-    promise: int = -1
-    """What a body being read may still grow by as far as its observed rate shows
-    (:meth:`Budget.observe`); -1: not observed yet, its declared ``need``."""
-    slow: bool = False
-    """Its observed rate cannot deliver the rest of its body before its deadline: its growths
-    wait behind new requests."""
-    keyless: bool = False
-    """Sent without a credential: shares the keyless quota (:data:`KEYLESS_SHARE`)."""
+    def total(self, group: str) -> int:
+        """The weight ``group`` (an identity's tenant) holds."""
+        return self._totals.get(tenant_of(group), 0)
 
+    def add(self, group: str, item: Hashable, weight: int = 1) -> None:
+        """``item`` of ``group`` (an identity: its tenant is the group) now weighs ``weight``
+        and is the group's most recent."""
+        group = tenant_of(group)
+        if self._group_of.get(item, group) != group:
+            self.remove(item)
+        self._group_of[item] = group
+        items = self._items.setdefault(group, OrderedDict())
+        old = items.pop(item, 0)
+        items[item] = weight
+        self._set(group, self._totals.get(group, 0) - old + weight)
 
-@dataclass(slots=True)
-class Effects:
-    """What the caller must do after a budget call."""
+    def touch(self, item: Hashable) -> None:
+        """``item`` was used: its group's most recent."""
+        group = self._group_of.get(item)
+        if group is not None:
+            self._items[group].move_to_end(item)
 
-    granted: list[Ticket] = field(default_factory=list)
-    """Tickets that were waiting and are granted now (wake them)."""
-    evict: list[Hashable] = field(default_factory=list)
-    """Kept bodies to let go of (already no longer counted)."""
+    def remove(self, item: Hashable) -> None:
+        """``item`` is gone (no-op if unknown)."""
+        group = self._group_of.pop(item, None)
+        if group is None:
+            return
+        items = self._items[group]
+        weight = items.pop(item)
+        if not items:
+            del self._items[group]
+        self._set(group, self._totals.get(group, 0) - weight)
+
+    def victim(self) -> Hashable | None:
+        """The least recently used item of the group with the most weight (``None``: empty)."""
+        while self._heap:
+            negative, group = self._heap[0]
+            if self._totals.get(group) == -negative and group in self._items:
+                return next(iter(self._items[group]))
+            heapq.heappop(self._heap)  # stale entry
+        return None
+
+    def _set(self, group: str, total: int) -> None:
+        if total <= 0 and group not in self._items:
+            self._totals.pop(group, None)
+            return
+        self._totals[group] = total
+        heapq.heappush(self._heap, (-total, group))
+        if len(self._heap) > 4 * len(self._totals) + 64:  # drop stale entries now and then
+            self._heap = [(-t, g) for g, t in self._totals.items()]
+            heapq.heapify(self._heap)
 
 
 class Budget:
@@ -323,6 +347,14 @@ class Budget:
         call (:meth:`take_pending`): the core tells no shell, the shell asks."""
         self.pending += self.unkeep(key).granted
 
+    def rekeep(self, old: Hashable | None, key: Hashable, size: int) -> bool:
+        """:meth:`cooled` of ``old`` (if not ``None``), then :meth:`keep` of ``key``: a head's
+        kept body replaced by its successor's in one call (the waiters the old one's memory
+        lets in come first, then the new one is kept only if none still waits)."""
+        if old is not None:
+            self.cooled(old)
+        return self.keep(key, size)
+
     def take_pending(self) -> list[Ticket]:
         """The waiters :meth:`cooled` let in since the last call (to wake), handed over once."""
         pending, self.pending = self.pending, []
@@ -335,19 +367,6 @@ class Budget:
         return self._admit() if shrunk else Effects()
 
     # -- internals -------------------------------------------------------------------------
-
-    def merge(self, ticket: Ticket, extra: Ticket) -> None:
-        """Fold a granted ``extra`` ticket into ``ticket``."""
-        if ticket.verdict is not Verdict.GRANTED or extra.verdict is not Verdict.GRANTED:
-            raise ValueError("merge of tickets not both granted")
-        ticket.want += extra.want
-        ticket.held += extra.held
-        if extra.keyless != ticket.keyless:
-            self.keyless += extra.held if ticket.keyless else -extra.held
-        ticket.need = max(ticket.need, ticket.held)
-        extra.want = extra.held = 0
-        extra.verdict = Verdict.RELEASED
-        self.tickets -= 1
 
     def _count(self, ticket: Ticket, delta: int) -> None:
         """``ticket`` holds ``delta`` bytes more (or fewer)."""

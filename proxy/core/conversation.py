@@ -32,13 +32,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.core.explain import echo_fields, item_digests
-from proxy.core.fair import FairShares
-from proxy.core.fastparse import PrefixCache, raw_prefix
-from proxy.core.heads import Head, Listener, Lookup, Match, stronger
+from proxy.core.budget import FairShares
+from proxy.core.explain import item_digests
+from proxy.core.fastparse import PrefixCache, kept_prefix
+from proxy.core.heads import Head, Listener, Lookup, Match, Recorded, stronger
 from proxy.core.items import echo_matches, fingerprint, phase_dropped, projection
 from proxy.core.prefixes import KeptPrefix
 from proxy.core.request import ParsedRequest
@@ -49,14 +48,6 @@ __all__ = ["HeadTable", "MissReason"]
 
 
 _Key = tuple[str, bytes, int, bytes]
-
-
-@dataclass(slots=True)
-class _Bucket:
-    """Prefix lengths present among the heads of one (identity, settings)."""
-
-    lengths: dict[int, int] = field(default_factory=dict)
-    """Prefix length → heads with it (a plain dict: ``Counter``'s methods are interpreted code)."""
 
 
 class HeadTable:
@@ -89,7 +80,9 @@ class HeadTable:
         self.tolerate = frozenset(tolerate) | ({Tolerance.REASONING} if allow_dropped_reasoning else set())
         self._heads: OrderedDict[Hashable, Head] = OrderedDict()
         self._index: dict[_Key, list[Hashable]] = {}
-        self._buckets: dict[tuple[str, bytes], _Bucket] = {}
+        self._buckets: dict[tuple[str, bytes], dict[int, int]] = {}
+        """(identity, settings) → the prefix lengths of its heads → heads with each (a plain
+        dict: ``Counter``'s methods are interpreted code)."""
         self._by_response: dict[str, Hashable] = {}
         self._fair_heads = FairShares()
         """Heads by identity: at ``max_heads`` the heaviest identity's least recent goes."""
@@ -160,7 +153,7 @@ class HeadTable:
         dropped_seen = (0, 0)
         if bucket is not None:
             n_items = req.n_items
-            lengths = {n for n in bucket.lengths if n <= n_items}
+            lengths = {n for n in bucket if n <= n_items}
             digests = req.prefix_digests(lengths)
             for n in sorted(lengths, reverse=True):
                 for anchor in self._index.get((identity, req.settings_digest, n, digests[n]), ()):
@@ -302,7 +295,7 @@ class HeadTable:
         for (ident, settings), bucket in self._buckets.items():
             if ident != identity or settings == req.settings_digest:
                 continue
-            lengths = {n for n in bucket.lengths if n < req.n_items}
+            lengths = {n for n in bucket if n < req.n_items}
             for n, value in req.prefix_digests(lengths).items():
                 if (identity, settings, n, value) in self._index:
                     return True
@@ -379,7 +372,7 @@ class HeadTable:
         ``prefix_state`` is :func:`~proxy.core.fastparse.hash_prefix` of a fully parsed body,
         when the caller computed it off the event loop.
         """
-        digests = self._item_digests(req)  # before discard: a fast parse extends this head's
+        digests = self._item_digests(req)  # before the swap: a fast parse extends this head's
         bare = None
         if req.previous_response_id is None and current_turn(req):
             bare = bare_state(self._heads.get(req.base.anchor) if req.base is not None else None, req)
@@ -392,42 +385,31 @@ class HeadTable:
         items = [i for i in output if isinstance(i, dict)] if isinstance(output, list) else []
         seen = [projection(i) for i in items]  # once per item: for the fingerprint and the echo fields
         fps = tuple(fingerprint(i, s) for i, s in zip(items, seen, strict=True))
-        prefix = None
+        state = None
         if chained:
             head = Head(identity, anchor, response_id, req.settings_digest, 0, b"", fps, now, chained=True)
         else:
             state = req.input_state()
-            head = Head(
-                identity=identity,
-                anchor=anchor,
-                response_id=response_id,
-                settings=req.settings_digest,
-                n_input=req.n_items,
-                input_digest=state.digest()[:16],
-                output=fps,
-                last_used=now,
-            )
+            input_digest = state.digest()[:16]
+            head = Head(identity, anchor, response_id, req.settings_digest, req.n_items, input_digest, fps, now)
             head.items = digests
-            raw = raw_prefix(req, prefix_state)
-            prefix = KeptPrefix(identity, raw, req.n_items, state) if raw is not None else None
             for item in items:
                 if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
                     head.compactions += (digest_of(item["encrypted_content"]),)
         head.store = req.store
         head.bare = bare
-        # The lane's previous head goes (a continuation's base, usually), and its notes with it,
-        # before the new head's are taken: the listener is told of the two in that order.
-        self.discard(anchor)
-        if not chained:
-            head.echo = tuple(echo_fields(i, s) for i, s in zip(items, seen, strict=True))
-            if self.listener is not None:
-                self.listener.recorded(head, req)
-        self._insert(head, now, prefix)
+        self._insert(head, now, Recorded(req, state, prefix_state, items, seen))
         return head
 
-    def _insert(self, head: Head, now: float, prefix: KeptPrefix | None = None) -> None:
-        """Index ``head`` under ``head.anchor`` (which holds no head); its prefix to the cache."""
+    def _insert(self, head: Head, now: float, source: Recorded | KeptPrefix | None = None) -> None:
+        """Index ``head`` under ``head.anchor`` in place of the head there (the lane's previous
+        head, usually the one continued), in one step: its prefix and fair share replace the old
+        head's, the listener hears of the old head let go, then of the new one. ``source``: what
+        a recorded head came from, or the prefix a rekeyed head takes along."""
         anchor = head.anchor
+        old = self._heads.pop(anchor, None)
+        if old is not None:
+            self._unindex(old, anchor)
         self._heads[anchor] = head
         self._by_response[head.response_id] = anchor
         if head.compactions:
@@ -439,22 +421,27 @@ class HeadTable:
             bucket_key = (head.identity, head.settings)
             bucket = self._buckets.get(bucket_key)
             if bucket is None:  # (not setdefault: that builds a bucket on every insert)
-                bucket = self._buckets[bucket_key] = _Bucket()
-            bucket.lengths[head.n_input] = bucket.lengths.get(head.n_input, 0) + 1
-            if prefix is not None:
-                self.prefixes.add(anchor, prefix, now)
-        self._fair_heads.add(head.identity, anchor)
+                bucket = self._buckets[bucket_key] = {}
+            bucket[head.n_input] = bucket.get(head.n_input, 0) + 1
+            if isinstance(source, Recorded):
+                prefix = kept_prefix(head.identity, source.req, source.state, source.prefix_state)
+            else:
+                prefix = source
+            self.prefixes.replace(anchor, prefix, now)  # the old head's, if any, goes with it
+        elif old is not None and not old.chained:
+            self.prefixes.take(anchor)
+        self._fair_heads.add(head.identity, anchor)  # the old head's share (same anchor) moves
+        if self.listener is not None:
+            if old is not None and not old.chained:
+                self.listener.discarded(old)
+            if isinstance(source, Recorded) and not head.chained:
+                self.listener.recorded(head, source)
         while len(self._heads) > self.max_heads:
             self.discard(self._fair_heads.victim() or next(iter(self._heads)))
 
-    def discard(self, anchor: Hashable) -> None:
-        """Forget the head of ``anchor`` (socket closed, reconnected or turn not completed)."""
-        head = self._heads.pop(anchor, None)
-        if head is None:
-            return
-        if not head.chained:
-            self.prefixes.take(anchor)  # its prefix and hot body first: their memory is free at once
-        self._fair_heads.remove(anchor)
+    def _unindex(self, head: Head, anchor: Hashable) -> None:
+        """Remove ``head`` (no longer in :attr:`_heads`) from the indexes; its prefix and fair
+        share are the caller's."""
         if self._by_response.get(head.response_id) == anchor:
             del self._by_response[head.response_id]
         if head.compactions:
@@ -471,14 +458,24 @@ class HeadTable:
                 del self._index[key]
         bucket_key = (head.identity, head.settings)
         bucket = self._buckets[bucket_key]
-        left = bucket.lengths[head.n_input] - 1
+        left = bucket[head.n_input] - 1
         if left > 0:
-            bucket.lengths[head.n_input] = left
+            bucket[head.n_input] = left
         else:
-            del bucket.lengths[head.n_input]
-        if not bucket.lengths:
+            del bucket[head.n_input]
+        if not bucket:
             del self._buckets[bucket_key]
-        if self.listener is not None:
+
+    def discard(self, anchor: Hashable) -> None:
+        """Forget the head of ``anchor`` (socket closed, reconnected or turn not completed)."""
+        head = self._heads.pop(anchor, None)
+        if head is None:
+            return
+        if not head.chained:
+            self.prefixes.take(anchor)  # its prefix and hot body first: their memory is free at once
+        self._fair_heads.remove(anchor)
+        self._unindex(head, anchor)
+        if self.listener is not None and not head.chained:
             self.listener.discarded(head)
 
     def expire(self, now: float) -> list[Hashable]:

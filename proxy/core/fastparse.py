@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from proxy.core.fair import FairShares
+from proxy.core.budget import FairShares
 from proxy.core.fields import validate_fields, validate_items
 from proxy.core.prefixes import Base, Keeper, KeptPrefix, RawPrefix, SettingsBlock, prefix_digest
 from proxy.core.rawjson import InputSpan, blank_back, blank_forward, locate_input, parse_object_part
@@ -38,6 +38,7 @@ __all__ = [
     "PrefixCache",
     "fast_parse",
     "hash_prefix",
+    "kept_prefix",
     "prefix_length",
     "raw_prefix",
     "settings_block",
@@ -124,6 +125,13 @@ def raw_prefix(req: ParsedRequest, state: Any = None) -> RawPrefix | None:
     block = settings_block(req)
     suffix = len(body) - req.span.end - 1
     return RawPrefix(length, body[length - PROBE : length], state.digest()[:16], state, req.span, body, block, suffix)
+
+
+def kept_prefix(identity: str, req: ParsedRequest, state: Any, prefix_state: Any = None) -> KeptPrefix | None:
+    """What the cache keeps of the request a head of ``identity`` is recorded from (``state``:
+    the hash state of its input; ``prefix_state`` as :func:`raw_prefix`'s), or ``None``."""
+    raw = raw_prefix(req, prefix_state)
+    return KeptPrefix(identity, raw, req.n_items, state) if raw is not None else None
 
 
 def fast_parse(raw: RawPrefix, anchor: Hashable, n_input: int, input_state: Any, body: bytes) -> ParsedRequest | None:
@@ -346,9 +354,41 @@ class PrefixCache:
         prefix = self._prefixes.get(anchor)
         return prefix.raw.body if prefix is not None else None
 
-    def add(self, anchor: Hashable, prefix: KeptPrefix, now: float) -> None:
-        """Keep ``prefix`` under ``anchor`` (which holds none); its body if memory allows."""
-        self._prefixes[anchor] = prefix
+    def replace(self, anchor: Hashable, prefix: KeptPrefix | None, now: float) -> None:
+        """Keep ``prefix`` under ``anchor`` in place of the one there, if any (``None``: only
+        that one goes), its body if memory allows. The old body's memory is handed back and the
+        new one's asked for in one call of the keeper (:meth:`Keeper.rekeep`); the anchor's
+        fair share moves to the new body in one step."""
+        old = self._prefixes.pop(anchor, None)
+        hot = False
+        if old is not None:
+            self._unprobe(anchor, old)
+            if self._hot.pop(anchor, None) is not None:
+                hot = True
+                if old.raw.body is not None:
+                    self._hot_size -= len(old.raw.body)
+                    old.raw.body = None
+        body = prefix.raw.body if prefix is not None else None
+        if prefix is not None:
+            self._prefixes[anchor] = prefix
+            self._probe(anchor, prefix)
+        if prefix is not None and body is not None and self.keeper is not None:
+            if not self.keeper.rekeep(anchor if hot else None, anchor, len(body)):
+                body = prefix.raw.body = None  # no memory to spare: the digest serves this prefix
+        elif hot and self.keeper is not None:
+            self.keeper.cooled(anchor)
+        if prefix is None or body is None:
+            if hot:
+                self._fair_hot.remove(anchor)
+            return
+        self._hot[anchor] = now
+        self._hot_size += len(body)
+        self._fair_hot.add(prefix.identity, anchor, len(body))  # the old body's share, if any, moves
+        while self._hot_size > self.hot_bytes and self._hot:
+            self.cool(self._fair_hot.victim() or next(iter(self._hot)))
+
+    def _probe(self, anchor: Hashable, prefix: KeptPrefix) -> None:
+        """Add ``anchor``'s ``prefix`` to the probes."""
         raw = prefix.raw
         by_length = self._probes.setdefault(prefix.identity, {})
         probes = by_length.get(raw.length)
@@ -356,21 +396,17 @@ class PrefixCache:
             probes = by_length[raw.length] = {}
             insort(self._lengths.setdefault(prefix.identity, []), raw.length)
         probes.setdefault(raw.probe, {}).setdefault(raw.digest, []).append(anchor)
-        if raw.body is not None and self.keeper is not None and not self.keeper.keep(anchor, len(raw.body)):
-            raw.body = None  # no memory to spare: the digest serves this prefix
-        if raw.body is not None:
-            self._hot[anchor] = now
-            self._hot_size += len(raw.body)
-            self._fair_hot.add(prefix.identity, anchor, len(raw.body))
-            while self._hot_size > self.hot_bytes and self._hot:
-                self.cool(self._fair_hot.victim() or next(iter(self._hot)))
 
     def take(self, anchor: Hashable) -> KeptPrefix | None:
         """Forget the prefix of ``anchor`` (its body let go first) and return it."""
         self.cool(anchor)
         prefix = self._prefixes.pop(anchor, None)
-        if prefix is None:
-            return None
+        if prefix is not None:
+            self._unprobe(anchor, prefix)
+        return prefix
+
+    def _unprobe(self, anchor: Hashable, prefix: KeptPrefix) -> None:
+        """Remove ``anchor``'s ``prefix`` (no longer in :attr:`_prefixes`) from the probes."""
         by_length = self._probes[prefix.identity]
         probes = by_length[prefix.raw.length]
         by_digest = probes[prefix.raw.probe]
@@ -386,7 +422,6 @@ class PrefixCache:
                 if not by_length:
                     del self._probes[prefix.identity]
                     del self._lengths[prefix.identity]
-        return prefix
 
     def cool(self, anchor: Hashable) -> None:
         """Let go of the body kept for ``anchor``, if any (memory pressure, or its age): the

@@ -153,7 +153,8 @@ def echo_fields(item: Mapping[str, Any], seen: dict[str, Any] | None = None) -> 
 
 
 class _Head(Protocol):
-    """What the notes read of a head (:class:`proxy.core.conversation.Head`)."""
+    """What the notes read of a head (:class:`proxy.core.heads.Head`), and its echo fields they
+    set."""
 
     identity: str
     anchor: Hashable
@@ -161,6 +162,18 @@ class _Head(Protocol):
     settings: bytes
     n_input: int
     items: bytes | None
+    echo: tuple[EchoFields, ...]
+
+
+class _Source(Protocol):
+    """What a head was recorded from (:class:`proxy.core.heads.Recorded`)."""
+
+    @property
+    def req(self) -> ParsedRequest: ...
+    @property
+    def items(self) -> list[dict[str, Any]]: ...
+    @property
+    def seen(self) -> list[dict[str, Any]]: ...
 
 
 class HeadNotes:
@@ -182,9 +195,11 @@ class HeadNotes:
         self.serial = 0
         """Heads recorded so far (a miss looks only at those recorded before it)."""
 
-    def recorded(self, head: _Head, req: ParsedRequest) -> None:
-        """``head`` was recorded from the full history ``req``: keep its settings' digests and
-        index it by how its input ends."""
+    def recorded(self, head: _Head, source: _Source) -> None:
+        """``head`` was recorded from the full history ``source.req``: give it the echo fields
+        of its output items (:func:`echo_fields`, from their projections ``source.seen``), keep
+        its settings' digests and index it by how its input ends."""
+        head.echo = tuple(echo_fields(i, s) for i, s in zip(source.items, source.seen, strict=True))
         self.serial += 1
         key = end_key(head)
         if key is not None:
@@ -193,7 +208,7 @@ class HeadNotes:
         if digest in self.settings_fields:
             self.settings_fields.move_to_end(digest)
             return
-        self.settings_fields[digest] = settings_fields(req.fields)
+        self.settings_fields[digest] = settings_fields(source.req.fields)
         while len(self.settings_fields) > self.MAX_SETTINGS_FIELDS:
             self.settings_fields.popitem(last=False)
 

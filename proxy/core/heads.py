@@ -19,19 +19,33 @@ from proxy.core.items import OutputFingerprint
 from proxy.core.request import ParsedRequest
 from proxy.reasons import Hit, MissReason
 
-__all__ = ["Head", "Listener", "Lookup", "Match", "stronger"]
+__all__ = ["Head", "Listener", "Lookup", "Match", "Recorded", "stronger"]
 
 
 class Listener(Protocol):
     """Told of the heads the table records and lets go (the miss explainer)."""
 
-    def recorded(self, head: Head, req: ParsedRequest) -> None:
-        """``head`` was recorded from the full history ``req`` (never for a chained request)."""
+    def recorded(self, head: Head, source: Recorded) -> None:
+        """``head`` was recorded from the full history ``source.req`` (never for a chained
+        request); the listener keeps what it needs of its output (:attr:`Head.echo`)."""
         ...
 
     def discarded(self, head: Head) -> None:
         """``head`` (not chained) left the table; ``head.anchor`` is still the one it had."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What a head is recorded from: its request (``state``: the hash state of its input;
+    ``prefix_state``: its body's prefix hashed off the loop, or ``None``) and its output items
+    (``seen``: their projections), for the prefix cache and the listener."""
+
+    req: ParsedRequest
+    state: Any
+    prefix_state: Any
+    items: list[dict[str, Any]]
+    seen: list[dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -54,7 +68,8 @@ class Head:
     items: bytes | None = None
     """8 bytes per input item (:func:`~proxy.core.explain.item_digests`), to explain misses."""
     echo: tuple[EchoFields, ...] = ()
-    """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`)."""
+    """Per output item, its projected fields' digests (:func:`~proxy.core.explain.echo_fields`),
+    set by the table's listener (the miss explainer's notes: only they read it)."""
     compactions: tuple[bytes, ...] = ()
     """Digests of the ``encrypted_content`` of the ``compaction`` items of its output."""
     bare: tuple[int, Any] | None = None

@@ -362,10 +362,11 @@ class Planner:
         if sock is None or lane is None:
             return []  # the socket closed meanwhile
         busy = lane.state in (LaneState.BUSY, LaneState.DRAINING)
-        if response is not None and req is not None and measured is not None:
-            self.estimates.observe_upstream(sock.identity, measured, len(req.body), upstream_seconds)
-        if busy and response is not None:
-            self.estimates.observe_busy(sock.identity, now - lane.used_at)  # since its begin
+        sample = measured if response is not None and req is not None else None
+        took = now - lane.used_at if busy and response is not None else None  # since its begin
+        if sample is not None or took is not None:
+            size = len(req.body) if req is not None else 0
+            self.estimates.observe_turn(sock.identity, took, sample, size, upstream_seconds)
         if busy:
             self.book.end(sock, lane)
         lane.used_at = now

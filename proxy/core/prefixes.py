@@ -120,6 +120,11 @@ class Keeper(Protocol):
         """The head of ``anchor`` let its kept body go."""
         ...
 
+    def rekeep(self, old: Hashable | None, anchor: Hashable, size: int) -> bool:
+        """:meth:`cooled` of ``old`` (if not ``None``), then :meth:`keep` of ``anchor``: one step
+        for a body replacing another."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Base:

@@ -93,6 +93,27 @@ class _Identity:
         self.first_any: dict[Send, _Mean] = {}
 
 
+def _busy(mine: _Identity, seconds: float) -> None:
+    if mine.busy is None:
+        mine.busy = _Mean(seconds)
+    else:
+        mine.busy.add(seconds)
+
+
+def _upstream(mine: _Identity, send: Send, size: int, seconds: float) -> None:
+    key = (send, size_bucket(size))
+    mean = mine.first.get(key)
+    if mean is None:
+        mine.first[key] = _Mean(seconds)
+    else:
+        mean.add(seconds)
+    overall = mine.first_any.get(send)
+    if overall is None:
+        mine.first_any[send] = _Mean(seconds)
+    else:
+        overall.add(seconds)
+
+
 class Estimates:
     """Rolling per-identity estimates of lane busy time and of the upstream's own time by
     :class:`Send` and size bucket (bounded: :data:`MAX_IDENTITIES`)."""
@@ -112,26 +133,20 @@ class Estimates:
 
     def observe_busy(self, identity: str, seconds: float) -> None:
         """A lane of ``identity`` carried one response for ``seconds`` (begin to terminal event)."""
-        mine = self._get(identity)
-        if mine.busy is None:
-            mine.busy = _Mean(seconds)
-        else:
-            mine.busy.add(seconds)
+        _busy(self._get(identity), seconds)
 
     def observe_upstream(self, identity: str, send: Send, size: int, seconds: float) -> None:
         """The upstream took ``seconds`` from the send to the terminal event for a ``size``-byte request."""
+        _upstream(self._get(identity), send, size, seconds)
+
+    def observe_turn(self, identity: str, busy: float | None, send: Send | None, size: int, seconds: float) -> None:
+        """One turn on a lane of ``identity`` ended: :meth:`observe_busy` of ``busy`` and
+        :meth:`observe_upstream` of ``send`` (each unless ``None``), with one lookup."""
         mine = self._get(identity)
-        key = (send, size_bucket(size))
-        mean = mine.first.get(key)
-        if mean is None:
-            mine.first[key] = _Mean(seconds)
-        else:
-            mean.add(seconds)
-        overall = mine.first_any.get(send)
-        if overall is None:
-            mine.first_any[send] = _Mean(seconds)
-        else:
-            overall.add(seconds)
+        if send is not None:
+            _upstream(mine, send, size, seconds)
+        if busy is not None:
+            _busy(mine, busy)
 
     def observe_grow(self, identity: str, seconds: float) -> None:
         """A new head of ``identity`` waited ``seconds`` for lanes a moment away (a handshake, a

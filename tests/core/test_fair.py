@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.core.fair import FairShares
+from proxy.core.budget import FairShares
 
 
 def test_victim_is_the_heaviest_groups_oldest() -> None:

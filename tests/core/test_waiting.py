@@ -272,3 +272,21 @@ def test_while_sockets_grow_a_new_head_whose_lane_saves_nothing_goes_now() -> No
     plan = p.plan("id", body, 2.0, waiting=waiting)
     assert (type(plan), plan.reason, waiting.deadline) == (Http, PassthroughReason.WAIT_NOT_WORTH_IT, None)
     assert p.estimates.grow("id") is None  # no wait, no sample
+
+
+def test_a_lane_turn_that_ends_is_a_sample_of_its_busy_time_and_of_the_way_it_was_sent() -> None:
+    p = planner()
+    first = req([user("a")])
+    plan = opened(p, p.plan("id", first, 0.0), 0.0)
+    p.finished(
+        plan.lane, 0.4, req=first, response={"id": "resp_a", "output": []}, measured=Send.FULL, upstream_seconds=0.3
+    )
+    assert p.estimates.busy("id") == 0.4  # from its begin (the plan) to its terminal event
+    assert p.estimates.upstream_time("id", Send.FULL, len(first.body)) == 0.3
+    assert p.estimates.upstream_time("id", Send.CONTINUE, len(first.body)) is None
+    # A turn that ends without a response (failed) is no sample of either.
+    second = req([user("b")])
+    plan = opened(p, p.plan("other", second, 1.0), 1.0)
+    p.finished(plan.lane, 3.0, measured=Send.FULL, upstream_seconds=2.0)
+    assert p.estimates.busy("other") == DEFAULT_BUSY_SECONDS
+    assert p.estimates.upstream_time("other", Send.FULL, len(second.body)) is None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from proxy.core.budget import AMPLIFICATION, HEADER_ROOM, MIN_RESERVATION, Budget, Verdict, derive
+from proxy.core.conversation import HeadTable
 from proxy.core.sizing import BASELINE_SLACK
 
 MIB = 1024 * 1024
@@ -213,9 +215,7 @@ def test_a_chunked_body_grows_its_grant_while_it_fits() -> None:
     assert ok and out.evict == ["a"] and ticket.want == 70
     ok, _ = budget.grow(ticket, 40)
     assert not ok and ticket.want == 70
-    extra, _ = budget.ask(20)
-    budget.merge(ticket, extra)
-    assert (ticket.want, budget.tickets, budget.in_flight) == (90, 1, 90)
+    assert (ticket.want, budget.tickets, budget.in_flight) == (70, 1, 70)
     budget.release(ticket)
     assert budget.idle and budget.in_flight == 0
     with pytest.raises(ValueError):
@@ -241,3 +241,38 @@ def test_the_derived_limits_fit_the_budget() -> None:
     assert d.max_body_bytes * AMPLIFICATION + MIN_RESERVATION + HEADER_ROOM <= d.capacity
     assert d.hot_prefix_bytes == d.capacity // 2
     assert derive(4096 * MIB, 45 * MIB).max_body_bytes == 64 * MIB  # never above the old default
+
+
+def _turn(heads: HeadTable, anchor: tuple[str, int], inputs: list[dict[str, object]], n: int) -> bytes:
+    """Record turn ``n`` of one conversation on ``anchor``; returns its body."""
+    body = orjson.dumps({"model": "gpt-6.1-sol", "input": inputs})
+    req = heads.parse("ident", body)
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"answer {n}"}]}]
+    assert heads.record("ident", anchor, req, {"id": f"resp_{n}", "output": output}, float(n)) is not None
+    inputs.extend(output)
+    inputs.append({"role": "user", "content": f"question {n + 1} " + "y" * 1000})
+    return body
+
+
+def test_a_head_replaced_on_its_lane_hands_its_kept_body_over() -> None:
+    """A continuation's head replaces its lane's previous head: the old kept body leaves the
+    accounting and the new one is kept in its place (one keeper call), or, while a request
+    waits, not kept at all (the digest serves the next turn's prefix: still a fast parse)."""
+    heads = HeadTable(max_heads=10, ttl_seconds=1e9)
+    budget = Budget(10 * MIB)
+    heads.prefixes.keeper = budget
+    anchor = ("socket", 1)
+    inputs: list[dict[str, object]] = [{"role": "user", "content": "question 0 " + "x" * 5000}]
+    first = _turn(heads, anchor, inputs, 0)
+    assert budget.kept == len(first) and heads.prefixes.body(anchor) == first
+    second = _turn(heads, anchor, inputs, 1)
+    assert heads.parse("ident", orjson.dumps({"model": "gpt-6.1-sol", "input": inputs})).base is not None
+    assert len(heads) == 1 and budget.kept == len(second) and heads.prefixes.body(anchor) == second
+    held, _ = budget.ask(budget.free)
+    waiting, _ = budget.ask(budget.kept + 1)  # more than free + kept: waits
+    assert waiting.verdict is Verdict.WAITING
+    _turn(heads, anchor, inputs, 2)
+    assert budget.kept == 0 and heads.prefixes.body(anchor) is None and budget.take_pending() == []
+    assert heads.parse("ident", orjson.dumps({"model": "gpt-6.1-sol", "input": inputs})).base is not None
+    budget.release(held)
+    assert waiting.verdict is Verdict.GRANTED

@@ -18,7 +18,7 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from proxy.core.fair import FairShares
+from proxy.core.budget import FairShares
 from proxy.intake.identity import Identity, identify
 from proxy.serve.relay import RELAY_REFUSED_CODE
 from tests.reliability.helpers import user
