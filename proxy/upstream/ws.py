@@ -77,10 +77,9 @@ class Inbox:
         self.seen = False
         """An event of this lane arrived."""
         self.arrived = 0.0
-        """``time.perf_counter()`` when the read that brought this lane's latest event arrived:
-        for the terminal event, when the kernel received it (the upstream's time ends there,
-        however late the sidecar's loop reads it and hands it on); for the others, when the
-        loop read it."""
+        """``time.perf_counter()`` when the kernel received the read that brought this lane's
+        terminal event (the upstream's time ends there, however late the loop reads it), or
+        when the loop read an earlier event's (a getsockopt per read is not worth it)."""
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, raw: bytes, event: dict[str, Any], at: float = 0.0) -> None:
@@ -218,8 +217,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         self._close_rcvd: Close | None = None
         self._buffer = _read_buffer()
         self._tcp: Any = None
-        self._read_at = 0.0
-        self._read_now = 0.0
+        self._read_now = self._read_at = 0.0
         self.transport, self.protocol, held = ws_take_over(ws, self)
         self._tcp = tcp_socket(self.transport)
         self._library = bool(self.protocol.extensions) or bool(held)
@@ -352,10 +350,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         """The bytes of one read."""
         if self.error is not None:
             return  # after a failure nothing more is processed
-        # When this read arrived: the clock now, and, read only for a terminal event (where the
-        # upstream's time ends), the kernel's age of the read (a getsockopt per read otherwise).
-        self._read_now = time.perf_counter()
-        self._read_at = 0.0
+        self._read_now, self._read_at = time.perf_counter(), 0.0  # _read_at: see _message
         results = self._reader.feed(data)
         if self._library:
             self._flush()  # the library's own answers: pongs, the close reply
@@ -400,10 +395,8 @@ class UpstreamSocket(asyncio.BufferedProtocol):
             inbox = self.inboxes.get(route.lane)
             if inbox is not None:  # else its reader never opened an inbox (nothing waits for it)
                 at = self._read_now
-                if event.get("type") in _TERMINAL:
-                    if not self._read_at:
-                        self._read_at = self._read_now - received_ago(self._tcp)
-                    at = self._read_at
+                if event.get("type") in _TERMINAL:  # the upstream's time ends at the kernel's receipt
+                    at = self._read_at = self._read_at or self._read_now - received_ago(self._tcp)
                 inbox.put(raw, event, at)
         elif isinstance(route, Unroutable):
             self._fail(
