@@ -182,9 +182,7 @@ async def _perform(x: Exchange) -> web.StreamResponse:
         if isinstance(plan, HttpContinue):
             x.rec.waited(waiting)
             return await _http_continuation(x, plan)
-        channel, failure = await _lease_and_pump(x, plan, waiting)
-        attempt = Attempt(x.attempt, isinstance(plan, Continue), plan.lane[1] is not None, x.req.stream)
-        verdict = decide(channel, failure, attempt, x.down.written)
+        channel, verdict = await _lease_and_pump(x, plan, waiting)
         if isinstance(verdict, Answer):
             return await _answer(x, channel, verdict)
         if _replay(x, plan, channel, verdict):
@@ -202,8 +200,10 @@ def _planned(x: Exchange, plan: OnLane, waiting: Waiting) -> bytes:
     return plan.frame(x.req)
 
 
-async def _lease_and_pump(x: Exchange, plan: OnLane, waiting: Waiting) -> tuple[Channel, UpstreamError | None]:
-    """Lease the plan's lane and pump one response on it; the lane keeps its head on the way out."""
+async def _lease_and_pump(x: Exchange, plan: OnLane, waiting: Waiting) -> tuple[Channel, Answer | Replay]:
+    """Lease the plan's lane and pump one response on it (the lane keeps its head on the way
+    out); the attempt's verdict (:func:`~proxy.core.answer.decide`: its answer or its replay),
+    then the pump stage's record, next to the answer stage's."""
     hold = x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
     channel = Channel(x.req.previous_response_id, hold_back_s=hold)
     frames = [_planned(x, plan, waiting)]  # pump takes the only reference, frees it once sent
@@ -220,8 +220,10 @@ async def _lease_and_pump(x: Exchange, plan: OnLane, waiting: Waiting) -> tuple[
                 await x.down.settle(channel)  # the app's answer before the lane records its head
     except UpstreamError as exc:
         failure = exc
+    attempt = Attempt(x.attempt, isinstance(plan, Continue), plan.lane[1] is not None, x.req.stream)
+    verdict = decide(channel, failure, attempt, x.down.written)
     x.rec.pumped(sent, x.down.upstream_wait, x.req.fields.get("service_tier"), channel.response)
-    return channel, failure
+    return channel, verdict
 
 
 async def _keep(x: Exchange, turn: Turn, keep: Kept) -> None:
