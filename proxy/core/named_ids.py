@@ -136,6 +136,13 @@ class NamedIds:
     stream_id: str | None = None
     objects: tuple[tuple[str, str, str], ...] = ()
 
+    @property
+    def names_any(self) -> bool:
+        """Whether it names any stored object (:attr:`stream_id` names none): an owner check of
+        what names none has nothing to refuse, in every mode."""
+        named = self.previous_response_id is not None or self.conversation is not None
+        return named or bool(self.items or self.objects)
+
     def of(self, kind: str) -> tuple[str, ...]:
         """The ids of ``kind`` in :attr:`objects`."""
         return tuple(object_id for k, object_id, _ in self.objects if k == kind)

@@ -352,6 +352,8 @@ async def _read_known(content: Any, length: int, lease: Lease | None, watch: Bod
     # readexactly keeps every chunk and joins them: twice the body at the end). readany()
     # hands over one received chunk as it is (read(n) joins what is buffered: a copy); the
     # payload parser never lets more than the declared length into the stream.
+    # A lease whose first step covers the declared length (every body up to one step) never
+    # grows: it is not asked to.
     buffer = BodyBuffer(length)
     covered = lease.covered if lease is not None else length
     while not buffer.full:
@@ -361,12 +363,13 @@ async def _read_known(content: Any, length: int, lease: Lease | None, watch: Bod
         buffer.write(chunk)
         if watch is not None:
             watch.chunk(len(chunk))
-        if lease is not None and buffer.filled + _AHEAD > covered:
+        if lease is not None and buffer.filled + _AHEAD > covered < length:
             await _grow(lease, buffer.filled, watch)
             covered = lease.covered
+    body = buffer.value()
     if lease is not None:
         lease.read(length)
-    return buffer.value()
+    return body
 
 
 async def _read_unknown(

@@ -32,7 +32,6 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Hashable, Sized
-from types import TracebackType
 
 from proxy.core.budget import (
     AMPLIFICATION,
@@ -59,6 +58,7 @@ __all__ = [
     "MemoryGate",
     "MemoryRefused",
     "MemoryTooLarge",
+    "WHOLE_FRAME_EXTRA_ABOVE",
     "cgroup_memory_limit",
     "effective_settings",
     "process_rss",
@@ -82,9 +82,8 @@ _RATE_WINDOW = 0.25
 
 
 MESSAGE_AMPLIFICATION = 3
-"""Bytes a relayed message holds per byte read: assembled by the server (and copied once out of
-its buffer as it completes), then masked into a frame by the upstream client (measured ~2.5x
-for a 15 MiB frame, see :meth:`Lease.whole_frame`)."""
+"""Bytes a relayed message holds per byte read: assembled by the server (copied once as it
+completes), then masked into a frame by the upstream client (~2.5x, :meth:`Lease.whole_frame`)."""
 
 
 # -- the gate --------------------------------------------------------------------------------------
@@ -219,7 +218,8 @@ class MemoryGate:
             self._observe()
         heads = len(self.heads) * HEAD_COST if self.heads is not None else None
         ticket, out = self.budget.ask(want, buffered, key=key, need=need, keyless=keyless, heads=heads)
-        self._apply(out)
+        if _due(self.budget, out):
+            self._apply(out)
         if ticket.verdict is Verdict.TOO_LARGE:
             MEMORY_REFUSALS.labels(MemoryRefusal.TOO_LARGE).inc()
             raise MemoryTooLarge(
@@ -326,6 +326,11 @@ class MemoryGate:
         MEMORY_WAITING.set_function(lambda: b.waiting)
 
 
+def _due(budget: Budget, out: Effects) -> bool:
+    """Whether :meth:`MemoryGate._apply` has work after ``out``: a waiter, a kept body, a trim."""
+    return bool(out.granted or out.evict or budget.pending or budget.idle)
+
+
 def _granted(ticket: Ticket) -> bool:
     return ticket.verdict is Verdict.GRANTED
 
@@ -411,13 +416,12 @@ class Lease:
             self.gate._reading[ticket] = self
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         if self._ticket is not None:
             ticket, self._ticket = self._ticket, None
             self.gate._reading.pop(ticket, None)
-            self.gate._apply(self.gate.budget.release(ticket))
+            if _due(self.gate.budget, out := self.gate.budget.release(ticket)):
+                self.gate._apply(out)
 
     def evidence(self, now: float) -> tuple[int, bool]:
         """What this body may still grow by (budget bytes) as far as its observed rate can
@@ -474,14 +478,13 @@ class Lease:
             self.covered = size
 
     async def whole_frame(self, size: int) -> None:
-        """A ``size``-byte frame is about to go upstream in one piece (``pool.fragment_bytes``
-        0, the default): while websockets masks it into a copy and the transport buffers what
-        the socket does not take at once, it costs ~2.5x its size (tracemalloc, 15 MiB frame),
-        half a frame more than :data:`AMPLIFICATION` pays for beside the body and its items.
-        Reserve that half until :meth:`sent` (waiting for memory like a body step). With a gate
-        of ``whole_frames`` it was promised with the body (:attr:`frame`), so the bodies admitted
-        together can all take it: a body read in full never waits for a frame step that only
-        other bodies read in full could free."""
+        """A ``size``-byte frame is about to go upstream in one piece (``pool.fragment_bytes`` 0):
+        masked into a copy, partly buffered by the transport, it costs ~2.5x its size
+        (tracemalloc, 15 MiB frame), half a frame more than :data:`AMPLIFICATION` pays for
+        beyond :data:`WHOLE_FRAME_EXTRA_ABOVE`. Reserve that half until :meth:`sent` (waiting
+        like a body step). With a gate of ``whole_frames`` it was promised with the body
+        (:attr:`frame`), so the bodies admitted together can all take it: a body read in full
+        never waits for a frame step that only other bodies read in full could free."""
         ticket = self._ticket
         if ticket is None or size <= WHOLE_FRAME_EXTRA_ABOVE:
             return
@@ -493,4 +496,5 @@ class Lease:
     def sent(self) -> None:
         """The frame went to the upstream socket: from now on the request holds its body only."""
         if self._ticket is not None:
-            self.gate._apply(self.gate.budget.settle(self._ticket, self.body + self.base))
+            if _due(self.gate.budget, out := self.gate.budget.settle(self._ticket, self.body + self.base)):
+                self.gate._apply(out)

@@ -39,15 +39,16 @@ from proxy.core.named_ids import parsed_ids
 from proxy.core.plans import Continue, Full, Http, HttpContinue, OnLane
 from proxy.core.request import ParsedRequest, Transport, choose_transport, http_unsupported
 from proxy.core.retry import Replay
+from proxy.core.waiting import Waiting
 from proxy.errors import ProxyError, RequestError, UpstreamError
 from proxy.intake.identity import Identity, request_identity
 from proxy.intake.keys import KeySource
-from proxy.intake.memory import Lease, MemoryGate
+from proxy.intake.memory import WHOLE_FRAME_EXTRA_ABOVE, Lease, MemoryGate
 from proxy.observe.metrics import UPSTREAM_DURATION
 from proxy.reasons import Mode, PassthroughReason, Reason, RequestOutcome
 from proxy.serve.creator_check import OwnerBook
 from proxy.serve.inflight import Streams
-from proxy.serve.offload import hash_prefix_in_thread, warm_keys
+from proxy.serve.offload import hash_prefix_in_thread, large, warm_keys
 from proxy.serve.record import Record
 from proxy.serve.streaming import Downstream, count_hold_back, json_body, pump, wants_obfuscation
 from proxy.upstream.passthrough import Forwarded, Options, Passthrough, http_continuation_body
@@ -158,50 +159,57 @@ async def _parse(svc: Services, arrival: Arrival) -> ParsedRequest:
     """The fast parse (skips the history prefix this identity's previous turn already sent);
     another tenant's ``previous_response_id`` (or, behind an injected key, one no process knows)
     is refused: the upstream's store is shared behind one key and would serve it.
-    The ids are read from this parse (:func:`~proxy.core.named_ids.parsed_ids`), never from a second one."""
+    The ids are read from this parse (:func:`~proxy.core.named_ids.parsed_ids`), never from a second one;
+    a request that names none (most turns) has nothing to check."""
     req = svc.heads.parse(arrival.identity.digest, arrival.body)
-    await svc.owners.check(arrival.identity.digest, parsed_ids(req))
-    await warm_keys(req)
+    named = parsed_ids(req)
+    if named.names_any:
+        await svc.owners.check(arrival.identity.digest, named)
+    if large(req):
+        await warm_keys(req)
     arrival.rec.parsed(req.n_items)
     return req
 
 
 async def _perform(x: Exchange) -> web.StreamResponse:
     """Plan → lease a lane → pump → answer; a failure before output is replayed once."""
-    x.prefix = hash_prefix_in_thread(x.req)
+    x.prefix = hash_prefix_in_thread(x.req) if large(x.req) else None
     while True:
-        plan = x.rec.waited(*await x.svc.pool.plan(x.identity, x.req, replay=x.attempt > 0))
+        plan, waiting = await x.svc.pool.plan(x.identity, x.req, replay=x.attempt > 0)
         if isinstance(plan, Http):  # a stored new conversation's answer is adopted as a head
+            x.rec.waited(waiting)
             return await _over_http(x, plan.reason, adopt=x.req.adoptable)
         if isinstance(plan, HttpContinue):
+            x.rec.waited(waiting)
             return await _http_continuation(x, plan)
-        channel, failure = await _lease_and_pump(x, plan)
-        attempt = Attempt(x.attempt, isinstance(plan, Continue), plan.lane[1] is not None, x.req.stream)
-        verdict = decide(channel, failure, attempt, x.down.written)
+        channel, verdict = await _lease_and_pump(x, plan, waiting)
         if isinstance(verdict, Answer):
             return await _answer(x, channel, verdict)
         if _replay(x, plan, channel, verdict):
             return await _over_http(x, PassthroughReason.FRAME_TOO_BIG)
 
 
-def _planned(x: Exchange, plan: OnLane) -> bytes:
-    """The plan stage: its record (and counts), a miss's explanation, the ``response.create`` frame."""
+def _planned(x: Exchange, plan: OnLane, waiting: Waiting) -> bytes:
+    """The plan stage: its record (its wait, its counts), a miss's explanation, the
+    ``response.create`` frame."""
     first = x.attempt == 0
-    x.rec.planned_lane(plan, x.req.n_items, first)
+    x.rec.planned_lane(plan, waiting, x.req.n_items, first)
     if first and isinstance(plan, Full):  # where the miss departs (never content), after the answer
         x.rec.explain(x.svc.misses.explain_later(x.identity.digest, x.req, plan.reason), plan.reason)
     x.down.headers["x-upshift-mode"] = x.rec.mode
     return plan.frame(x.req)
 
 
-async def _lease_and_pump(x: Exchange, plan: OnLane) -> tuple[Channel, UpstreamError | None]:
-    """Lease the plan's lane and pump one response on it; the lane keeps its head on the way out."""
+async def _lease_and_pump(x: Exchange, plan: OnLane, waiting: Waiting) -> tuple[Channel, Answer | Replay]:
+    """Lease the plan's lane and pump one response on it (the lane keeps its head on the way
+    out); the attempt's verdict (:func:`~proxy.core.answer.decide`: its answer or its replay),
+    then the pump stage's record, next to the answer stage's."""
     hold = x.svc.settings.streaming.hold_back_seconds if x.req.stream else None
     channel = Channel(x.req.previous_response_id, hold_back_s=hold)
-    frames = [_planned(x, plan)]  # pump takes the only reference, frees it once sent
+    frames = [_planned(x, plan, waiting)]  # pump takes the only reference, frees it once sent
     sent, failure = len(frames[0]), None
-    if x.down.lease is not None and not x.svc.settings.pool.fragment_bytes:
-        await x.down.lease.whole_frame(sent)  # its masked copy is paid for too
+    if sent > WHOLE_FRAME_EXTRA_ABOVE and x.down.lease is not None and not x.svc.settings.pool.fragment_bytes:
+        await x.down.lease.whole_frame(sent)  # its masked copy is paid for too (a small one's is not)
     try:
         with x.svc.streams.pumping(x.down, channel):
             async with x.svc.pool.lease(plan) as turn:
@@ -212,8 +220,10 @@ async def _lease_and_pump(x: Exchange, plan: OnLane) -> tuple[Channel, UpstreamE
                 await x.down.settle(channel)  # the app's answer before the lane records its head
     except UpstreamError as exc:
         failure = exc
+    attempt = Attempt(x.attempt, isinstance(plan, Continue), plan.lane[1] is not None, x.req.stream)
+    verdict = decide(channel, failure, attempt, x.down.written)
     x.rec.pumped(sent, x.down.upstream_wait, x.req.fields.get("service_tier"), channel.response)
-    return channel, failure
+    return channel, verdict
 
 
 async def _keep(x: Exchange, turn: Turn, keep: Kept) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from proxy.core.fastparse import hash_prefix, prefix_length
 from proxy.core.request import ParsedRequest
 
-__all__ = ["hash_prefix_in_thread", "warm_keys"]
+__all__ = ["hash_prefix_in_thread", "large", "warm_keys"]
 
 _LARGE = 256 * 1024
 """Bodies larger than this that were parsed in full get their item keys in slices."""
@@ -23,22 +23,22 @@ _SLICE = 16
 """Items canonicalised per event-loop turn (a 20 KB tool output takes ~0.1 ms)."""
 
 
-def _large(req: ParsedRequest) -> bool:
+def large(req: ParsedRequest) -> bool:
+    """Whether ``req`` is a large body parsed in full: the only kind this module has work for
+    (the handler asks once and skips both steps for every other request)."""
     return req.base is None and len(req.body) > _LARGE
 
 
 async def warm_keys(req: ParsedRequest) -> None:
-    """Canonicalise the item keys of a large body parsed in full, a slice per loop turn."""
-    while _large(req) and not req.warm_keys(_SLICE):
+    """Canonicalise the item keys of a :func:`large` body, a slice per loop turn."""
+    while not req.warm_keys(_SLICE):
         await asyncio.sleep(0)
 
 
 def hash_prefix_in_thread(req: ParsedRequest) -> asyncio.Future[Any] | None:
-    """For a large body parsed in full, hash its history prefix (the next turn's fast-parse
-    check) in a worker thread while the upstream works: SHA-256 of megabytes would otherwise
-    hold the event loop for milliseconds when the head is recorded."""
-    if not _large(req):
-        return None
+    """For a :func:`large` body, hash its history prefix (the next turn's fast-parse check) in
+    a worker thread while the upstream works: SHA-256 of megabytes would otherwise hold the
+    event loop for milliseconds when the head is recorded. ``None``: it has no prefix to hash."""
     length = prefix_length(req)
     if length is None:
         return None

@@ -21,7 +21,7 @@ from prometheus_client import Counter
 
 from proxy.core.answer import status_outcome
 from proxy.core.explain import Explanation
-from proxy.core.plans import Continue, HttpContinue, OnLane, Ready
+from proxy.core.plans import Continue, HttpContinue, OnLane
 from proxy.core.request import Transport
 from proxy.core.waiting import Waiting
 from proxy.observe.log import access_log
@@ -141,19 +141,20 @@ class Record:
         """The plan stage: how the attempt goes upstream."""
         self.mode, self.reason, self.items_sent, self.items_avoided = mode, reason, items_sent, items_avoided
 
-    def waited(self, plan: Ready, waiting: Waiting) -> Ready:
+    def waited(self, waiting: Waiting) -> None:
         """The wait stage: how long the attempt waited for a lane or a handshake, and how its
-        wait for a lane ended (or why it did not wait); returns the plan it waited for."""
+        wait for a lane ended (or why it did not wait)."""
         self.wait_s += waiting.seconds
         if waiting.outcome is not None:
             self.wait = waiting.outcome
             child(LANE_WAITS, waiting.outcome).inc()
-        return plan
 
-    def planned_lane(self, plan: OnLane, n_items: int, first: bool) -> None:
-        """The plan stage of an attempt on a lane (``first``: not a replay): continued with the
-        plan's new items, or sent in full (a replay keeps the reason it replays for); what the
-        echo left out that the match tolerated, counted once per request."""
+    def planned_lane(self, plan: OnLane, waiting: Waiting, n_items: int, first: bool) -> None:
+        """The wait and plan stages of an attempt on a lane (``first``: not a replay): its wait
+        (:meth:`waited`), then continued with the plan's new items, or sent in full (a replay
+        keeps the reason it replays for); what the echo left out that the match tolerated,
+        counted once per request."""
+        self.waited(waiting)
         cont = isinstance(plan, Continue)
         if (plan.dropped_reasoning or plan.dropped_phase) and first:
             accepted = "true" if cont else "false"
