@@ -336,7 +336,7 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "collections (stdlib")),
     ("matching and heads: parse, plan, record (conversation, items, fastparse, request, planner, …)",
      ("core.conversation", "core.items", "core.fastparse", "core.request", "core.planner", "core.explain",
-      "core.fair", "core.creators", "core.rawjson", "core.lanes", "core.reseed", "core.retry", "core.affinity",
+      "core.tenants", "core.creators", "core.rawjson", "core.lanes", "core.reseed", "core.retry", "core.affinity",
       "proxy/core/")),
     ("JSON (orjson)", ("orjson",)),
     ("libc: allocation, copies", ("libc",)),

@@ -49,10 +49,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 COMPILED: tuple[str, ...] = (
     *(f"proxy.core.{name}" for name in (
-        "affinity", "answer", "budget", "channel", "conversation", "creators", "demux", "explain", "fair",
+        "affinity", "answer", "budget", "channel", "conversation", "creators", "demux", "explain",
         "fastparse", "fields", "headnotes", "heads", "items", "lanes", "named_ids", "patience", "placement",
         "planner", "plans", "prefixes", "rawjson", "request", "reseed", "retry", "rotation", "sideindex",
-        "sizing", "socketcaps", "sockets", "sse", "tickets",
+        "sizing", "socketcaps", "sockets", "sse", "tenants", "tickets",
     )),
     "proxy.reasons",  # every label, beside the errors it names
     "proxy.wire.sse",

@@ -43,7 +43,6 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
-from proxy.core.fair import tenant_of
 from proxy.core.sizing import (
     AMPLIFICATION,
     HEAD_COST,
@@ -55,6 +54,7 @@ from proxy.core.sizing import (
     Kind,
     derive,
 )
+from proxy.core.tenants import tenant_of
 from proxy.core.tickets import Effects, Ticket, Verdict
 
 __all__ = [

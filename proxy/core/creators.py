@@ -7,7 +7,7 @@ an ``item_reference``). Every path that returns a new id records its creator her
 that names one asks :meth:`OwnerRegistry.verdict` (which ids a request names:
 :mod:`proxy.core.named_ids`).
 
-The owner is the *tenant* (:func:`~proxy.core.fair.tenant_of` of the identity digest: the app's
+The owner is the *tenant* (:func:`~proxy.core.tenants.tenant_of` of the identity digest: the app's
 credential, behind an injected key its placeholder), never the query string or the optional
 ``OpenAI-Beta``/``OpenAI-Project``/``OpenAI-Organization`` headers, which stay part of the
 upstream identity (sockets, heads) but which a caller varies for free: the same tenant with
@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 import orjson
 
-from proxy.core.fair import tenant_of
+from proxy.core.tenants import tenant_of
 from proxy.reasons import OwnerVerdict
 
 __all__ = [
@@ -53,7 +53,7 @@ class OwnerRegistry:
     """Object id → the tenant that created it, bounded, evicting from the heaviest.
 
     Every method takes an identity digest (or a tenant: the digest's prefix) and keys it by its
-    tenant (:func:`~proxy.core.fair.tenant_of`).
+    tenant (:func:`~proxy.core.tenants.tenant_of`).
 
     Args:
         capacity: Ids remembered in total.

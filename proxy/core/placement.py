@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from proxy.core.fair import tenant_of
 from proxy.core.lanes import Lane, LaneState, Socket, SocketEvent, SocketState
 from proxy.core.socketcaps import Caps
 from proxy.core.sockets import Custody
+from proxy.core.tenants import tenant_of
 
 __all__ = ["SLOW_START", "Placed", "Placement"]
 
@@ -170,7 +170,7 @@ class Placement:
         return min(own, key=lambda s: s.used_at) if own else None
 
     def tenant_sockets(self) -> Counter[str]:
-        """Upstream sockets by tenant (:func:`~proxy.core.fair.tenant_of`), relays included."""
+        """Upstream sockets by tenant (:func:`~proxy.core.tenants.tenant_of`), relays included."""
         held: Counter[str] = Counter()
         for ident, socks in self.book.by_identity.items():
             held[tenant_of(ident)] += len(socks)

@@ -15,8 +15,8 @@ other configured credential header: behind an injected key, the app's placeholde
 query string or the optional ``OpenAI-Beta``/``OpenAI-Project``/``OpenAI-Organization`` values,
 which a caller varies for free. Requests that carry no credential at all are one tenant
 (:attr:`Identity.keyless`). The tenant is the digest's first
-:data:`~proxy.core.fair.TENANT_CHARS` characters, so every module keyed by the digest can
-account by tenant with :func:`~proxy.core.fair.tenant_of`, no lookup.
+:data:`~proxy.core.tenants.TENANT_CHARS` characters, so every module keyed by the digest can
+account by tenant with :func:`~proxy.core.tenants.tenant_of`, no lookup.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from proxy.config import DEFAULT_IDENTITY_HEADERS, Settings, upstream_ws_url
-from proxy.core.fair import TENANT_CHARS, tenant_of
+from proxy.core.tenants import TENANT_CHARS, tenant_of
 from proxy.errors import InvalidRequest
 from proxy.intake.keys import KeySource
 
@@ -56,7 +56,7 @@ class Identity:
 
     digest: str
     """The tenant (:attr:`tenant`: sha256 hex of the app's credential, cut to
-    :data:`~proxy.core.fair.TENANT_CHARS`) followed by sha256 hex of every part that makes the
+    :data:`~proxy.core.tenants.TENANT_CHARS`) followed by sha256 hex of every part that makes the
     partition (64 characters in all)."""
     headers: tuple[tuple[str, str], ...] = field(compare=False, repr=False)
     """Upgrade headers for the upstream socket: the credential headers (``identity.headers``)

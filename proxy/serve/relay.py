@@ -41,8 +41,8 @@ from websockets.exceptions import ConnectionClosed
 
 from proxy import contracts
 from proxy.core.creators import created_id
-from proxy.core.fair import tenant_of
 from proxy.core.named_ids import PARSE_INLINE, read_request
+from proxy.core.tenants import tenant_of
 from proxy.errors import InvalidRequest, ProxyError, RequestError, UpstreamRefused, UpstreamUnavailable
 from proxy.intake.identity import Identity
 from proxy.intake.memory import MemoryRefused

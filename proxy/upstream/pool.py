@@ -22,12 +22,12 @@ from proxy.config import Settings
 from proxy.core.conversation import HeadTable
 from proxy.core.creators import OwnerRegistry
 from proxy.core.demux import LaneSignal
-from proxy.core.fair import tenant_of
 from proxy.core.lanes import LaneKey, LaneState, SocketState
 from proxy.core.planner import Planner
 from proxy.core.plans import Continue, Full, Http, HttpContinue, OnLane, Ready, Wait
 from proxy.core.request import ParsedRequest
 from proxy.core.reseed import Reseed, reseed_frame
+from proxy.core.tenants import tenant_of
 from proxy.core.waiting import Send, Waiting
 from proxy.errors import UpstreamClosed, UpstreamTimeout, UpstreamUnavailable
 from proxy.intake.identity import Identity
