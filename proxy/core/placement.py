@@ -79,13 +79,11 @@ class Placement:
         make room are added to ``close``."""
         lim, book = self.limits, self.book
         mine = book.of(identity).values()
-        socks = [
-            s
-            for s in mine
-            if s.live and not book.stale(s, now) and s.active < lim.max_active_per_socket and not s.exclusive
-        ]
-        # Open sockets first (no handshake to wait for), the least busy first.
-        socks.sort(key=lambda s: (s.state is not SocketState.OPEN, s.active, -s.used_at))
+        most = lim.max_active_per_socket
+        socks = [s for s in mine if s.active < most and not s.exclusive and s.live and not book.stale(s, now)]
+        if len(socks) > 1:
+            # Open sockets first (no handshake to wait for), the least busy first.
+            socks.sort(key=lambda s: (s.state is not SocketState.OPEN, s.active, -s.used_at))
         spread = len(mine) < lim.spread_sockets and not any(s.active == 0 for s in mine)
         if may_open and spread and self._can_open(identity, now, close):
             opened = [s for s in socks if s.state is SocketState.OPEN]
@@ -95,24 +93,29 @@ class Placement:
             # A free lane now, and the socket of its own opened in the background for the
             # next new conversation: nobody waits for a handshake.
             return lane, False, book.open(identity, now, reserve=False).key[0]
+        # One pass over the slots: the first free one, else the least recently used idle lane
+        # of an open socket (every idle lane left holds a head), in the same order.
+        victim: Lane | None = None
+        holds = self.custody.holds
         for sock in socks:
-            lane = self.free_slot(sock)
+            if sock.active >= len(sock.lanes) >= book.slots(sock):
+                continue  # every slot made and every lane active (``active`` counts them): none idle
+            is_open = sock.state is SocketState.OPEN
+            for lane in book.slot_lanes(sock):
+                if lane.state is not LaneState.IDLE:
+                    continue
+                if not holds(lane):
+                    return lane, False, None
+                if is_open and (victim is None or lane.used_at < victim.used_at):
+                    victim = lane
+            lane = book.new_lane(sock)
             if lane is not None:
                 return lane, False, None
         self.slow_start = False
         if may_open and self._can_open(identity, now, close):
             return book.open(identity, now), True, None
-        if self.growing(identity):
-            return None  # a socket will open or prove its lanes in a moment: wait, evict no head
-        victim: Lane | None = None
-        for sock in socks:
-            if sock.state is not SocketState.OPEN:
-                continue
-            for lane in book.slot_lanes(sock):
-                if lane.state is LaneState.IDLE and (victim is None or lane.used_at < victim.used_at):
-                    victim = lane
-        if victim is None:
-            return None
+        if victim is None or self.growing(identity):
+            return None  # growing: a socket will open or prove its lanes in a moment: wait, evict no head
         self.custody.let_go(victim)
         return victim, False, None
 

@@ -80,6 +80,9 @@ class SocketBook:
         self.by_identity: dict[str, dict[int, Socket]] = {}
         self._ids = itertools.count(1)
         self._max_slots: dict[int, int] = {}
+        self._names: tuple[str | None, ...] = tuple(map(lane_name, range(max(limits.lanes_per_socket, 1))))
+        """The lane names of the slots a socket may have, in slot order (built once: every
+        placement reads them)."""
         self.lane_counts: Counter[LaneState] = Counter()
         """Lanes by state (live sockets only)."""
         self.socket_counts: Counter[SocketState] = Counter()
@@ -149,12 +152,17 @@ class SocketBook:
     def slots(self, sock: Socket) -> int:
         """How many lanes ``sock`` may use now (1 while named lanes are off)."""
         slots = self.limits.lanes_per_socket if self.proof.named else 1
-        return min(slots, self._max_slots.get(sock.id, slots))
+        cap = self._max_slots.get(sock.id)
+        return slots if cap is None or cap >= slots else cap
 
     def slot_lanes(self, sock: Socket) -> list[Lane]:
         """The lanes of ``sock`` in the slots it may use now (slot 0: the default lane)."""
         lanes = sock.lanes
-        return [lanes[name] for name in map(lane_name, range(self.slots(sock))) if name in lanes]
+        slots = self.slots(sock)
+        if slots == 1:  # named lanes off: the default lane only
+            lane = lanes.get(None)
+            return [lane] if lane is not None else []
+        return [lanes[name] for name in self._names[:slots] if name in lanes]
 
     def probe_first(self, sock: Socket) -> bool:
         """Whether ``sock``'s first response goes on a named lane, the probe of its lanes: it is
@@ -171,7 +179,7 @@ class SocketBook:
         if len(sock.lanes) >= slots:
             return None
         first = 1 if self.probe_first(sock) else 0
-        name = next(n for n in map(lane_name, range(first, slots)) if n not in sock.lanes)
+        name = next(n for n in self._names[first:slots] if n not in sock.lanes)
         lane = Lane((sock.id, name), used_at=self.proof.now)
         sock.lanes[name] = lane
         self.lane_counts[LaneState.IDLE] += 1
