@@ -98,8 +98,8 @@ class Placement:
         victim: Lane | None = None
         holds = self.custody.holds
         for sock in socks:
-            if sock.active >= len(sock.lanes) >= book.slots(sock):
-                continue  # every slot made and every lane active (``active`` counts them): none idle
+            if sock.active >= len(sock.lanes) and not book.room(sock):
+                continue  # every lane active (``active`` counts them) and no slot to make: none free
             is_open = sock.state is SocketState.OPEN
             for lane in book.slot_lanes(sock):
                 if lane.state is not LaneState.IDLE:

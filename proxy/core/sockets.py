@@ -173,11 +173,17 @@ class SocketBook:
             return False
         return any(s is not sock for s in self.of(sock.identity).values())
 
+    def room(self, sock: Socket) -> bool:
+        """Whether ``sock`` has a slot it may use with no lane made yet: fewer lanes than slots,
+        or, while named lanes are off, no default lane (a socket that opened on its named probe
+        lane before they were refused makes its default lane then, instead of standing idle)."""
+        return len(sock.lanes) < self.slots(sock) or (not self.proof.named and None not in sock.lanes)
+
     def new_lane(self, sock: Socket) -> Lane | None:
         """The next lane slot of ``sock``, created idle (``None``: every slot it may use is made)."""
-        slots = self.slots(sock)
-        if len(sock.lanes) >= slots:
+        if not self.room(sock):
             return None
+        slots = self.slots(sock)
         first = 1 if self.probe_first(sock) else 0
         name = next(n for n in self._names[first:slots] if n not in sock.lanes)
         lane = Lane((sock.id, name), used_at=self.proof.now)

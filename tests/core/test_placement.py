@@ -91,3 +91,24 @@ def test_a_held_off_identity_opens_nothing_and_outside_sockets_count() -> None:
     assert pl.free_lane("id", 1.0, True, []) is None
     pl.outside["relay"] += 1  # a WebSocket relay session holds the only socket allowed
     assert pl.free_lane("other", 1.0, True, []) is None
+
+
+def test_a_socket_opened_on_its_probe_lane_takes_new_heads_on_its_default_lane_once_lanes_are_refused() -> None:
+    pl = placement(max_sockets_per_identity=2, spread_sockets=1)
+    first = take(pl, "id", 0.0)
+    assert first is not None and first[0].key == (1, None)
+    end(pl, first[0], "resp_a", 0.5)
+    pl.book.proof.now = 1.0
+    probe = pl.book.open("id", 1.0)  # the identity's second socket opens on its probe lane
+    assert probe.key == (2, "u1")
+    pl.book.begin(probe, 1.0)
+    pl.book.opened(2, 1.0)
+    assert pl.book.proof.refused(1.5)  # the upstream refused the stream_id: default lanes only
+    pl.book.end(pl.book.all[2], probe)
+    pl.custody.finished("id", probe, 1.5, None, None, None)  # no head came of it
+    found = take(pl, "id", 2.0)  # socket 2's default lane, not socket 1's head let go
+    assert found is not None and found[0].key == (2, None) and not found[1]
+    assert pl.custody.heads.has((1, None))
+    second = take(pl, "id", 2.0)  # the sockets' one lane each taken: socket 1's head goes now
+    assert second is not None and second[0].key == (1, None) and not second[0].head
+    assert take(pl, "id", 2.0) is None
