@@ -130,15 +130,13 @@ class Patience:
         busy time, in the order its current response is expected to end)."""
         ahead = self._queued[identity] - (1 if waiting.queued else 0)
         busy = self.estimates.busy(identity)
-        left = sorted(
-            self.estimates.remaining(identity, now - s.used_at)
-            for s in self.book.of(identity).values()
-            if s.live and s.active
-        )
-        if not left:
+        # The longest busy frees first: ``remaining`` never grows with the time passed, so the
+        # sockets in the order they began are in the order they are expected to free.
+        began = sorted(s.used_at for s in self.book.of(identity).values() if s.live and s.active)
+        if not began:
             return busy
-        rounds, slot = divmod(max(ahead, 0), len(left))
-        return left[slot] + rounds * busy
+        rounds, slot = divmod(max(ahead, 0), len(began))
+        return self.estimates.remaining(identity, now - began[slot]) + rounds * busy
 
     def queue(self, identity: str, waiting: Waiting) -> None:
         """``waiting`` waits for one of ``identity``'s busy lanes (its place in the queue)."""

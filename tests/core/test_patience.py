@@ -3,6 +3,8 @@ passed in (the rule itself is tests/core/test_waiting.py's)."""
 
 from __future__ import annotations
 
+import random
+
 from proxy.core.lanes import LaneLimits
 from proxy.core.patience import Patience
 from proxy.core.waiting import Send, Waiting, WaitRule
@@ -67,3 +69,37 @@ def test_a_stored_heads_saving_is_against_its_http_alternative() -> None:
     off = Patience(LaneLimits(http_continuations=False), p.book)
     off.estimates = p.estimates
     assert off.stored_saving("id", 1000) == 4.0
+
+
+def test_soonest_is_the_queued_turns_share_of_every_busy_sockets_remaining_time() -> None:
+    """``soonest`` picks the socket in the order they began (one ``remaining`` call), which is
+    the order of their remaining times because ``remaining`` never grows with the time passed:
+    the same answer as sorting every socket's remaining time."""
+    rng = random.Random(3)
+    p = patience()
+    book = p.book
+    for _ in range(6):
+        lane = book.open("id", 0.0)
+        book.opened(lane.key[0], 0.0)
+    for busy in (0.3, 2.0, 9.0):
+        p.estimates.observe_busy("id", busy)
+        for now in (0.0, 1.0, 4.0, 20.0):
+            for sock in book.of("id").values():
+                lane = next(iter(sock.lanes.values()))
+                if sock.active:
+                    book.end(sock, lane)
+                if rng.random() < 0.7:
+                    book.begin(lane, now - rng.choice((0.0, 0.1, 0.5, 3.0, 30.0)))
+            active = [s for s in book.of("id").values() if s.active]
+            left = sorted(p.estimates.remaining("id", now - s.used_at) for s in active)
+            for ahead in range(8):
+                w, queued = Waiting(now), [Waiting(now) for _ in range(ahead)]
+                for q in queued:
+                    p.queue("id", q)
+                rounds, slot = divmod(ahead, len(left)) if left else (0, 0)
+                want = left[slot] + rounds * p.estimates.busy("id") if left else p.estimates.busy("id")
+                assert p.soonest("id", now, w) == want
+                for q in queued:
+                    p.unqueue(q)
+    values = [p.estimates.remaining("id", e) for e in (0.0, 0.1, 1.0, 5.0, 50.0)]
+    assert values == sorted(values, reverse=True)  # never grows with the time passed
