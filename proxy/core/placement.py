@@ -84,8 +84,9 @@ class Placement:
         if len(socks) > 1:
             # Open sockets first (no handshake to wait for), the least busy first.
             socks.sort(key=lambda s: (s.state is not SocketState.OPEN, s.active, -s.used_at))
-        spread = len(mine) < lim.spread_sockets and not any(s.active == 0 for s in mine)
-        if may_open and spread and self._can_open(identity, now, close):
+        # Spread: fewer sockets than spread_sockets and none idle (asked only when it may open).
+        spread = may_open and len(mine) < lim.spread_sockets and not any(s.active == 0 for s in mine)
+        if spread and self._can_open(identity, now, close):
             opened = [s for s in socks if s.state is SocketState.OPEN]
             lane = self.free_slot(opened[0]) if opened else None
             if lane is None:
