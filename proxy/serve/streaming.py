@@ -139,6 +139,8 @@ class Downstream:
         """SSE bytes written to the app."""
         self._last = b""
         """The batch that ends with the terminal event, sent by :meth:`end` with the body's end."""
+        self._ended = False
+        """:meth:`end` ended the SSE body (nothing more can be written)."""
 
     @property
     def written(self) -> bool:
@@ -192,8 +194,9 @@ class Downstream:
     async def end(self) -> web.StreamResponse:
         """Finish the SSE stream cleanly (no ``[DONE]``), with the terminal batch if one is kept."""
         assert self.response is not None
-        if not self.gone:
+        if not self.gone and not self._ended:
             last, self._last = self._last, b""
+            self._ended = True
             try:
                 await self.response.write_eof(last)
             except ConnectionResetError:
@@ -233,8 +236,8 @@ class Downstream:
 
     async def answer(self, answer: Answer) -> web.StreamResponse:
         """Give the app ``answer`` (chosen by :func:`proxy.core.answer.decide`); one :meth:`settle`
-        sent already is that answer."""
-        if not self.stream and self.response is not None:
+        sent already (a JSON body, or the SSE body's end) is that answer: nothing more is written."""
+        if self.response is not None and (self._ended or not self.stream):
             return self.response
         if answer.kind is AnswerKind.SSE_END or answer.kind is AnswerKind.ERROR_EVENT:
             await self.write(list(answer.events))

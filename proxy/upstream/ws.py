@@ -17,7 +17,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +30,10 @@ from proxy.errors import (
     UpstreamClosed,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamTimeout,
 )
 from proxy.kernel import received_ago, tcp_socket
 from proxy.upstream.handshake import CLOSE_TIMEOUT, MAX_RECEIVED_FRAME, closed_error, echo_close
+from proxy.upstream.inbox import TERMINAL, Inbox
 from proxy.wire.wsframe import FrameReader, LibraryReader, PeerClosed, Ping, Pong, Violation
 
 __all__ = ["Inbox", "UpstreamSocket", "live_sockets"]
@@ -52,99 +51,6 @@ def _read_buffer() -> memoryview:
     if view is None:
         view = _READ_BUFFERS.view = memoryview(bytearray(_READ_BYTES))
     return view
-
-
-_TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "response.done", "error"})
-
-
-class Inbox:
-    """The events of one lane's response in flight, filled by the socket's reader.
-
-    A turn reads with :meth:`burst`: everything that arrived meanwhile, in order, so the turn
-    writes a whole read's events to the app at once. The reader wakes the waiting turn once
-    per read (:meth:`put` of the read's second event finds the waiter already woken). An abandoned turn's inbox
-    *drains*: events are dropped until the terminal one, then ``on_drained`` runs.
-    """
-
-    __slots__ = ("_waiter", "arrived", "draining", "error", "frames", "lane", "on_drained", "seen")
-
-    def __init__(self, lane: str | None) -> None:
-        self.lane = lane
-        self.frames: deque[tuple[bytes, dict[str, Any]]] = deque()
-        self.error: UpstreamError | None = None
-        self.draining = False
-        self.on_drained: Callable[[], None] | None = None
-        self.seen = False
-        """An event of this lane arrived."""
-        self.arrived = 0.0
-        """``time.perf_counter()`` when the kernel received the read that brought this lane's
-        terminal event (the upstream's time ends there, however late the loop reads it), or
-        when the loop read an earlier event's (a getsockopt per read is not worth it)."""
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, raw: bytes, event: dict[str, Any], at: float = 0.0) -> None:
-        """Hand on one event; ``at``: when the kernel received the read that brought it."""
-        self.seen = True
-        self.arrived = at or time.perf_counter()
-        if self.draining:
-            if event.get("type") in _TERMINAL and self.on_drained is not None:
-                callback, self.on_drained = self.on_drained, None
-                callback()
-            return
-        self.frames.append((raw, event))
-        self._wake()
-
-    def fail(self, error: UpstreamError) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def burst(self, timeout: float) -> list[tuple[bytes, dict[str, Any]]]:
-        """Every event already here, or, if none, every event of the next read that brings
-        one: one wake-up per read of the socket, however many events it carried.
-
-        Raises:
-            UpstreamClosed | UpstreamProtocolError: the socket failed (and nothing is left).
-            UpstreamTimeout: nothing arrived within ``timeout``.
-        """
-        if not self.frames:
-            await self._wait(timeout)
-        frames = list(self.frames)
-        self.frames.clear()
-        return frames
-
-    async def _wait(self, timeout: float) -> None:
-        """Until an event or the error is here (raised if no event is)."""
-        if self.error is not None:
-            raise self.error
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout, self._wake)  # cheaper than asyncio.timeout per wait
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-        if not self.frames:
-            if self.error is not None:
-                raise self.error
-            raise UpstreamTimeout(f"The upstream sent nothing for {timeout:g} s.")
-
-    async def get(self, timeout: float) -> tuple[bytes, dict[str, Any]]:
-        """The next event of this lane: ``(raw bytes, parsed object)``.
-
-        Raises:
-            UpstreamClosed | UpstreamProtocolError: the socket failed.
-            UpstreamTimeout: nothing arrived within ``timeout``.
-        """
-        if not self.frames:
-            await self._wait(timeout)
-        return self.frames.popleft()
 
 
 class UpstreamSocket(asyncio.BufferedProtocol):
@@ -253,6 +159,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
 
     def close_inbox(self, inbox: Inbox) -> None:
         """Stop receiving for ``inbox``'s lane: its response is over."""
+        inbox.close()
         if self.inboxes.get(inbox.lane) is inbox:
             del self.inboxes[inbox.lane]
             self.demux.done(inbox.lane)
@@ -395,7 +302,7 @@ class UpstreamSocket(asyncio.BufferedProtocol):
             inbox = self.inboxes.get(route.lane)
             if inbox is not None:  # else its reader never opened an inbox (nothing waits for it)
                 at = self._read_now
-                if event.get("type") in _TERMINAL:  # the upstream's time ends at the kernel's receipt
+                if event.get("type") in TERMINAL:  # the upstream's time ends at the kernel's receipt
                     at = self._read_at = self._read_at or self._read_now - received_ago(self._tcp)
                 inbox.put(raw, event, at)
         elif isinstance(route, Unroutable):
