@@ -9,9 +9,9 @@ from bench.walk import Call, Walk, figures, import_graph, measure, upward
 from proxy.build import build_kind
 from proxy.reasons import Build
 
-MAIN_LINE_STOPS = 59
+MAIN_LINE_STOPS = 60
 """The main line's stops, measured (the goal is 60)."""
-MAIN_LINE_FILES = 27
+MAIN_LINE_FILES = 28
 """The files the main line crosses, measured (the goal is 22)."""
 
 compiled = pytest.mark.skipif(
