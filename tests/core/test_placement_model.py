@@ -19,8 +19,17 @@ from tests.core.test_planner import req, response, user
 from tests.core.test_sockets import custody
 
 
-class Model(Placement):
-    """The two-pass placement, written for clarity rather than speed."""
+class Model:
+    """The two-pass placement, written for clarity rather than speed, around a :class:`Placement`
+    of its own (its helpers and state; not a subclass: the compiled build compiles Placement,
+    and an interpreted class cannot inherit from a compiled one)."""
+
+    def __init__(self, pl: Placement) -> None:
+        self.pl, self.book, self.custody, self.limits = pl, pl.book, pl.custody, pl.limits
+
+    @property
+    def slow_start(self) -> bool:
+        return self.pl.slow_start
 
     def model_slots(self, sock: Socket) -> list[Lane]:
         return [sock.lanes[n] for n in map(lane_name, range(self.book.slots(sock))) if n in sock.lanes]
@@ -41,7 +50,7 @@ class Model(Placement):
         ]
         socks.sort(key=lambda s: (s.state is not SocketState.OPEN, s.active, -s.used_at))
         spread = len(mine) < lim.spread_sockets and not any(s.active == 0 for s in mine)
-        if may_open and spread and self._can_open(identity, now, close):
+        if may_open and spread and self.pl._can_open(identity, now, close):
             opened = [s for s in socks if s.state is SocketState.OPEN]
             lane = self.model_free_slot(opened[0]) if opened else None
             if lane is None:
@@ -51,10 +60,10 @@ class Model(Placement):
             lane = self.model_free_slot(sock)
             if lane is not None:
                 return lane, False, None
-        self.slow_start = False
-        if may_open and self._can_open(identity, now, close):
+        self.pl.slow_start = False
+        if may_open and self.pl._can_open(identity, now, close):
             return book.open(identity, now), True, None
-        if self.growing(identity):
+        if self.pl.growing(identity):
             return None
         victim: Lane | None = None
         for sock in socks:
@@ -69,7 +78,7 @@ class Model(Placement):
         return victim, False, None
 
 
-def state(pl: Placement) -> list[object]:
+def state(pl: Placement | Model) -> list[object]:
     """Everything a placement decides or changes, comparable across the two."""
     book = pl.book
     socks = [
@@ -87,7 +96,7 @@ def state(pl: Placement) -> list[object]:
     return [socks, heads, pl.slow_start, book.busy_sockets]
 
 
-def walk(pl: Placement, seed: int, steps: int) -> list[object]:
+def walk(pl: Placement | Model, seed: int, steps: int) -> list[object]:
     """A random walk of ``steps`` steps; returns what every step decided and the state after it."""
     rng = random.Random(seed)
     book, seen, now = pl.book, [], 0.0
@@ -143,7 +152,7 @@ def test_free_lane_places_every_head_where_the_two_pass_model_does(seed: int, la
     }
     fast, plain = custody(**limits), custody(**limits)
     got = walk(Placement(fast, Caps(600.0), Counter()), seed, 150)
-    want = walk(Model(plain, Caps(600.0), Counter()), seed, 150)
+    want = walk(Model(Placement(plain, Caps(600.0), Counter())), seed, 150)
     assert got == want
     assert any(s[0] == "take" and s[1] is not None and not s[1][1] for s in got if isinstance(s, tuple))
 
