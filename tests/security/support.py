@@ -13,6 +13,7 @@ import orjson
 from tests.ingress.support import free_ports, wait_ready
 from tests.reliability.helpers import MODEL, Reply, auth, post, user
 from tests.sidecar import SidecarProcess
+from upshift_emulator import Emulator
 
 __all__ = [
     "ALICE",
@@ -144,3 +145,26 @@ async def relay_turn(
             events.append(event)
             if event.get("type") in ("response.completed", "response.failed", "response.incomplete", "error"):
                 return events
+
+
+def forwarded(emulator: Emulator) -> int:
+    """Requests, frames and other-route calls the upstream received."""
+    stats = emulator.stats
+    frames = int(stats.snapshot()["ws_frames_received"])
+    return sum(stats.requests.values()) + frames + sum(stats.other_requests.values())
+
+
+async def call(
+    http: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    key: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+) -> Reply:
+    """``method url`` as the holder of ``key``: ``body`` as JSON (bytes as they are), ``headers``
+    added."""
+    data = body if isinstance(body, bytes) or body is None else orjson.dumps(body)
+    sent = {**auth(key), **({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
+    async with http.request(method, url, data=data, headers=sent) as resp:
+        return Reply(resp.status, resp.headers, await resp.read())

@@ -10,7 +10,7 @@ got 404. Both against a real sidecar process behind an injected key, the emulato
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 import openai
@@ -27,12 +27,6 @@ from upshift_emulator import Emulator
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "ALICE-SECRET-canonical-41d"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

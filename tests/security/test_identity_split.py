@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -34,12 +34,6 @@ SMALL = {
     "UPSHIFT_POOL_MAX_SOCKETS_TOTAL": "12",
     "UPSHIFT_MATCHING_MAX_HEADS": "16",
 }
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def _auth(key: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ one value while the HTTP relay forwards both, and the upstream may pick the othe
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -44,12 +44,6 @@ async def test_the_default_and_a_complete_list_start(emulator: Emulator, spawn: 
     env = {"UPSHIFT_IDENTITY_HEADERS": "authorization,API-KEY,x-gateway-key", "UPSHIFT_API_KEY_HEADER": "x-gateway-key"}
     proc = await start_process(spawn, emulator.base_url, env=env)
     assert proc.proc.poll() is None
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def twice(name: str, first: str, second: str) -> CIMultiDict[str]:

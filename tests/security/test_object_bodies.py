@@ -16,7 +16,7 @@ Bob anything of Alice's: every refusal is the sidecar's).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -24,39 +24,13 @@ import orjson
 import pytest
 
 from tests.reliability.helpers import Reply, assert_openai_error, auth, post, user
-from tests.security.support import ALICE, BOB, MODEL, injected_env, relay_turn, start_process
+from tests.security.support import ALICE, BOB, MODEL, call, forwarded, injected_env, relay_turn, start_process
 from tests.sidecar import SidecarProcess
 from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "alice's secret CHARLIE-7"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def call(
-    http: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    key: str,
-    body: Any = None,
-    headers: dict[str, str] | None = None,
-) -> Reply:
-    data = body if isinstance(body, bytes) or body is None else orjson.dumps(body)
-    sent = {**auth(key), **({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
-    async with http.request(method, url, data=data, headers=sent) as resp:
-        return Reply(resp.status, resp.headers, await resp.read())
-
-
-def forwarded(emulator: Emulator) -> int:
-    stats = emulator.stats
-    frames = int(stats.snapshot()["ws_frames_received"])
-    return sum(stats.requests.values()) + frames + sum(stats.other_requests.values())
 
 
 def refused(reply: Reply, noun: str, object_id: str, param: str | None) -> None:

@@ -10,7 +10,7 @@ Alice's behind the one key: every refusal is the sidecar's), beside Alice's own 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -18,19 +18,13 @@ import orjson
 import pytest
 
 from tests.reliability.helpers import Reply, assert_openai_error, auth, post, user
-from tests.security.support import ALICE, BOB, MODEL, injected_env, relay_turn, start_process
+from tests.security.support import ALICE, BOB, MODEL, forwarded, injected_env, relay_turn, start_process
 from tests.sidecar import SidecarProcess
 from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "alice conversation secret BRAVO-9"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def call(
@@ -40,13 +34,6 @@ async def call(
     headers = {**auth(key), **({"Content-Type": "application/json"} if data is not None else {})}
     async with http.request(method, api + path, data=data, headers=headers, **kw) as resp:
         return Reply(resp.status, resp.headers, await resp.read())
-
-
-def forwarded(emulator: Emulator) -> int:
-    """Requests, frames and other-route calls the upstream received."""
-    stats = emulator.stats
-    frames = int(stats.snapshot()["ws_frames_received"])
-    return sum(stats.requests.values()) + frames + sum(stats.other_requests.values())
 
 
 def assert_not_found(reply: Reply, kind: str, object_id: str) -> None:

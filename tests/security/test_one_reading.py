@@ -12,7 +12,7 @@ control: Alice, the owner, goes on with her own response by any spelling.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 SECRET = "ALICE-SECRET-PLAN-escaped-9b2"
 ESCAPED = '"previous\\u005fresponse_id"'
 """``previous_response_id`` with its ``_`` written as a JSON escape."""
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def forwarded(emulator: Emulator) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 
 MIB = 1024 * 1024
 BUDGET = 96 * MIB
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def create(text: str) -> dict[str, object]:

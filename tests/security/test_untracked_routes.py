@@ -11,41 +11,20 @@ routes, and with the app's own key nothing is refused (the upstream's key check 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 
-from tests.reliability.helpers import Reply, assert_openai_error, auth
-from tests.security.support import ALICE, BOB, INJECTED, MODEL, injected_env, start_process
+from tests.reliability.helpers import Reply, assert_openai_error
+from tests.security.support import ALICE, BOB, INJECTED, MODEL, call, forwarded, injected_env, start_process
 from tests.sidecar import SidecarProcess
 from upshift_emulator import Emulator
 
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "alice-private-suffix-KILO-7"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def call(http: aiohttp.ClientSession, method: str, url: str, key: str, body: Any = None) -> Reply:
-    data = orjson.dumps(body) if body is not None else None
-    headers = {**auth(key), **({"Content-Type": "application/json"} if data is not None else {})}
-    async with http.request(method, url, data=data, headers=headers) as resp:
-        return Reply(resp.status, resp.headers, await resp.read())
-
-
-def forwarded(emulator: Emulator) -> int:
-    """Requests, frames and other-route calls the upstream received."""
-    stats = emulator.stats
-    frames = int(stats.snapshot()["ws_frames_received"])
-    return sum(stats.requests.values()) + frames + sum(stats.other_requests.values())
 
 
 async def stored_job(http: aiohttp.ClientSession, emulator: Emulator) -> str:
