@@ -96,7 +96,11 @@ class Pool:
         self._ready = self.connector.ready
         self._identities: dict[str, Identity] = {}
         """The identities seen, by digest (re-seeds open sockets with their headers)."""
-        self._waiters: set[asyncio.Future[None]] = set()
+        self._waiters: dict[int, asyncio.Future[int | None]] = {}
+        """Turns waiting for a change, by when they began to (oldest first): see :meth:`_wake_one`."""
+        self._waited = 0
+        self.replans = 0
+        """Plans made again after a wake (each one a head lookup): what tests of the wake order read."""
         self._housekeeper: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -168,6 +172,7 @@ class Pool:
     async def _plan(self, identity: Identity, req: ParsedRequest, replay: bool, waiting: Waiting) -> Ready:
         """Plan until a plan is ready; :attr:`Waiting.seconds` is the time that took."""
         may_open = True
+        baton: int | None = None
         while True:
             now = self._clock()
             if self.connector.closed:
@@ -176,10 +181,14 @@ class Pool:
             plan = self.planner.plan(identity.digest, req, now, replay=replay, may_open=may_open, waiting=waiting)
             if plan.close:
                 self.connector.close_soon(plan.close)
+            if baton is not None and not isinstance(plan, (Continue, Full)):
+                self._wake_one(baton)  # what freed was not for this turn: the next waiter's turn
+            baton = None
             match plan:
                 case Wait():
                     assert waiting.deadline is not None, "a wait without a deadline"
-                    await self._wait_change(waiting.deadline - now)
+                    baton = await self._wait_change(waiting.deadline - now)
+                    self.replans += 1
                 case Http() | HttpContinue():
                     waiting.seconds = now - waiting.started
                     return plan
@@ -201,23 +210,48 @@ class Pool:
                     waiting.seconds = self._clock() - waiting.started
                     return plan
 
-    async def _wait_change(self, timeout: float) -> None:
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.add(waiter)
+    async def _wait_change(self, timeout: float) -> int | None:
+        """Wait until woken or ``timeout``; returns the baton of :meth:`_wake_one` if that woke
+        this turn (it goes to the next waiter unless the turn takes a lane), else ``None``."""
+        waiter: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self._waited += 1
+        place = self._waited
+        self._waiters[place] = waiter
         try:
             async with asyncio.timeout(timeout):
                 await waiter
         except TimeoutError:
-            pass
+            pass  # (woken in the same moment: the baton below is still this turn's)
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
+                self._wake_one(waiter.result())  # a turn gone mid-wait hands its baton on
+            raise
         finally:
-            self._waiters.discard(waiter)
+            self._waiters.pop(place, None)
+        return waiter.result() if waiter.done() and not waiter.cancelled() else None
 
     def _wake(self) -> None:
-        """Something was freed: every waiter plans again."""
-        for waiter in self._waiters:
+        """Something changed that may serve many turns (a socket opened, closed or proved its
+        lanes): every waiter plans again."""
+        for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_result(None)
         self._waiters.clear()
+
+    def _wake_one(self, before: int | None = None) -> None:
+        """One lane freed: the longest-waiting turn (among those waiting before ``before``) plans
+        again, and hands this baton on if it does not take a lane. One plan per freed lane in
+        the usual case, not one per waiting turn (hundreds of head lookups at every turn's end
+        when many turns wait); a turn that came to wait after the lane freed is not handed the
+        baton (it planned with the lane already free)."""
+        limit = self._waited + 1 if before is None else before
+        for place, waiter in self._waiters.items():
+            if place >= limit:
+                return
+            if not waiter.done():
+                del self._waiters[place]
+                waiter.set_result(limit)
+                return
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -271,20 +305,27 @@ class Pool:
                 # the two compare like with like, the sidecar's own loop in both.
                 upstream_seconds=time.perf_counter() - turn.sent_at,
             )
-            if close:
+            if close or sock.error is not None:
                 self.connector.close_soon(close)
+                self._wake()  # a socket goes: room for a new one, with lanes of its own
+            else:
+                self._wake_one()  # one lane freed
         else:
             # Left mid-response: read the rest of it and drop it; the lane is free after that.
             inbox.draining = True
             inbox.frames.clear()
             inbox.on_drained = lambda: self._drained(sock, inbox, key)
             self.planner.custody.abandon(key)
-        self._wake()
+            self._wake()  # its head let go: a turn waiting for that lane goes elsewhere
 
     def _drained(self, sock: UpstreamSocket, inbox: Inbox, key: LaneKey) -> None:
         sock.close_inbox(inbox)
-        self.connector.close_soon(self.planner.finished(key, self._clock()))
-        self._wake()
+        close = self.planner.finished(key, self._clock())
+        self.connector.close_soon(close)
+        if close:
+            self._wake()
+        else:
+            self._wake_one()
 
     # -- what the upstream taught --------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.conversation import HeadTable
 from proxy.core.plans import Full, Http, Plan
 from proxy.core.request import build_frame, parse_request
+from proxy.core.waiting import Send
 from proxy.intake.identity import Identity, identify
 from proxy.observe.metrics import REGISTRY
 from proxy.upstream.pool import Pool, SocketUse, Turn
@@ -92,6 +93,75 @@ async def test_two_conversations_share_one_socket_in_parallel_once_its_lanes_are
     (conn,) = emulator.stats.connections.values()
     assert conn.max_in_flight == 2 and conn.named_streams == 3
     assert pool.count(SocketUse.IDLE) == 1 and len(pool.heads) == 4
+
+
+def worth_waiting(pool: Pool, who: Identity, size: int) -> None:
+    """What the pool has measured for ``who``: a lane stays busy for a second and saves ten
+    against plain HTTP, so a turn without a lane waits for one, for seconds (the waiting rule's
+    inputs; the emulator's responses here take a few milliseconds)."""
+    estimates = pool.planner.estimates
+    estimates.observe_upstream(who.digest, Send.HTTP_FULL, size, 10.0)
+    estimates.observe_upstream(who.digest, Send.FULL, size, 0.05)
+    estimates.observe_busy(who.digest, 1.0)
+
+
+async def test_a_freed_lane_wakes_the_longest_waiting_turn_not_every_turn(
+    emulator: Emulator, make_pool: PoolFactory
+) -> None:
+    emulator.state.latency = LatencyModel(ttft_ms=20)
+    pool = make_pool(max_sockets_per_identity=1, lanes_per_socket=1, wait_seconds=30)
+    alice = who("sk-a", emulator.base_url)
+    worth_waiting(pool, alice, len(req("w0").body))
+    first, _ = await pool.plan(alice, req("first"))
+    served: list[int] = []
+
+    async def waiter(i: int) -> None:
+        plan, waiting = await pool.plan(alice, req(f"w{i}"))
+        assert type(plan) is Full and waiting.seconds > 0  # it waited, then had the lane
+        served.append(i)
+        async with pool.lease(plan) as turn:
+            await run(turn, req(f"w{i}"), plan)
+
+    tasks = []
+    for i in range(8):
+        tasks.append(asyncio.create_task(waiter(i)))
+        await asyncio.sleep(0)  # each asks (and begins to wait) in turn
+    async with pool.lease(first) as turn:
+        await run(turn, req("first"), first)
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert served == list(range(8))  # the longest-waiting first
+    # One plan per freed lane: waking every waiting turn at each turn's end would plan
+    # 8 + 7 + ... + 1 = 36 times again.
+    assert pool.replans <= 10
+
+
+async def test_a_turn_woken_for_a_lane_it_cannot_use_hands_the_wake_on(
+    emulator: Emulator, make_pool: PoolFactory
+) -> None:
+    emulator.state.latency = LatencyModel(ttft_ms=20)
+    pool = make_pool(max_sockets_per_identity=1, lanes_per_socket=1, wait_seconds=5)
+    alice, bob = who("sk-a", emulator.base_url), who("sk-b", emulator.base_url)
+    for one in (alice, bob):
+        worth_waiting(pool, one, len(req("x").body))
+    bobs, _ = await pool.plan(bob, req("bob's long turn"))
+    alices, _ = await pool.plan(alice, req("alice's turn"))
+    bob_waits = asyncio.create_task(pool.plan(bob, req("bob waits")))  # the longest-waiting turn
+    await asyncio.sleep(0)
+    alice_waits = asyncio.create_task(pool.plan(alice, req("alice waits")))
+    await asyncio.sleep(0)
+    async with pool.lease(alices) as turn:
+        await run(turn, req("alice's turn"), alices)
+    # Bob's turn is woken first and cannot use Alice's lane: it hands the wake on at once,
+    # so Alice's turn does not sit out its deadline (1.5 s away) with her lane free.
+    plan, waiting = await asyncio.wait_for(alice_waits, 3)
+    assert type(plan) is Full and plan.lane == alices.lane and waiting.seconds < 0.5
+    assert not bob_waits.done()
+    async with pool.lease(bobs) as turn:
+        await run(turn, req("bob's long turn"), bobs)
+    later, _ = await asyncio.wait_for(bob_waits, 3)
+    assert type(later) is Full and later.lane == bobs.lane
+    for taken in (plan, later):
+        pool.planner.finished(taken.lane, 0.0)
 
 
 async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, make_pool: PoolFactory) -> None:
