@@ -87,7 +87,7 @@ class Connector:
         planner: Told every handshake's outcome and every loss.
         caps: The learned caps shared with the other workers of this machine.
         clock: Monotonic clock.
-        changed: Called when something was freed or settled (the pool's waiters plan again).
+        changed: Called when a socket opened, failed or closed (every turn waiting in the pool plans again).
         on_signal: Called with what a socket's demux learned about ``stream_id``.
     """
 
