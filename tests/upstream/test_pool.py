@@ -164,6 +164,25 @@ async def test_a_turn_woken_for_a_lane_it_cannot_use_hands_the_wake_on(
         pool.planner.finished(taken.lane, 0.0)
 
 
+async def test_a_turn_gone_while_woken_hands_the_wake_on(emulator: Emulator, make_pool: PoolFactory) -> None:
+    emulator.state.latency = LatencyModel(ttft_ms=20)
+    pool = make_pool(max_sockets_per_identity=1, lanes_per_socket=1, wait_seconds=5)
+    alice = who("sk-a", emulator.base_url)
+    worth_waiting(pool, alice, len(req("x").body))
+    first, _ = await pool.plan(alice, req("first"))
+    gone = asyncio.create_task(pool.plan(alice, req("the app leaves")))  # the longest-waiting turn
+    await asyncio.sleep(0)
+    stays = asyncio.create_task(pool.plan(alice, req("the app stays")))
+    await asyncio.sleep(0)
+    async with pool.lease(first) as turn:
+        await run(turn, req("first"), first)
+    gone.cancel()  # woken for the freed lane, and cancelled before it could plan again
+    plan, waiting = await asyncio.wait_for(stays, 3)
+    assert type(plan) is Full and plan.lane == first.lane and waiting.seconds < 0.5
+    assert gone.cancelled()
+    pool.planner.finished(plan.lane, 0.0)
+
+
 async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, make_pool: PoolFactory) -> None:
     emulator.state.latency = LatencyModel(tokens_per_second=300)
     pool = make_pool()
