@@ -16,9 +16,9 @@ import pytest
 
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.conversation import HeadTable
-from proxy.core.plans import Full, Http, Plan
+from proxy.core.plans import Full, Http, Plan, Ready
 from proxy.core.request import build_frame, parse_request
-from proxy.core.waiting import Send
+from proxy.core.waiting import Send, Waiting
 from proxy.intake.identity import Identity, identify
 from proxy.observe.metrics import REGISTRY
 from proxy.upstream.pool import Pool, SocketUse, Turn
@@ -105,6 +105,15 @@ def worth_waiting(pool: Pool, who: Identity, size: int) -> None:
     estimates.observe_busy(who.digest, 1.0)
 
 
+async def queue_up(pool: Pool, *turns: tuple[Identity, str]) -> list[asyncio.Task[tuple[Ready, Waiting]]]:
+    """Each turn asks for a lane, in this order (the first is the longest-waiting)."""
+    tasks = []
+    for one, text in turns:
+        tasks.append(asyncio.create_task(pool.plan(one, req(text))))
+        await asyncio.sleep(0)  # it has planned, and waits
+    return tasks
+
+
 async def test_a_freed_lane_wakes_the_longest_waiting_turn_not_every_turn(
     emulator: Emulator, make_pool: PoolFactory
 ) -> None:
@@ -145,10 +154,7 @@ async def test_a_turn_woken_for_a_lane_it_cannot_use_hands_the_wake_on(
         worth_waiting(pool, one, len(req("x").body))
     bobs, _ = await pool.plan(bob, req("bob's long turn"))
     alices, _ = await pool.plan(alice, req("alice's turn"))
-    bob_waits = asyncio.create_task(pool.plan(bob, req("bob waits")))  # the longest-waiting turn
-    await asyncio.sleep(0)
-    alice_waits = asyncio.create_task(pool.plan(alice, req("alice waits")))
-    await asyncio.sleep(0)
+    bob_waits, alice_waits = await queue_up(pool, (bob, "bob waits"), (alice, "alice waits"))
     async with pool.lease(alices) as turn:
         await run(turn, req("alice's turn"), alices)
     # Bob's turn is woken first and cannot use Alice's lane: it hands the wake on at once,
@@ -170,10 +176,7 @@ async def test_a_turn_gone_while_woken_hands_the_wake_on(emulator: Emulator, mak
     alice = who("sk-a", emulator.base_url)
     worth_waiting(pool, alice, len(req("x").body))
     first, _ = await pool.plan(alice, req("first"))
-    gone = asyncio.create_task(pool.plan(alice, req("the app leaves")))  # the longest-waiting turn
-    await asyncio.sleep(0)
-    stays = asyncio.create_task(pool.plan(alice, req("the app stays")))
-    await asyncio.sleep(0)
+    gone, stays = await queue_up(pool, (alice, "the app leaves"), (alice, "the app stays"))
     async with pool.lease(first) as turn:
         await run(turn, req("first"), first)
     gone.cancel()  # woken for the freed lane, and cancelled before it could plan again
