@@ -231,8 +231,8 @@ class Pool:
         return waiter.result() if waiter.done() and not waiter.cancelled() else None
 
     def _wake(self) -> None:
-        """Something changed that may serve many turns (a socket opened, closed or proved its
-        lanes): every waiter plans again."""
+        """Something changed for many turns (a socket opened or closed, or learned whether the
+        upstream takes lanes): every waiter plans again."""
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_result(None)
@@ -351,8 +351,9 @@ class Pool:
         """A socket's demux learned whether the upstream takes ``stream_id``."""
         if self.planner.proof.signal(signal, self._clock()):
             LANES_FALLBACKS.inc()
-        if signal is LaneSignal.PROVEN:
-            self._wake()  # that socket may carry more responses now
+        # Proven: that socket may carry more responses now. Refused or ignored: the lanes a
+        # moment away that new heads wait for will not come; they go now.
+        self._wake()
 
     def replayed(self, cause: ReplayCause, lane: LaneKey | None) -> None:
         """What an attempt replayed for ``cause`` (on ``lane``) tells the pool: the upstream does

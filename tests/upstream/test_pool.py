@@ -186,6 +186,32 @@ async def test_a_turn_gone_while_woken_hands_the_wake_on(emulator: Emulator, mak
     pool.planner.finished(plan.lane, 0.0)
 
 
+async def test_new_heads_waiting_for_a_probed_lane_go_at_once_when_the_upstream_refuses_lanes() -> None:
+    """A new head waits for lanes a moment away (its socket probing a named lane). The upstream
+    refusing ``stream_id`` means no such lane will come: every such turn plans again at once,
+    not when its wait ends or when some lane frees."""
+    async with Emulator(ws_stream_ids="reject") as emu:
+        settings = Settings(upstream=emu.base_url, pool=PoolSettings(max_sockets_per_identity=1, wait_seconds=5))
+        pool = Pool(settings, HeadTable(max_heads=100, ttl_seconds=3600))
+        try:
+            alice = who("sk-a", emu.base_url)
+            first, _ = await pool.plan(alice, req("first"))
+            async with pool.lease(first) as turn:
+                await run(turn, req("first"), first)
+            probe, _ = await pool.plan(alice, req("the probe"))
+            assert probe.lane == (first.lane[0], "u1")  # the socket's first named lane
+            async with pool.lease(probe) as turn:
+                await turn.send(build_frame(req("the probe"), stream_id=probe.stream_id))
+                (waiting,) = await queue_up(pool, (alice, "a new head"))
+                assert not waiting.done()  # it waits for the probe's lanes
+                _, event = await turn.recv(5)
+                assert event["type"] == "error"  # stream_id refused
+                plan, _ = await asyncio.wait_for(waiting, 1)  # while the probe's lane is still held
+                assert type(plan) is Http
+        finally:
+            await pool.close()
+
+
 async def test_a_lease_left_mid_response_drains_its_lane(emulator: Emulator, make_pool: PoolFactory) -> None:
     emulator.state.latency = LatencyModel(tokens_per_second=300)
     pool = make_pool()
