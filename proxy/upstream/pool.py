@@ -63,6 +63,11 @@ class Lease:
         self._pool._returned(self._turn, exc)
 
 
+def _baton(waiter: asyncio.Future[int | None]) -> int | None:
+    """The baton :meth:`Pool._wake_one` handed ``waiter``, if it was woken by one."""
+    return waiter.result() if waiter.done() and not waiter.cancelled() else None
+
+
 class Pool:
     """Upstream sockets and lanes of every identity.
 
@@ -223,12 +228,13 @@ class Pool:
         except TimeoutError:
             pass  # (woken in the same moment: the baton below is still this turn's)
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
-                self._wake_one(waiter.result())  # a turn gone mid-wait hands its baton on
+            baton = _baton(waiter)
+            if baton is not None:
+                self._wake_one(baton)  # a turn gone mid-wait hands its baton on
             raise
         finally:
             self._waiters.pop(place, None)
-        return waiter.result() if waiter.done() and not waiter.cancelled() else None
+        return _baton(waiter)
 
     def _wake(self) -> None:
         """Something changed for many turns (a socket opened or closed, or learned whether the
@@ -305,11 +311,7 @@ class Pool:
                 # the two compare like with like, the sidecar's own loop in both.
                 upstream_seconds=time.perf_counter() - turn.sent_at,
             )
-            if close or sock.error is not None:
-                self.connector.close_soon(close)
-                self._wake()  # a socket goes: room for a new one, with lanes of its own
-            else:
-                self._wake_one()  # one lane freed
+            self._freed(close, sock.error is not None)
         else:
             # Left mid-response: read the rest of it and drop it; the lane is free after that.
             inbox.draining = True
@@ -320,9 +322,14 @@ class Pool:
 
     def _drained(self, sock: UpstreamSocket, inbox: Inbox, key: LaneKey) -> None:
         sock.close_inbox(inbox)
-        close = self.planner.finished(key, self._clock())
+        self._freed(self.planner.finished(key, self._clock()))
+
+    def _freed(self, close: list[int], socket_gone: bool = False) -> None:
+        """A lane's response ended: the sockets the planner let go close. A socket going
+        (``close``, or the lane's own socket failed) makes room for a new one, with lanes of its
+        own: every waiting turn plans again; else one lane freed wakes one (:meth:`_wake_one`)."""
         self.connector.close_soon(close)
-        if close:
+        if close or socket_gone:
             self._wake()
         else:
             self._wake_one()
