@@ -363,7 +363,7 @@ async def _read_known(content: Any, length: int, lease: Lease | None, watch: Bod
         buffer.write(chunk)
         if watch is not None:
             watch.chunk(len(chunk))
-        if lease is not None and buffer.filled + _AHEAD > covered < length:
+        if lease is not None and covered < length and buffer.filled + _AHEAD > covered:
             await _grow(lease, buffer.filled, watch)
             covered = lease.covered
     body = buffer.value()
