@@ -108,7 +108,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--network-first-kb", type=float, default=10.0, help="history of a first turn, KB")
     p.add_argument("--memory-conversations", type=int, default=2000)
     p.add_argument("--memory-budget-mb", type=float, default=256.0,
-                   help="limits.memory_bytes for the memory phase's load workloads (issue 12)")  # fmt: skip
+                   help="limits.memory_bytes for the memory phase's load workloads")  # fmt: skip
     p.add_argument("--stall-streams", type=int, default=8)
     p.add_argument("--stall-size", default="3m")
     p.add_argument("--stall-repeats", type=int, default=3, help="rounds of each stall scenario (medians reported)")

@@ -10,7 +10,7 @@ afterwards), so the sidecar's figures are per core. Two parts:
   reach when the load generator is not the limit. When the sidecar's CPU is well under 100 %,
   the other core (emulator + load generator) was the bottleneck. With a floor relay
   (:mod:`bench.floor` on aiohttp, pinned to the same core), the same clients then load it for the
-  same time: its turns per CPU-second beside the sidecar's, and their ratio (issue 24: a target
+  same time: its turns per CPU-second beside the sidecar's, and their ratio (a target
   as a ratio to the floor of the same run, not a figure of one machine).
 * **Many conversations** (``fast`` preset, tool time 200–2,000 ms per call): N conversations
   through the sidecar, each running ``turns`` agent turns; every ``twin_every``-th of them has a

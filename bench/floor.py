@@ -1,6 +1,6 @@
 """The floor of a Python relay: the least work that turns an HTTP Responses turn into a WebSocket
 mode one, measured beside the sidecar so that "a turn costs no more than a Python relay must"
-(issue 14) is a ratio in one run, not a guess.
+is a ratio in one run, not a guess.
 
 ``python -m bench.floor PORT UPSTREAM`` serves ``POST /v1/responses`` (SSE, ``Content-Length``
 bodies, keep-alive) on 127.0.0.1:PORT with uvloop and bare asyncio protocols, and relays each

@@ -1,4 +1,4 @@
-"""Many conversations of one key over a per-key socket cap: lanes at scale (issues 9, 23).
+"""Many conversations of one key over a per-key socket cap: lanes at scale.
 
     python -m bench.lanes                                  # 300 and 1,000 conversations, both upstreams
     python -m bench.lanes --conversations 1000 --json out.json
@@ -7,7 +7,7 @@
 Two upstreams side by side (``--upstreams``): ``laned`` multiplexes ``stream_id`` lanes and caps
 a key at 32 sockets (``store: false`` conversations); ``no-lanes`` refuses ``stream_id``
 ("Unknown parameter: 'stream_id'", the socket stays usable) and caps a key at 8 sockets, with
-stored (``store: true``) conversations, as issue 23 describes xAI and gateways. The sidecar runs
+stored (``store: true``) conversations, as xAI (it queues, protocol.md §1.8) and gateways behave. The sidecar runs
 with its default settings against both: nothing tells it the cap or the lanes.
 
 The emulator (``fast`` model preset: 50 ms overhead, 150 ms to first token, 1,000 tokens/s) runs

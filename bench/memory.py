@@ -1,4 +1,4 @@
-"""Memory: RSS per idle conversation head, and the memory budget under load (issue 12).
+"""Memory: RSS per idle conversation head, and the memory budget under load.
 
 **Under load** (:func:`run_budget`, phase ``memory``): N conversations with histories of S MB
 made of 64 KB tool outputs, T turns each, ``stream: false``, all at once, against a sidecar
@@ -204,7 +204,7 @@ async def run_memory(emu: EmulatorProc, side: SidecarProc, n: int, *, warm: int 
     }
 
 
-# -- the memory budget under load (issue 12) -----------------------------------------------------
+# -- the memory budget under load ----------------------------------------------------------------
 
 WORKLOADS: list[tuple[int, float, int]] = [(60, 4.0, 3), (10, 16.0, 3), (200, 1.0, 3)]
 """(conversations, history MB, turns) of the issue's "done when"."""

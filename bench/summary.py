@@ -127,7 +127,7 @@ def targets(report: JSON) -> list[JSON]:
         if o and p50:
             out.append(_target(f"added latency p99 − 2·p50 at {label}", round(o["added_ms"]["p99"] - 2 * p50, 3), 0.5,
                                unit=" ms"))  # fmt: skip
-    # Issue 24: ratios to the aiohttp floor relay measured in the same run, interleaved with it.
+    # Ratios to the aiohttp floor relay measured in the same run, interleaved with it.
     for label, limit in (("1k", 1.4), ("200k", 1.15), ("1m", 1.0)):
         floor = (by_label.get(label) or {}).get("floor_aiohttp") or {}
         if floor:

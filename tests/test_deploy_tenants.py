@@ -1,4 +1,4 @@
-"""Issue 22: the sidecar manifest makes tenants real. Its app placeholder key is made per app
+"""The sidecar manifest makes tenants real. Its app placeholder key is made per app
 from the Pod itself (namespace and ``app.kubernetes.io/name``), and the sidecar tells tenants
 apart by it, so the template copied twice (another name, another namespace) is two tenants:
 the second copy's app is refused on the first one's response ids. Offline: the manifests are

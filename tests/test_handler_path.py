@@ -1,4 +1,4 @@
-"""The handler path stays short (issue 19): ``POST /v1/responses`` from entry to answer.
+"""The handler path stays short: ``POST /v1/responses`` from entry to answer.
 
 Measured statically: from :func:`proxy.ingress.front.post_responses` and the handler the reception
 hands the request to (:func:`proxy.serve.handlers.serve`), every call (and property

@@ -1,4 +1,4 @@
-"""Everything the emulator emits conforms to the OpenAPI file and the SDK types (issue 13).
+"""Everything the emulator emits conforms to the OpenAPI file and the SDK types.
 
 Known lags are listed once, in ``lags.py``; every other finding fails.
 """

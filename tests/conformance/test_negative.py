@@ -64,7 +64,7 @@ def test_missing_required_field_in_the_response_fails(good_events: list[Event]) 
     with pytest.raises(schema.ConformanceError):
         schema.validate_stream_event(event)
     usage = _first(good_events, "response.completed")
-    del usage["response"]["usage"]["input_tokens_details"]["cache_write_tokens"]  # issue 13's defect
+    del usage["response"]["usage"]["input_tokens_details"]["cache_write_tokens"]  # a required field missing
     with pytest.raises(schema.ConformanceError) as info:
         schema.validate_response(usage["response"])
     assert {f.source for f in info.value.findings} == schema.LAYERS - {"sse"}  # both layers, when both run

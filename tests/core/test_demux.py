@@ -1,5 +1,5 @@
 """Lane demultiplexing (proxy/core/demux.py) as transcripts and a property test over
-interleavings of refusals, errors and events on one socket (issue 23): an event reaches the
+interleavings of refusals, errors and events on one socket: an event reaches the
 response it belongs to, or every response in flight fails at once; never the wrong one."""
 
 from __future__ import annotations

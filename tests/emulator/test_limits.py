@@ -1,4 +1,4 @@
-"""Per-key WebSocket connection cap (issue 9) and the network-distance model (issue 14)."""
+"""Per-key WebSocket connection cap and the network-distance model."""
 
 from __future__ import annotations
 

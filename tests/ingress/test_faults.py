@@ -151,7 +151,7 @@ async def test_signed_markers(emulator: Emulator, tmp_path: Path) -> None:
         forged = _count(FORWARDS_RECEIVED, "replica", "false")
         async with aiohttp.ClientSession() as session:
             status, _, headers = await _post(session, a, task)
-            assert status == 200 and headers["x-upshift-owner"] == "1"  # issue 21: its URL only in debug
+            assert status == 200 and headers["x-upshift-owner"] == "1"  # its URL only in debug
             assert _count(FORWARDS_RECEIVED, "replica", "true") == good + 1
             status, data, headers = await _post(session, b, task + " 2", headers={MARKER: "replica;req_y;0123"})
             assert status == 403, data

@@ -24,7 +24,7 @@ def test_a_reservation_that_fits_is_granted_and_released() -> None:
 
 
 def test_a_waiter_that_does_not_fit_never_holds_up_a_smaller_one_behind_it() -> None:
-    # issue 21: the queue used to be strict FIFO (a 60-byte waiter held a 10-byte one behind it).
+    # Not strict FIFO: a 60-byte waiter that does not fit never holds a 10-byte one behind it.
     budget = Budget(100)
     first, _ = budget.ask(70)
     big, _ = budget.ask(60)

@@ -1,4 +1,4 @@
-"""The sidecar in a real memory cgroup (issue 12): with the default settings its budget is derived
+"""The sidecar in a real memory cgroup: with the default settings its budget is derived
 from the cgroup's limit, and a load that would take several times the limit is served in full
 without an OOM kill. The control run (the same harness, the budget set far above the limit)
 is OOM-killed: the harness does catch a sidecar that outgrows its container."""

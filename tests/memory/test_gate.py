@@ -97,7 +97,7 @@ async def _taken(gate: MemoryGate, length: int) -> Lease:
 
 
 async def test_a_lease_pays_as_its_body_arrives_and_small_ones_never_wait_behind_large() -> None:
-    # issue 21: entering a lease used to reserve 4 x the declared length; now the first step.
+    # Entering a lease reserves its first step, not 4 x the declared length.
     gate = _gate(10 * MIB)
     first = gate.lease(2 * MIB)
     async with first:
@@ -219,7 +219,7 @@ async def test_kept_bodies_draw_from_the_budget_and_give_way_to_requests() -> No
 
 
 async def test_a_whole_frame_pays_for_its_masked_copy_until_it_is_sent() -> None:
-    # issue 19: one frame per message (no fragments) holds ~2.5x its size while it is masked
+    # One frame per message (no fragments) holds ~2.5x its size while it is masked
     # and written; the lease pays half a frame more than AMPLIFICATION until it is sent.
     gate = _gate(64 * MIB)
     async with gate.lease(8 * MIB) as lease:

@@ -1,4 +1,4 @@
-"""Issue 12's load against a memory budget: many conversations with multi-megabyte histories
+"""A load against a memory budget: many conversations with multi-megabyte histories
 at once, ``stream: false``, 64 KB tool outputs, an SDK-style client that retries 429/503 twice
 after ``retry-after``. Every turn is answered, the model saw exactly each app's history, the
 sidecar's peak RSS (the kernel's ``VmHWM``) stays within the budget, ``/readyz`` stays green, and
@@ -116,7 +116,7 @@ _ALL = pytest.mark.skipif(not _FULL, reason="UPSHIFT_MEMORY_FULL=1 runs it (benc
 @pytest.mark.parametrize(
     ("conversations", "size_mb", "turns"),
     [
-        # Under a full suite on two loaded cores this case missed by a hair twice this round
+        # Under a full suite on two loaded cores this case has missed by a hair
         # (peak 258 of 256 MiB once; one later turn over HTTP after 47 memory_busy retries once);
         # alone it peaks at 211-228 MiB. It runs with UPSHIFT_MEMORY_FULL=1 and in bench/memory.py.
         pytest.param(60, 4.0, 3, id="60x4MB", marks=_ALL),

@@ -1,4 +1,4 @@
-"""Backpressure before errors (issue 12): a request the memory budget cannot take now waits with
+"""Backpressure before errors: a request the memory budget cannot take now waits with
 its body unread; only one that waited longer than ``limits.memory_wait_seconds`` (429) or that
 could never fit (503) is refused, with ``retry-after``, and nothing is read or forwarded. Every
 exit path gives the reservation back (a disconnect while waiting, or mid-body)."""
@@ -101,7 +101,7 @@ async def test_a_request_waits_unread_then_429s_after_the_bound_and_every_exit_f
 ) -> None:
     side = await _start(limited, emulator, UPSHIFT_LIMITS_MEMORY_WAIT_SECONDS="1")
     # An app that declared 8 MB and sent all but 64 KB of them, then pauses: a body pays as it arrives
-    # (issue 21; the declared length alone used to reserve it all), so this one now holds its
+    # (the declared length alone reserves none of it), so this one holds its
     # whole share, 4 x 8 MB and its head. (It may pause for limits.body_grace_seconds, 5 s,
     # before the sidecar closes it: the steps below take about 2.)
     _, slow = await _open(side, 8 * MIB, b'{"input": [' + b" " * (8 * MIB - 64 * 1024))

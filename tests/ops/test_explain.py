@@ -224,7 +224,7 @@ async def test_the_access_line_waits_for_the_explanation_only_when_the_verdict_s
     replayed.explain(explainer, MissReason.NO_HEAD)
     replayed.finish()  # the verdict did not stand: nothing computed, the line at once
     assert len(calls) == 1 and len(lines()) == 2
-    # issue 22: a large request's miss is explained in a thread of its own, never on the loop.
+    # A large request's miss is explained in a thread of its own, never on the loop.
     large = Record("req_3", mode=Mode.FULL, reason=MissReason.NO_HEAD, status=200, bytes_in=4 * 1024 * 1024)
     large.explain(explainer, MissReason.NO_HEAD)
     large.finish()

@@ -116,7 +116,7 @@ async def test_explain_a_phaseless_echo_as_the_access_log_does_and_with_the_tole
 ) -> None:
     """pydantic-ai and llama-index send an assistant message back without its ``phase``: the
     sidecar's default is a full send, ``dropped_phase``. The command says the same, in both
-    forms (its human form used to fail with a KeyError here), and with ``--tolerate phase``
+    forms (the human one included), and with ``--tolerate phase``
     says what a sidecar with ``matching.tolerate: [phase]`` does: a continuation."""
     _, sc = stack
     lines, _ = access_log

@@ -239,7 +239,7 @@ async def test_a_stored_conversation_outlives_its_socket(
 async def _scarce_run(
     make_emulator: EmulatorFactory, sidecar_for: SidecarFor, *, conversations: int, store: bool, seed: int
 ) -> dict[str, Any]:
-    """Issue 23's workload: ``conversations`` concurrent tool-loop conversations of 5 turns of
+    """The scarce-sockets workload: ``conversations`` concurrent tool-loop conversations of 5 turns of
     one key, against an upstream without lanes (``stream_id`` refused, socket usable) that
     allows 8 sockets per key (429 + ``retry-after`` beyond), through a sidecar with its DEFAULT
     settings (nothing tells it the cap). Every answer is checked by the oracle."""
@@ -285,7 +285,7 @@ async def _scarce_run(
 async def test_stored_conversations_on_an_upstream_without_lanes_capped_at_8_sockets(
     make_emulator: EmulatorFactory, sidecar_for: SidecarFor
 ) -> None:
-    """Issue 23's "done when", 30 conversations: nothing lost, ≥ 99 % of later turns continued
+    """Scarce sockets, 30 conversations: nothing lost, ≥ 99 % of later turns continued
     (over a socket or as an HTTP continuation), added p99 ≤ 100 ms, at most twice the cap in
     refused upgrades."""
     run = await _scarce_run(make_emulator, sidecar_for, conversations=30, store=True, seed=3)
@@ -343,11 +343,11 @@ async def test_unstored_conversations_on_an_upstream_without_lanes_capped_at_8_s
 async def test_a_default_lane_response_is_not_lost_to_a_refused_stream_id_on_its_socket(
     make_emulator: EmulatorFactory, sidecar_for: SidecarFor
 ) -> None:
-    """The lost response of issue 23, deterministically: a turn on a socket's default lane has
-    sent ``response.created`` and ``response.in_progress``; meanwhile a new conversation needs a
-    lane. Before the fix it got a named lane on the same (unproven) socket, was refused, and the
-    default lane's remaining events went nowhere: that app waited until its timeout. Now an
-    unproven socket carries one response at a time, and both answers arrive."""
+    """A lost response, deterministically: a turn on a socket's default lane has sent
+    ``response.created`` and ``response.in_progress``; meanwhile a new conversation needs a lane.
+    Were it given a named lane on the same (unproven) socket, the upstream would refuse it and
+    the default lane's remaining events would go nowhere: that app would wait until its
+    timeout. An unproven socket carries one response at a time, so both answers arrive."""
     emu = await make_emulator(ws_stream_ids="reject")
     sc = await sidecar_for(emu.base_url)
     async with aiohttp.ClientSession(trust_env=False) as http:
@@ -481,10 +481,10 @@ async def test_a_fresh_socket_lost_before_its_first_event_leaves_proven_lanes_on
 ) -> None:
     """A socket can be lost before its first event on any upstream (a reset, a restarted
     server). On a socket that never routed a ``stream_id``, that close is also how a lane-less
-    upstream refuses one, so it used to turn named lanes off for 10 minutes, for every socket:
-    one unlucky drop (the soak met it in CI) sent 61 % of 10,000 turns in full. Once lanes are
-    proven on this upstream, such a close is a lost socket; only a run of them (no lane proven
-    in between) is taken for a refusal."""
+    upstream refuses one. Taken for a refusal, it would turn named lanes off for 10 minutes, for
+    every socket: one unlucky drop (the soak met one) would send 61 % of 10,000 turns in full.
+    Once lanes are proven on this upstream, such a close is a lost socket; only a run of them
+    (no lane proven in between) is taken for a refusal."""
     emu = await make_emulator()
     sc = await sidecar_for(emu.base_url)
     fallbacks = metric("upshift_lane_fallbacks_total")

@@ -1,4 +1,4 @@
-"""Helpers of the ingress attacks (issue 21, items 1, 3 and 6): a real sidecar process on
+"""Helpers of the ingress attacks (slow bodies, browsers, leaks): a real sidecar process on
 loopback in front of the in-process emulator, raw sockets for what no client library sends
 (a head without its body, a trickle, a foreign ``Host``), and the sidecar's metrics."""
 

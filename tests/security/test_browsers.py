@@ -1,7 +1,7 @@
-"""Issue 21, item 3: any web page could use an injected key. A cross-site ``text/plain`` POST
-with a foreign ``Origin`` and ``Host`` got 200 billed to the key; a WebSocket opened from a
-foreign origin read the answer; preflights were relayed and ``access-control-*`` copied back;
-DNS rebinding made it all same-origin. Each attack against a real sidecar (``api_key.source:
+"""No web page can use an injected key. The attacks: a cross-site ``text/plain`` POST with a
+foreign ``Origin`` and ``Host`` (billed to the key if answered); a WebSocket opened from a
+foreign origin (reading the answer); a preflight relayed with ``access-control-*`` copied back;
+DNS rebinding to make it all same-origin. Each attack against a real sidecar (``api_key.source:
 env``), refused with an OpenAI-style 403 and nothing forwarded, and the legitimate path beside it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Issue 21, item 6: a gzip request body answered 500. Now gzip and deflate bodies are decoded
-as they are read, within the body limit (a zip bomb gets 413 at the limit, never the whole
+"""Request bodies with a ``Content-Encoding``: gzip and deflate bodies are decoded as they are
+read, within the body limit (a zip bomb gets 413 at the limit, never the whole
 bomb in memory), and any other ``Content-Encoding`` gets 415, unread. The model sees exactly
 the decoded history."""
 

@@ -1,10 +1,10 @@
-"""Issue 22, fair shares: a noisy tenant evicts its own heads, sockets and kept bodies first.
+"""Fair shares: a noisy tenant evicts its own heads, sockets and kept bodies first.
 
 Small limits on a real sidecar process (the emulator upstream): 8 heads, 4 upstream sockets in
 all, one lane a socket, ``store: false`` (a head is continuable only where it lives). Alice keeps
 two conversations going; Bob opens 40 (ten times his fair share of 4 heads) between her turns.
-Eviction used to be one global LRU, so Bob's flood took Alice's heads and sockets and her later
-turns went out in full; now the heaviest identity gives up its own first.
+With one global LRU, Bob's flood would take Alice's heads and sockets and her later turns would
+go out in full; the heaviest identity gives up its own first, so hers stay continued.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Every limit shared between callers is keyed by what a caller cannot vary for free: its
 credential. The query string (and ``OpenAI-Beta``/``OpenAI-Project``/``OpenAI-Organization``)
-stays part of the upstream identity, so it used to mint a new identity, with its own share of
-every per-identity limit: one key held every relay slot through 8 query strings (no idle
-timeout), so another tenant's relay closed 1013 and its turns lost the pool, and 40
-one-conversation identities made another tenant "the heaviest", whose next turns all went full.
+stays part of the upstream identity; were the limits keyed by that identity, each query string
+would mint a new share of every per-identity limit: one key could hold every relay slot through
+8 query strings (no idle timeout), so another tenant's relay would close 1013 and its turns lose
+the pool, and 40 one-conversation identities would make another tenant "the heaviest", whose
+next turns would all go full.
 Real sidecar processes on loopback with small limits, the emulator upstream."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 22: identity that cannot be misconfigured, and one credential value per header.
+"""Identity that cannot be misconfigured, and one credential value per header.
 
 A configuration whose ``identity.headers`` leaves out a credential header the upstream accepts
 (``Authorization``, ``api-key``, ``api_key.header``) is refused at startup: with it, apps with

@@ -1,5 +1,5 @@
-"""Issue 21, item 6: secrets in URLs were logged and printed, ``x-upshift-owner`` told apps the
-pod URL, and a cleartext upstream got no warning. A canary secret in the upstream URL's query
+"""Secrets in URLs stay out of logs and answers, ``x-upshift-owner`` does not tell apps the pod
+URL, and a cleartext upstream gets a warning. A canary secret in the upstream URL's query
 and in the egress proxy's password never appears in an answer, a log line or
 ``--print-config``; the owner header says only that an upshift answered unless ``debug``."""
 

@@ -1,4 +1,4 @@
-"""Replicas prove who they are (issue 21, item 4): forwards are signed and go over TLS; a process
+"""Replicas prove who they are: forwards are signed and go over TLS; a process
 that got into the peer set without the secret is refused every forward and is sent none."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Private sockets nobody else can reach (issue 21, item 2).
+"""Private sockets nobody else can reach.
 
 A squatter is a child process running as another uid (``os.setuid(65534)``: the suite runs as
 root; skipped with the reason where the machine does not allow it). It can neither connect to

@@ -1,4 +1,4 @@
-"""Issue 22: the WebSocket relay inside the memory budget and the socket pool.
+"""The WebSocket relay inside the memory budget and the socket pool.
 
 Real sidecar processes on loopback, the emulator upstream. A message larger than the upstream's
 own frame budget is refused from its frame header (close 1009) without the sidecar reading it:
@@ -148,7 +148,7 @@ async def test_a_relayed_message_waits_for_memory_and_is_refused_with_an_error_e
     bob, alice = int(capacity / 4 * 0.8), int(capacity / 4 * 0.4)
     host, port = proc.api.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    # A body pays as it arrives (issue 21): Bob sends all of his body but its last byte.
+    # A body pays as it arrives: Bob sends all of his body but its last byte.
     head = f"POST /v1/responses HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
     head += f"Content-Length: {bob + 1}\r\n"
     writer.write(head.encode() + f"Authorization: Bearer {BOB}\r\n\r\n".encode() + b'{"input": "' + b"x" * (bob - 11))

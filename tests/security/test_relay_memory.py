@@ -1,8 +1,8 @@
 """A relayed WebSocket message is paid for in the memory budget before it is in memory: the
 session's incoming bytes are counted as they are read, and reading pauses while the budget does
-not cover them. aiohttp used to assemble every message (up to the relay's cap) before the
-budget was asked, and a session whose lease waited kept the next one too: 16 sessions x 2
-messages peaked at 3.8 x a 96 MiB budget. Real sidecar process behind an injected key (any
+not cover them. Were aiohttp left to assemble every message (up to the relay's cap) before the
+budget was asked, with a session whose lease waited keeping the next one too, 16 sessions x 2
+messages would peak at 3.8 x a 96 MiB budget. Real sidecar process behind an injected key (any
 placeholder is a tenant), the emulator upstream; the kernel's high-water mark of its RSS."""
 
 from __future__ import annotations

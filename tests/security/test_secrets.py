@@ -1,4 +1,4 @@
-"""Issue 22: no secret from a proxy or upstream URL in any answer, log line or printed config.
+"""No secret from a proxy or upstream URL in any answer, log line or printed config.
 
 Canary passwords and query keys go into ``egress.proxy`` and ``upstream``; every answer the
 apps get (POST over the pool and over HTTP, another ``/v1`` route, the id routes, the WebSocket

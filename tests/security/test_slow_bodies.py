@@ -1,9 +1,9 @@
-"""Issue 21, item 1: one connection must not stall every request. A head that declares the
-largest body and sends nothing, or a body trickled at 1 byte/s, used to reserve 4 x its
-``Content-Length`` before a byte was read and hold it forever (FIFO queue, no body deadline):
-every other key got ``429 memory_busy``. Now a body pays as it arrives, admission is fair and
-never blocked by a larger waiter, and a body that does not keep arriving gets 408 and is closed.
-Item 6: a client gone mid-body is one INFO line and a counter, never an ERROR traceback."""
+"""One connection must not stall every request. A head that declares the largest body and
+sends nothing, or a body trickled at 1 byte/s, would hold memory forever if its
+``Content-Length`` were reserved before a byte was read (every other key would get ``429
+memory_busy``). A body pays as it arrives, admission is fair and never blocked by a larger
+waiter, and a body that does not keep arriving gets 408 and is closed. A client gone mid-body
+is one INFO line and a counter, never an ERROR traceback."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ async def test_stalled_and_trickled_bodies_hold_nothing_and_are_closed_at_the_de
 
     # Every stalled connection is closed within the configured deadline: 408 when it was being
     # read; one still waiting for admission may get 503 memory_too_large first (the conversation
-    # heads of the small requests now take memory too: the largest body can no longer fit).
+    # heads of the small requests take memory too: the largest body can no longer fit).
     closed_after, timed_out = [], 0
     for r, _ in [*stalled, (trickle_reader, trickle_writer)]:
         data = await _until_closed(r, max(DEADLINE + 5.0 - (time.monotonic() - opened), 0.5))

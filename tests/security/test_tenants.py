@@ -1,4 +1,4 @@
-"""Issue 22, tenant walls: behind one injected key, tenant B can never read, continue, delete or
+"""Tenant walls: behind one injected key, tenant B can never read, continue, delete or
 cancel tenant A's responses, on any route, whichever process or replica B's request lands on;
 A's own access keeps working (the control of every attack).
 

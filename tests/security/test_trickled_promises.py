@@ -3,8 +3,8 @@ trickles its body at ~20 KiB/s (above ``limits.body_min_bytes_per_second``, so n
 closes it early) must not make every other tenant's body over one budget step wait for memory:
 a reading body counts against others only as far as its observed rate can deliver it before its
 deadline, and keyless requests share one small quota. With the sidecar's defaults, as a user
-starts it, a few such heads of decreasing sizes used to fill the promise space of the whole
-budget, and 2-8 MiB bodies of another key waited ``limits.memory_wait_seconds`` for a 429."""
+starts it, a few such heads of decreasing sizes must not fill the promise space of the whole
+budget (2-8 MiB bodies of another key would wait ``limits.memory_wait_seconds`` for a 429)."""
 
 from __future__ import annotations
 

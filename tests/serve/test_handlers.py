@@ -197,7 +197,7 @@ async def test_second_request_for_a_busy_head_goes_full_on_another_lane(stack: t
     assert second.headers["x-upshift-mode"] == "full"
     assert (await first).headers["x-upshift-mode"] == "continuation"
     # Both ran at once, the second on a socket of its own: the first socket had not proven its
-    # lanes yet, and such a socket never carries a second response (issue 23).
+    # lanes yet, and such a socket never carries a second response.
     assert used_sockets(emulator) == 2
     assert max(c.max_in_flight for c in emulator.stats.connections.values()) == 1
     assert sidecar.pool.count(SocketUse.BUSY) == 0

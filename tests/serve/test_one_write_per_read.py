@@ -1,4 +1,4 @@
-"""Issue 24: every event one read of the upstream socket delivers reaches the app in one write.
+"""Every event one read of the upstream socket delivers reaches the app in one write.
 
 A relay on 127.0.0.1 between the sidecar and the emulator holds the emulator's frames back until
 the responses of the turn are complete, then hands them to the sidecar in one TCP write (one

@@ -467,7 +467,7 @@ async def test_a_frame_against_the_protocol_fails_the_socket(frame: bytes, said:
 
 async def test_a_large_message_goes_as_one_frame_by_default() -> None:
     """The default framing is the official clients': one frame per message, however large
-    (issue 19; ``pool.fragment_bytes`` is off)."""
+    (``pool.fragment_bytes`` is off)."""
     received = bytearray()
     done = asyncio.Event()
 
