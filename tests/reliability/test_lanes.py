@@ -358,7 +358,7 @@ async def test_a_default_lane_response_is_not_lost_to_a_refused_stream_id_on_its
         assert await wait_for(lambda: len(emu.faults.held) == 1)
         second = Conversation(http, sc.base_url, emu, name="b", store=True)
         b = asyncio.ensure_future(second.send("b arrives meanwhile", timeout=20))
-        await asyncio.sleep(0.3)  # b is planned (and, before the fix, refused) while a is held
+        await asyncio.sleep(0.3)  # b is planned (a named lane would be refused) while a is held
         emu.faults.release("continue")
         reply_a, reply_b = await asyncio.wait_for(asyncio.gather(a, b), 15)
     assert first.accept(reply_a)["continuation"] is True

@@ -1,8 +1,8 @@
 """Every stored object has an owner behind an injected key, not only responses.
 
-The attack (as reproduced before): behind one injected key, Bob read Alice's conversation
-(``GET /v1/conversations/{id}``), continued it (``conversation`` in ``POST /v1/responses``, which
-echoed her text), referenced her items (``item_reference``), and could list and read every
+The attack: behind one injected key, Bob reads Alice's conversation
+(``GET /v1/conversations/{id}``), continues it (``conversation`` in ``POST /v1/responses``, which
+would echo her text), references her items (``item_reference``), and lists and reads every
 tenant's files and stored chat completions. Each against a real sidecar process with the
 emulator upstream (whose store, keyed by the credential it receives, would serve Bob anything of
 Alice's behind the one key: every refusal is the sidecar's), beside Alice's own use.

@@ -1,9 +1,9 @@
 """Behind an injected key, a ``/v1`` route naming objects the sidecar does not track is refused.
 
-The attack (as reproduced before): the sidecar owner-checks the collections it knows (files,
-conversations, ...), but forwarded any other ``/v1`` route unchecked behind the one injected key,
-so Bob read the fine-tuning job in the upstream's store (``GET /v1/fine_tuning/jobs/{id}``) and
-listed every tenant's jobs. The emulator's store is keyed by the credential it receives, so
+The attack: the sidecar owner-checks the collections it knows (files, conversations, ...);
+were any other ``/v1`` route forwarded unchecked behind the one injected key, Bob would read the
+fine-tuning job in the upstream's store (``GET /v1/fine_tuning/jobs/{id}``) and list every
+tenant's jobs. The emulator's store is keyed by the credential it receives, so
 behind the injected key it would serve Bob anything: every refusal is the sidecar's. Each case
 beside its control: the stateless routes are still answered, an operator can open the untracked
 routes, and with the app's own key nothing is refused (the upstream's key check separates them).
