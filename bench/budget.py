@@ -105,7 +105,7 @@ def _module(symbol: str) -> str:
     if parts[0] == "proxy" and len(parts) >= 3:
         return f"{parts[1]}.{parts[2]}"
     if parts[0] in ("core", "wire") and len(parts) >= 3:
-        return f"{parts[0]}.{parts[1]}"  # a name two packages share (core.sse, wire.sse)
+        return f"{parts[0]}.{parts[1]}"  # a name two packages may share
     if len(parts) < 2:
         return ""
     return _SHORT.get(parts[0], parts[0])
@@ -328,7 +328,7 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("proxy/upstream/ws.py", "core.demux", "wire.wsframe", "websockets (Python)", "proxy/core/demux.py",
       "proxy/wire/wsframe.py")),
     ("events to the app: channel, SSE encoding, pump, writes", ("proxy/serve/streaming.py", "core.channel",
-     "core.sse", "wire.sse", "core.answer", "proxy/core/channel.py", "proxy/core/sse.py", "proxy/wire/sse.py",
+     "wire.sse", "core.answer", "proxy/core/channel.py", "proxy/wire/sse.py",
      "proxy/core/answer.py")),
     ("the turn's bookkeeping: handler, pool, memory budget, record, access log, metrics",
      ("proxy/serve/", "proxy/upstream/", "core.budget", "proxy/core/budget.py", "proxy/ops/", "prometheus_client",

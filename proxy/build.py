@@ -52,7 +52,7 @@ COMPILED: tuple[str, ...] = (
         "affinity", "answer", "budget", "channel", "conversation", "creators", "demux", "explain",
         "fastparse", "fields", "headnotes", "heads", "items", "lanes", "named_ids", "patience", "placement",
         "planner", "plans", "prefixes", "rawjson", "request", "reseed", "retry", "rotation", "sideindex",
-        "sizing", "socketcaps", "sockets", "sse", "tenants", "tickets",
+        "sizing", "socketcaps", "sockets", "tenants", "tickets",
     )),
     "proxy.reasons",  # every label, beside the errors it names
     "proxy.wire.sse",

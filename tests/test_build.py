@@ -155,10 +155,11 @@ def test_native_inits_writes_what_dataclasses_would() -> None:
 
 async def test_no_interpreted_dataclass_init_runs_on_a_turn(stack: tuple[Emulator, Sidecar]) -> None:
     # mypyc compiles a dataclass's methods as the dataclasses module writes them: Python code
-    # built with exec (https://github.com/mypyc/mypyc/issues/671), so each instance of a compiled module's dataclass would
-    # run an interpreted __init__ (0.2-0.6 us each, ~5 % of a 1 KB turn's CPU). The compiled
-    # build compiles the __init__ native_inits writes instead; such an __init__ is Python code from
-    # "<string>". The pure build runs the dataclasses module's own: the probe must see those.
+    # built with exec (https://github.com/mypyc/mypyc/issues/671), so each instance of a
+    # compiled module's dataclass would run an interpreted __init__ (0.2-0.6 us each, ~5 % of a
+    # 1 KB turn's CPU). The compiled build compiles the __init__ native_inits writes instead;
+    # such an __init__ is Python code from "<string>". The pure build runs the dataclasses
+    # module's own: the probe must see those.
     _, sidecar = stack
     ran: Counter[str] = Counter()
 

@@ -31,10 +31,9 @@ from typing import Any
 import orjson
 
 from proxy.core.retry import error_fields
-from proxy.core.sse import nested_error
 from proxy.errors import UpstreamProtocolError
 
-__all__ = ["PREFIX", "TERMINAL", "Channel", "Ending", "HoldPath", "HttpError", "Out"]
+__all__ = ["PREFIX", "TERMINAL", "Channel", "Ending", "HoldPath", "HttpError", "Out", "nested_error"]
 
 PREFIX = frozenset({"response.created", "response.in_progress", "response.queued"})
 """Lifecycle events before output: held back until the response is known to proceed."""
@@ -337,3 +336,18 @@ class Channel:
             if raw.count(old) == 1:
                 return Out(kind, raw.replace(old, b'"previous_response_id":' + orjson.dumps(self._app_prev)))
         return Out(kind, None, event)
+
+
+def nested_error(
+    sequence_number: int, *, type: str, code: str | None, message: str, param: str | None = None
+) -> dict[str, Any]:
+    """The nested ``error`` event (the production shape, protocol.md §2.5).
+
+    The nested shape is the one every client reads: the openai SDK raises ``APIError`` with
+    ``.code`` and ``.message`` set for it, whereas the flat shape parses with ``error=None``.
+    """
+    return {
+        "type": "error",
+        "sequence_number": sequence_number,
+        "error": {"type": type, "code": code, "message": message, "param": param},
+    }

@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.contracts import CheckedUnixConnector
-from proxy.core.sse import encode_event, nested_error
+from proxy.core.channel import nested_error
 from proxy.errors import UpstreamClosed
 from proxy.reasons import ForwardOutcome
 from proxy.serve.streaming import json_body
@@ -284,5 +284,5 @@ async def _write_cut(response: web.StreamResponse, last: sse.Event | None) -> No
     err = UpstreamClosed("The connection to the owning process broke before the response finished; retry the request.")
     out = nested_error(sequence, type=err.type, code=err.code, message=err.message)
     with contextlib.suppress(ConnectionResetError):
-        await response.write(encode_event("error", orjson.dumps(out)))
+        await response.write(sse.encode("error", orjson.dumps(out)))
         await response.write_eof()

@@ -27,10 +27,10 @@ from aiohttp import web
 from proxy import contracts
 from proxy.core.answer import Answer, AnswerKind, finished
 from proxy.core.channel import TERMINAL, Channel, HoldPath, Out
-from proxy.core.sse import CONTENT_TYPE, encode_events
 from proxy.errors import ClientGone, UpstreamTimeout
 from proxy.intake.memory import Lease
 from proxy.observe.metrics import HELD_LIFECYCLE
+from proxy.wire.sse import CONTENT_TYPE, encode_events
 
 log = logging.getLogger("upshift.streaming")
 

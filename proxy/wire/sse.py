@@ -6,9 +6,10 @@ arrive, in pieces of any size; it returns each event once its blank line has arr
 the exact bytes it came in (``raw``), so a relay can pass complete events on unchanged and
 never a half one.
 
-Encoding on the hot path stays in :mod:`proxy.core.sse` (``encode_events`` batches a turn's
-events into one buffer with cached heads; moving it would cost the handler a module hop per
-event for nothing): :func:`encode` here frames one event the same way, for everything else.
+Encoding frames events as OpenAI frames them on ``/v1/responses``: one ``event: <type>`` line,
+one ``data: <compact JSON>`` line, one blank line, no ``[DONE]`` (protocol.md §2.2); the JSON
+bytes are the upstream's own, passed through unchanged. :func:`encode_events` frames a turn's
+events into one buffer (one copy of each event's bytes, the ``event:`` heads cached).
 
 Parsing follows the standard (https://html.spec.whatwg.org/multipage/server-sent-events.html,
 "Interpreting an event stream"): lines end in CRLF, LF or CR; a line starting with ``:`` is a
@@ -18,9 +19,22 @@ a blank line dispatches the event (none if it had no ``data``); a leading BOM is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["MAX_EVENT_BYTES", "Decoder", "Event", "EventTooLarge", "decode_all", "encode"]
+__all__ = [
+    "CONTENT_TYPE",
+    "MAX_EVENT_BYTES",
+    "Decoder",
+    "Event",
+    "EventTooLarge",
+    "decode_all",
+    "encode",
+    "encode_events",
+]
+
+CONTENT_TYPE = "text/event-stream; charset=utf-8"
+"""``Content-Type`` of a streamed ``/v1/responses`` answer."""
 
 MAX_EVENT_BYTES = 64 * 1024 * 1024
 """Default bound of one event's bytes (a stream that never sends a blank line is refused)."""
@@ -46,13 +60,44 @@ class Event:
     """The event's bytes exactly as received, from its first line to its blank line included."""
 
 
+_HEADS: dict[str, bytes] = {}
+"""``event: <type>\ndata: `` per event type seen (a few dozen); bounded by :data:`_MAX_HEADS`."""
+_MAX_HEADS = 256
+
+
+def _head(event_type: str) -> bytes:
+    head = _HEADS.get(event_type)
+    if head is None:
+        # A line break in the event name would end the field early and let the rest of the name
+        # pose as a field of its own; names come from upstream JSON, so never trust them.
+        name = event_type.encode("utf-8", "replace").replace(b"\r", b"").replace(b"\n", b"")
+        head = b"".join((b"event: ", name, b"\ndata: "))
+        if len(_HEADS) < _MAX_HEADS:
+            _HEADS[event_type] = head
+    return head
+
+
+def encode_events(events: Iterable[tuple[str, bytes]]) -> bytes:
+    """Frame several events into one buffer (one join for the whole batch), each as
+    :func:`encode` frames it."""
+    parts: list[bytes] = []
+    add = parts.append
+    for event_type, data in events:
+        # ``find``, not ``in``: ``bytes in bytes`` first tries the operand as an int and builds
+        # (then clears) a TypeError each time; ``find`` takes the buffer at once.
+        if data.find(b"\n") >= 0 or data.find(b"\r") >= 0:
+            data = b"\ndata: ".join(data.splitlines())
+        add(_head(event_type))
+        add(data)
+        add(b"\n\n")
+    return b"".join(parts)
+
+
 def encode(event: str, data: bytes) -> bytes:
-    """``event: <event>\\ndata: <data>\\n\\n`` (data with line breaks over several ``data:``
-    lines; line breaks in the name dropped so it cannot pose as a field of its own)."""
-    name = event.encode("utf-8", "replace").replace(b"\r", b"").replace(b"\n", b"")
-    if b"\n" in data or b"\r" in data:
-        data = b"\ndata: ".join(data.splitlines())
-    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+    """``event: <event>\\ndata: <data>\\n\\n``: JSON with raw line breaks (pretty-printed
+    whitespace) goes over several ``data:`` lines, which SSE readers join with ``\\n``, so the
+    JSON they parse is unchanged; line breaks in the name are dropped."""
+    return encode_events(((event, data),))
 
 
 class Decoder:

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.core.channel import Channel, Ending, HoldPath, HttpError, Out
+from proxy.core.channel import Channel, Ending, HoldPath, HttpError, Out, nested_error
 from proxy.errors import UpstreamProtocolError
 
 ANCHOR = "resp_sidecar_anchor"
@@ -293,3 +293,11 @@ def test_lifecycle_patch_falls_back_to_serialising_when_the_bytes_are_ambiguous(
     assert outs[0].obj["response"]["metadata"] == {"previous_response_id": ANCHOR}
     assert outs[1].raw is None and outs[1].obj is not None
     assert outs[1].obj["response"]["previous_response_id"] == "resp_app"
+
+
+def test_nested_error_shape() -> None:
+    assert nested_error(7, type="server_error", code="upstream_closed", message="gone") == {
+        "type": "error",
+        "sequence_number": 7,
+        "error": {"type": "server_error", "code": "upstream_closed", "message": "gone", "param": None},
+    }

@@ -7,7 +7,7 @@ import contextlib
 
 import orjson
 
-from proxy.core.sse import encode_event
+from proxy.wire.sse import encode
 from tests.loopback import LoopbackServer
 
 
@@ -78,7 +78,7 @@ class FakePeer(LoopbackServer):
         owner = b"x-upshift-owner: fake\r\nx-upshift-mode: continuation\r\n"
         if self.behaviour == "cut_sse":
             events = b"".join(
-                encode_event(t, orjson.dumps({"type": t, "sequence_number": n, "response": {"id": "resp_f"}}))
+                encode(t, orjson.dumps({"type": t, "sequence_number": n, "response": {"id": "resp_f"}}))
                 for n, t in enumerate(("response.created", "response.in_progress"))
             )
             chunk = f"{len(events):x}\r\n".encode() + events + b"\r\n"

@@ -1,5 +1,5 @@
-"""proxy/wire/sse.py: the one SSE decoder, byte split, the standard's edge cases, and agreement
-with the hot-path encoder of proxy/core/sse.py."""
+"""proxy/wire/sse.py: bytes exactly as OpenAI frames them, and the one SSE decoder: byte split,
+the standard's edge cases, and agreement with the encoder."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.sse import encode_events
-from proxy.wire.sse import Decoder, Event, EventTooLarge, decode_all, encode
+from proxy.wire.sse import CONTENT_TYPE, Decoder, Event, EventTooLarge, decode_all, encode, encode_events
 
 EVENTS = [
     ("response.created", orjson.dumps({"type": "response.created", "sequence_number": 0})),
@@ -88,3 +87,41 @@ def test_a_stream_that_never_ends_an_event_is_bounded() -> None:
     decoder.feed(b"data: " + b"x" * 1000)
     with pytest.raises(EventTooLarge):
         decoder.feed(b"x" * 100)
+
+
+@pytest.mark.parametrize(
+    ("event_type", "data", "expected"),
+    [
+        (
+            "response.created",
+            b'{"type":"response.created","sequence_number":0}',
+            b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
+        ),
+        ("error", b"{}", b"event: error\ndata: {}\n\n"),
+        # pretty-printed JSON: one data line per line, joined back with \n by readers
+        ("x", b'{\n  "a": 1\n}', b'event: x\ndata: {\ndata:   "a": 1\ndata: }\n\n'),
+        ("x", b'{"a":\r\n1}', b'event: x\ndata: {"a":\ndata: 1}\n\n'),
+        # a line break in the name never forges another field
+        ("evil\ndata: x", b"{}", b"event: evildata: x\ndata: {}\n\n"),
+        ("caf\u00e9", b"{}", "event: caf\u00e9\ndata: {}\n\n".encode()),
+    ],
+    ids=["plain", "empty-object", "pretty", "crlf", "newline-in-name", "utf8-name"],
+)
+def test_encode(event_type: str, data: bytes, expected: bytes) -> None:
+    assert encode(event_type, data) == expected
+
+
+def test_no_done_marker_and_content_type() -> None:
+    assert b"[DONE]" not in encode("response.completed", b"{}")
+    assert CONTENT_TYPE == "text/event-stream; charset=utf-8"
+
+
+def test_a_batch_is_framed_as_its_events_one_by_one() -> None:
+    batch = [
+        ("response.created", b'{"type":"response.created"}'),
+        ("x", b'{\n  "a": 1\n}'),
+        ("evil\ndata: x", b"{}"),
+        ("response.completed", b"{}"),
+    ]
+    assert encode_events(batch) == b"".join(encode(t, d) for t, d in batch)
+    assert encode_events([]) == b""
