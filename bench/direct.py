@@ -19,11 +19,13 @@ between turns. Conditions:
 - ``refused``: every WebSocket upgrade refused (403, a proxy that blocks WebSocket);
 - ``burst-429``: the first 20 upgrades answered 429 + ``retry-after: 1``.
 
-Reported per condition and run: per-turn p50/p99 at the app (its own clock), the whole run's
-time, errors, and for upshift the share of later turns continued, the sidecar's CPU seconds,
-its added time from the app's clock (the app's time minus the upstream's own time, per request
-from the access line) beside what its access line reported, and the machine's load before and
-after. ``--upstream-nice -10`` (as root) runs the emulator ahead of the app and the relay: on a
+Reported per condition and run: per-turn p50/p99 at the app (its own clock), the p50 of the
+conversations' first turns and of their later turns apart (the first turns arrive together, in
+the first 0.3 s: new connections and new heads), the whole run's time, errors, and for upshift
+the share of later turns continued, the sidecar's CPU seconds, its added time from the app's
+clock (the app's time minus the upstream's own time, per request from the access line) beside
+what its access line reported, and the machine's load before and after.
+``--upstream-nice -10`` (as root) runs the emulator ahead of the app and the relay: on a
 2-core machine the relay's CPU otherwise delays the emulator's own pacing, which a remote
 upstream would not feel; the results say which niceness it had (``upstream_nice``).
 ``never_slower``: upshift's p50, p99 and whole run no higher than direct's plus the
@@ -80,10 +82,21 @@ def q(values: list[float], quantile: float) -> float:
     return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))] if ordered else 0.0
 
 
-def run_summary(took: list[float], started: float, errors: int, continued: int, later: int) -> dict[str, Any]:
+def run_summary(
+    took: list[float], started: float, errors: int, continued: int, later: int, first: list[float] | None = None
+) -> dict[str, Any]:
     """One workload's figures: per-turn p50/p99 (ms), the whole run's time, turns, errors and
-    the share of later turns continued."""
+    the share of later turns continued; with ``first`` (the conversations' first turns, also in
+    ``took``), the p50 of first turns and of later turns apart."""
+    apart: dict[str, float] = {}
+    if first:
+        rest = list(took)
+        for ms in first:
+            rest.remove(ms)
+        apart["first_turn_ms_p50"] = round(statistics.median(first), 1)
+        apart["later_turn_ms_p50"] = round(statistics.median(rest), 1) if rest else 0.0
     return {
+        **apart,
         "turn_ms_p50": round(statistics.median(took), 1) if took else 0.0,
         "turn_ms_p99": round(q(took, 0.99), 1),
         "run_s": round(time.perf_counter() - started, 2),
@@ -110,6 +123,7 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
     """Run the tool loops against ``base_url``; per-turn times at the app."""
     rng = random.Random(seed)
     took: list[float] = []
+    first: list[float] = []
     ids: list[tuple[str, float]] = []
     modes: dict[str, int] = {}
     continued = later = errors = 0
@@ -131,6 +145,8 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
                     errors += 1
                     return
             took.append(seconds * 1000)
+            if not turn:
+                first.append(seconds * 1000)
             ids.append((resp.headers.get("x-request-id", ""), seconds * 1000))
             modes[mode] = modes.get(mode, 0) + 1
             if turn:
@@ -141,7 +157,7 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
     started = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False) as http:
         await asyncio.gather(*(loop(http, i) for i in range(conversations)))
-    return {**run_summary(took, started, errors, continued, later), "modes": modes, "_ids": ids}
+    return {**run_summary(took, started, errors, continued, later, first), "modes": modes, "_ids": ids}
 
 
 async def condition(name: str, conversations: int | None, turns: int, seed: int, nice: int = 0) -> dict[str, Any]:
@@ -177,12 +193,15 @@ async def condition(name: str, conversations: int | None, turns: int, seed: int,
         emu.stop()
     first.pop("_ids"), second.pop("_ids")
     noise = {k: round(abs(first[k] - second[k]), 1) for k in ("turn_ms_p50", "turn_ms_p99", "run_s")}
-    direct = {k: round((first[k] + second[k]) / 2, 2) for k in ("turn_ms_p50", "turn_ms_p99", "run_s")}
+    apart = ("first_turn_ms_p50", "later_turn_ms_p50")
+    direct = {k: round((first[k] + second[k]) / 2, 2) for k in ("turn_ms_p50", "turn_ms_p99", "run_s", *apart)}
     result.update(
         direct=direct,
         direct_noise=noise,
         direct_errors=first["errors"] + second["errors"],
-        upshift={k: through[k] for k in ("turn_ms_p50", "turn_ms_p99", "run_s", "errors", "modes", "continued_later")},
+        upshift={
+            k: through[k] for k in ("turn_ms_p50", "turn_ms_p99", "run_s", *apart, "errors", "modes", "continued_later")
+        },
         upshift_added_ms_p50=round(statistics.median(added), 1) if added else None,
         upshift_added_ms_p99=round(q(added, 0.99), 1) if added else None,
         reported_added_ms_p50=round(statistics.median(reported), 1) if reported else None,
