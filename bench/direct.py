@@ -6,8 +6,10 @@
 Each condition starts an emulator (its own process, the ``fast`` latency preset: 50 ms
 overhead, 8 ms per KiB of context not in the connection cache, 150 ms to the first token,
 1,000 tokens/s, so a continuation on a warm socket is cheaper than a full send) and runs one
-workload three times, alternately: the app straight to the emulator over HTTP, the app through
-a fresh sidecar with the defaults a user has, then straight again (the two direct runs give the
+workload four times, alternately: the app straight to the emulator over HTTP, the app through
+a fresh sidecar with the defaults a user has, the app through the bare HTTP floor relay
+(``python -m bench.floor --http``: aiohttp on both sides, every body and answer passed
+unchanged: the least a Python hop adds), then straight again (the two direct runs give the
 machine's noise in the same minutes). The workload: ``--conversations`` tool loops of one key,
 ``--turns`` turns each (full history every turn, ``stream: false``), 0-300 ms of tool time
 between turns. Conditions:
@@ -29,7 +31,8 @@ what its access line reported, and the machine's load before and after.
 2-core machine the relay's CPU otherwise delays the emulator's own pacing, which a remote
 upstream would not feel; the results say which niceness it had (``upstream_nice``).
 ``never_slower``: upshift's p50, p99 and whole run no higher than direct's plus the
-noise of the two direct runs (and 5 ms, 0.1 s).
+noise of the two direct runs (and 5 ms, 0.1 s); ``floor_http_never_slower``: the same for the
+bare HTTP relay, with its CPU seconds (``floor_http_cpu_s``) beside the sidecar's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any
 
 import aiohttp
 
+from .floor import FloorProc
 from .procs import EmulatorProc, SidecarProc, install_signal_handlers, stop_all
 
 KEY = "sk-bench-direct-0123456789abcdef"
@@ -160,6 +164,15 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
     return {**run_summary(took, started, errors, continued, later, first), "modes": modes, "_ids": ids}
 
 
+def _never_slower(relayed: dict[str, Any], direct: dict[str, Any], noise: dict[str, Any]) -> bool:
+    """p50, p99 and the whole run no higher than direct's plus the noise of the two direct runs
+    (and 5 ms, 0.1 s)."""
+    return all(
+        relayed[k] <= direct[k] + noise[k] + (5.0 if k != "run_s" else 0.1)
+        for k in ("turn_ms_p50", "turn_ms_p99", "run_s")
+    )
+
+
 async def condition(name: str, conversations: int | None, turns: int, seed: int, nice: int = 0) -> dict[str, Any]:
     """One condition: direct, upshift, direct, on one emulator."""
     flags, store, default_n, faults = CONDITIONS[name]
@@ -188,10 +201,18 @@ async def condition(name: str, conversations: int | None, turns: int, seed: int,
         added = [ms - lines[rid]["upstream_ms"] for rid, ms in ids]
         reported = [lines[rid]["added_ms"] for rid, _ in ids]
         await emu.reset()
+        floor = FloorProc(logs, emu.base_url, http=True)
+        floor.start()
+        await floor.ready()
+        floor_cpu = floor.cpu_seconds()
+        bare = await workload(floor.base_url, n, turns, store, seed)
+        floor_cpu = floor.cpu_seconds() - floor_cpu
+        floor.stop()
+        await emu.reset()
         second = await workload(emu.base_url, n, turns, store, seed)
     finally:
         emu.stop()
-    first.pop("_ids"), second.pop("_ids")
+    first.pop("_ids"), second.pop("_ids"), bare.pop("_ids")
     noise = {k: round(abs(first[k] - second[k]), 1) for k in ("turn_ms_p50", "turn_ms_p99", "run_s")}
     apart = ("first_turn_ms_p50", "later_turn_ms_p50")
     direct = {k: round((first[k] + second[k]) / 2, 2) for k in ("turn_ms_p50", "turn_ms_p99", "run_s", *apart)}
@@ -207,11 +228,11 @@ async def condition(name: str, conversations: int | None, turns: int, seed: int,
         reported_added_ms_p50=round(statistics.median(reported), 1) if reported else None,
         reported_added_ms_p99=round(q(reported, 0.99), 1) if reported else None,
         sidecar_cpu_s=round(cpu, 2),
+        floor_http={k: bare[k] for k in ("turn_ms_p50", "turn_ms_p99", "run_s", *apart, "errors")},
+        floor_http_cpu_s=round(floor_cpu, 2),
         load_after=os.getloadavg()[0],
-        never_slower=all(
-            through[k] <= direct[k] + noise[k] + (5.0 if k != "run_s" else 0.1)
-            for k in ("turn_ms_p50", "turn_ms_p99", "run_s")
-        ),
+        never_slower=_never_slower(through, direct, noise),
+        floor_http_never_slower=_never_slower(bare, direct, noise),
     )
     return result
 

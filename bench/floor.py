@@ -10,6 +10,11 @@ frame parsed (``orjson.loads``: a relay has to know its type and its end) and wr
 app as SSE, one write per burst of frames. An ``https://`` upstream is reached over TLS
 (``--ca``: the CA to trust), as the sidecar reaches a ``wss://`` one.
 
+``--http`` serves the least an HTTP hop does instead (aiohttp on both sides): the app's body is
+posted unchanged to the upstream's ``/v1/responses`` and the upstream's answer returned as it
+came (JSON or SSE, streamed), the floor of a relay that sends every turn over plain HTTP, as the
+sidecar does when the upstream has no socket for a turn.
+
 It is a lower bound, not a product: no aiohttp, no websockets state machine, no matching beyond
 "the same first item and more items than last time" (nothing verifies the prefix), no settings
 check, no metrics, no log, no memory accounting, no error handling. Any correct relay does at
@@ -252,16 +257,45 @@ def _aiohttp_app(address: Address, chains: Chains) -> Any:
     return app
 
 
-async def _serve(port: int, upstream: str, with_aiohttp: bool, ca_file: str | None) -> None:
+def _http_app(upstream: str, context: ssl.SSLContext | None) -> Any:
+    """The bare HTTP hop (``--http``): one client session, bodies and answers passed unchanged."""
+    import aiohttp
+    from aiohttp import web
+
+    sessions: list[aiohttp.ClientSession] = []
+    url = upstream.rstrip("/") + "/responses"
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        if not sessions:
+            connector = aiohttp.TCPConnector(limit=0, ssl=context if context is not None else True)
+            sessions.append(aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False))
+        body = await request.read()
+        headers = {name: request.headers[name] for name in ("Authorization", "Content-Type") if name in request.headers}
+        async with sessions[0].post(url, data=body, headers=headers) as upstream_answer:
+            response = web.StreamResponse(status=upstream_answer.status)
+            response.content_type = upstream_answer.content_type
+            await response.prepare(request)
+            async for chunk in upstream_answer.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/v1/responses", responses)
+    return app
+
+
+async def _serve(port: int, upstream: str, with_aiohttp: bool, ca_file: str | None, http: bool = False) -> None:
     parts = urlsplit(upstream)
     tls = parts.scheme == "https"
     context = ssl.create_default_context(cafile=ca_file) if tls else None
     address = (parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), context)
     chains: Chains = OrderedDict()
-    if with_aiohttp:
+    if with_aiohttp or http:
         from aiohttp import web
 
-        runner = web.AppRunner(_aiohttp_app(address, chains), access_log=None)
+        app = _http_app(upstream, context) if http else _aiohttp_app(address, chains)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
@@ -271,11 +305,11 @@ async def _serve(port: int, upstream: str, with_aiohttp: bool, ca_file: str | No
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.floor PORT UPSTREAM [--aiohttp] [--ca PEM]`` (uvloop where it is
+    """``python -m bench.floor PORT UPSTREAM [--aiohttp | --http] [--ca PEM]`` (uvloop where it is
     installed; an ``https://`` upstream over TLS, trusting the CA of ``--ca``)."""
     args = sys.argv[1:] if argv is None else argv
     ca_file = args[args.index("--ca") + 1] if "--ca" in args[2:] else None
-    serve = _serve(int(args[0]), args[1], "--aiohttp" in args[2:], ca_file)
+    serve = _serve(int(args[0]), args[1], "--aiohttp" in args[2:], ca_file, http="--http" in args[2:])
     try:
         import uvloop
 
@@ -288,13 +322,20 @@ class FloorProc(Managed):
     """The floor relay as a process beside the sidecar (same interface as :class:`SidecarProc`)."""
 
     def __init__(
-        self, log_dir: Any, upstream: str, *, with_aiohttp: bool = False, tls: LoopbackCA | None = None
+        self,
+        log_dir: Any,
+        upstream: str,
+        *,
+        with_aiohttp: bool = False,
+        tls: LoopbackCA | None = None,
+        http: bool = False,
     ) -> None:
         self.port = free_port()
-        argv = [sys.executable, "-m", "bench.floor", str(self.port), upstream, *(["--aiohttp"] if with_aiohttp else [])]
+        mode = ["--http"] if http else ["--aiohttp"] if with_aiohttp else []
+        argv = [sys.executable, "-m", "bench.floor", str(self.port), upstream, *mode]
         if tls is not None:
             argv += ["--ca", str(tls.ca_file)]
-        name = "floor-aiohttp" if with_aiohttp else "floor"
+        name = "floor-http" if http else "floor-aiohttp" if with_aiohttp else "floor"
         super().__init__(name + ("-tls" if tls else ""), argv, log_dir)
 
     @property

@@ -26,7 +26,8 @@ def test_direct_and_through_upshift_run_the_same_workload(tmp_path: Path) -> Non
         assert row["direct_errors"] == 0 and row["upshift"]["errors"] == 0, row
         assert sum(row["upshift"]["modes"].values()) == 18, row  # every turn answered
         assert row["upshift_added_ms_p99"] is not None and row["sidecar_cpu_s"] > 0, row
-        for side in (row["direct"], row["upshift"]):  # first turns and later turns apart
+        assert row["floor_http"]["errors"] == 0 and row["floor_http_cpu_s"] > 0, row  # the bare HTTP hop
+        for side in (row["direct"], row["upshift"], row["floor_http"]):  # first turns and later turns apart
             assert 0 < side["first_turn_ms_p50"] and 0 < side["later_turn_ms_p50"], row
     # Every upgrade refused: no turn went over a socket; each first turn over plain HTTP, its
     # answer adopted, and the later turns continued over plain HTTP.
