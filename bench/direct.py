@@ -173,8 +173,22 @@ def _never_slower(relayed: dict[str, Any], direct: dict[str, Any], noise: dict[s
     )
 
 
+async def _through(
+    relay: SidecarProc | FloorProc, n: int, turns: int, store: bool, seed: int
+) -> tuple[dict[str, Any], float]:
+    """The workload through ``relay`` (started here, stopped after): its figures and the
+    relay's CPU seconds meanwhile."""
+    relay.start()
+    await relay.ready()
+    cpu = relay.cpu_seconds()
+    try:
+        return await workload(relay.base_url, n, turns, store, seed), relay.cpu_seconds() - cpu
+    finally:
+        relay.stop()
+
+
 async def condition(name: str, conversations: int | None, turns: int, seed: int, nice: int = 0) -> dict[str, Any]:
-    """One condition: direct, upshift, direct, on one emulator."""
+    """One condition: direct, upshift, the bare HTTP relay, direct, on one emulator."""
     flags, store, default_n, faults = CONDITIONS[name]
     n = conversations or default_n
     logs = Path(tempfile.mkdtemp(prefix=f"bench-direct-{name}-"))
@@ -190,24 +204,13 @@ async def condition(name: str, conversations: int | None, turns: int, seed: int,
         for fault in faults:
             await emu._call("POST", "/_emulator/faults", fault)
         side = SidecarProc(logs, emu.base_url, env=DEFAULTS)
-        side.start()
-        await side.ready()
-        cpu = side.cpu_seconds()
-        through = await workload(side.base_url, n, turns, store, seed)
-        cpu = side.cpu_seconds() - cpu
-        side.stop()
+        through, cpu = await _through(side, n, turns, store, seed)
         lines = access_lines(side.log_path)
         ids = [(rid, ms) for rid, ms in through.pop("_ids") if rid in lines]
         added = [ms - lines[rid]["upstream_ms"] for rid, ms in ids]
         reported = [lines[rid]["added_ms"] for rid, _ in ids]
         await emu.reset()
-        floor = FloorProc(logs, emu.base_url, http=True)
-        floor.start()
-        await floor.ready()
-        floor_cpu = floor.cpu_seconds()
-        bare = await workload(floor.base_url, n, turns, store, seed)
-        floor_cpu = floor.cpu_seconds() - floor_cpu
-        floor.stop()
+        bare, floor_cpu = await _through(FloorProc(logs, emu.base_url, http=True), n, turns, store, seed)
         await emu.reset()
         second = await workload(emu.base_url, n, turns, store, seed)
     finally:
