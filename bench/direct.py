@@ -87,20 +87,22 @@ def q(values: list[float], quantile: float) -> float:
 
 
 def run_summary(
-    took: list[float], started: float, errors: int, continued: int, later: int, first: list[float] | None = None
+    took: list[float],
+    started: float,
+    errors: int,
+    continued: int,
+    later: int,
+    apart: tuple[list[float], list[float]] | None = None,
 ) -> dict[str, Any]:
     """One workload's figures: per-turn p50/p99 (ms), the whole run's time, turns, errors and
-    the share of later turns continued; with ``first`` (the conversations' first turns, also in
-    ``took``), the p50 of first turns and of later turns apart."""
-    apart: dict[str, float] = {}
-    if first:
-        rest = list(took)
-        for ms in first:
-            rest.remove(ms)
-        apart["first_turn_ms_p50"] = round(statistics.median(first), 1)
-        apart["later_turn_ms_p50"] = round(statistics.median(rest), 1) if rest else 0.0
+    the share of later turns continued; with ``apart`` (the times of the conversations' first
+    turns and of their later turns, which ``took`` holds together), the p50 of each."""
+    medians: dict[str, float] = {}
+    if apart is not None:
+        for key, times in zip(("first_turn_ms_p50", "later_turn_ms_p50"), apart, strict=True):
+            medians[key] = round(statistics.median(times), 1) if times else 0.0
     return {
-        **apart,
+        **medians,
         "turn_ms_p50": round(statistics.median(took), 1) if took else 0.0,
         "turn_ms_p99": round(q(took, 0.99), 1),
         "run_s": round(time.perf_counter() - started, 2),
@@ -128,6 +130,7 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
     rng = random.Random(seed)
     took: list[float] = []
     first: list[float] = []
+    rest: list[float] = []
     ids: list[tuple[str, float]] = []
     modes: dict[str, int] = {}
     continued = later = errors = 0
@@ -149,8 +152,7 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
                     errors += 1
                     return
             took.append(seconds * 1000)
-            if not turn:
-                first.append(seconds * 1000)
+            (rest if turn else first).append(seconds * 1000)
             ids.append((resp.headers.get("x-request-id", ""), seconds * 1000))
             modes[mode] = modes.get(mode, 0) + 1
             if turn:
@@ -161,7 +163,7 @@ async def workload(base_url: str, conversations: int, turns: int, store: bool, s
     started = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False) as http:
         await asyncio.gather(*(loop(http, i) for i in range(conversations)))
-    return {**run_summary(took, started, errors, continued, later, first), "modes": modes, "_ids": ids}
+    return {**run_summary(took, started, errors, continued, later, (first, rest)), "modes": modes, "_ids": ids}
 
 
 def _never_slower(relayed: dict[str, Any], direct: dict[str, Any], noise: dict[str, Any]) -> bool:

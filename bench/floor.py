@@ -258,20 +258,19 @@ def _aiohttp_app(address: Address, chains: Chains) -> Any:
 
 
 def _http_app(upstream: str, context: ssl.SSLContext | None) -> Any:
-    """The bare HTTP hop (``--http``): one client session, bodies and answers passed unchanged."""
+    """The bare HTTP hop (``--http``): one client session, bodies and answers passed unchanged
+    (built in the running loop, as ``_serve`` calls it)."""
     import aiohttp
     from aiohttp import web
 
-    sessions: list[aiohttp.ClientSession] = []
+    connector = aiohttp.TCPConnector(limit=0, ssl=context if context is not None else True)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
     url = upstream.rstrip("/") + "/responses"
 
     async def responses(request: web.Request) -> web.StreamResponse:
-        if not sessions:
-            connector = aiohttp.TCPConnector(limit=0, ssl=context if context is not None else True)
-            sessions.append(aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False))
         body = await request.read()
         headers = {name: request.headers[name] for name in ("Authorization", "Content-Type") if name in request.headers}
-        async with sessions[0].post(url, data=body, headers=headers) as upstream_answer:
+        async with session.post(url, data=body, headers=headers) as upstream_answer:
             response = web.StreamResponse(status=upstream_answer.status)
             response.content_type = upstream_answer.content_type
             await response.prepare(request)
