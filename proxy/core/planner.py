@@ -205,11 +205,9 @@ class Planner:
         http = HttpContinue(match.response_id, match.new_items, match.items_avoided)
         if lane is not None and self.book.all[key[0]].demux.probing:
             # Its socket is probing its lanes (a named lane's first event is on its way): the
-            # proof is a moment away and its own lane keeps the cache.
-            if waiting is None:
-                return Wait(Hit.CONTINUATION)
-            expected = wait.remaining(identity, now - self.book.all[key[0]].used_at)
-            if wait.wait(waiting, now, expected, wait.stored_saving(identity, size)):
+            # proof is a moment away, not a response's end, and its own lane keeps the cache.
+            # A short wait, as for lanes a moment away, then HTTP.
+            if waiting is None or wait.brief(waiting, now):
                 return Wait(Hit.CONTINUATION)
             return http
         plan = self._full(identity, now, MissReason.NO_HEAD, may_open)

@@ -31,10 +31,11 @@ from proxy.core.lanes import (
     socket_step,
 )
 from proxy.core.planner import Planner
-from proxy.core.plans import Continue, Full, Http, OnLane, Plan, Wait
+from proxy.core.plans import Continue, Full, Http, HttpContinue, OnLane, Plan, Wait
 from proxy.core.request import ParsedRequest, parse_request
 from proxy.core.socketcaps import hold_off_seconds
-from proxy.reasons import MissReason, PassthroughReason
+from proxy.core.waiting import Send, Waiting, WaitRule
+from proxy.reasons import MissReason, PassthroughReason, WaitOutcome
 
 SEEN: set[tuple[str, str, str]] = set()
 """Every (table, state, event) step the planners of this module took (``SocketBook.on_step``)."""
@@ -182,6 +183,44 @@ def test_an_unproven_socket_carries_one_response_and_probes_its_lanes_when_idle(
     assert (type(cont), cont.reason) == (Wait, "continuation")  # for its own lane
     unstored = req([user("z")], store=False)
     assert type(p.plan("id", unstored, 1.0)) is Wait
+
+
+def test_a_head_on_a_probing_socket_waits_a_moment_for_the_proof_then_continues_over_http() -> None:
+    # The proof of lanes is the probing lane's first event, a moment away, not the end of the
+    # response in flight: the head's next turn waits pool.http_continuation_after_seconds for
+    # it, also when nothing is measured yet or its measured saving is nothing (a
+    # zero-latency upstream), then continues over HTTP.
+    def probing() -> tuple[Planner, ParsedRequest]:
+        p = planner(spread_sockets=1, max_sockets_per_identity=1)
+        r = req([user("a")])
+        first = opened(p, p.plan("id", r, 0.0), lanes=False)
+        complete(p, first, r, "resp_a", 1.0, call(1))
+        assert p.plan("id", req([user("b")]), 1.0).lane == (1, "u1")  # the probe
+        sock = p.socket(1)
+        assert sock is not None
+        sock.demux.sent("u1")  # its frame is on the wire
+        assert sock.demux.probing
+        return p, req([user("a"), call(1), result(1)])
+
+    for measured in (False, True):
+        p, cont = probing()
+        if measured:
+            for send in (Send.CONTINUE, Send.HTTP_CONTINUE):
+                p.patience.estimates.observe_upstream("id", send, len(cont.body), 0.05)
+        waiting = Waiting(1.0)
+        plan = p.plan("id", cont, 1.0, waiting=waiting)
+        assert (type(plan), plan.reason, waiting.rule, waiting.deadline) == (Wait, "continuation", WaitRule.BRIEF, 1.01)
+        assert type(p.plan("id", cont, 1.005, waiting=waiting)) is Wait
+        late = p.plan("id", cont, 1.011, waiting=waiting)
+        assert (type(late), late.response_id, waiting.outcome) == (HttpContinue, "resp_a", WaitOutcome.WAIT_EXPIRED)
+
+    # The proof arrives within the moment: the turn continues on its own lane.
+    p, cont = probing()
+    waiting = Waiting(1.0)
+    assert type(p.plan("id", cont, 1.0, waiting=waiting)) is Wait
+    prove(p, 1)
+    proven = p.plan("id", cont, 1.004, waiting=waiting)
+    assert (type(proven), proven.lane, proven.response_id) == (Continue, (1, None), "resp_a")
 
 
 def test_a_429_teaches_the_cap_with_backoff_and_one_probe_above_it() -> None:
