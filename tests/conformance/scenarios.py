@@ -233,7 +233,13 @@ async def ws_steering(emu: Emulator) -> list[Payload]:
                 steer = {"type": "response.steer", "previous_response_id": created["response"]["id"], "input": "go"}
                 out.append(("client", steer))
                 await conn.send(json.dumps(steer))
-                out.append(("ws", await recv(conn)))  # response.steer.accepted (the target is held)
+                # The events sent before the hold, then response.steer.accepted (the target is
+                # held until the accept is read: released earlier, the rest of the response
+                # could be sent before the server reads the steer).
+                while True:
+                    out.append(("ws", await recv(conn)))
+                    if out[-1][1]["type"] == "response.steer.accepted":
+                        break
                 gated.faults.release()
                 terminals = 2 if lane is None else 1
                 while terminals:
