@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import threading
 import time
 import weakref
@@ -42,6 +43,17 @@ _READ_BYTES = 256 * 1024
 """Size of the buffer one read of an upstream socket lands in (uvloop's own read size)."""
 
 _READ_BUFFERS = threading.local()
+
+
+def writelines_pauses(version: tuple[int, ...]) -> bool:
+    """Whether asyncio's ``writelines`` pauses the protocol at the high-water mark on Python
+    ``version``. On 3.12.0-3.12.8 and 3.13.0-3.13.1 it does not (CVE-2024-12254): without
+    :meth:`UpstreamSocket.pause_writing`, a slow upstream would let the write buffer grow without
+    bound. There the frames go joined, through ``write``. (uvloop's transports pause either way.)"""
+    return version < (3, 12) or (3, 12, 9) <= version < (3, 13) or version >= (3, 13, 2)
+
+
+_WRITELINES_PAUSES = writelines_pauses(sys.version_info[:3])
 
 
 def _read_buffer() -> memoryview:
@@ -230,7 +242,10 @@ class UpstreamSocket(asyncio.BufferedProtocol):
         if data and not self.transport.is_closing():
             if data[-1] == b"":  # the protocol says: half-close after this (never as a client)
                 data = data[:-1]
-            self.transport.writelines(data)
+            if _WRITELINES_PAUSES:
+                self.transport.writelines(data)
+            else:
+                self.transport.write(b"".join(data))
         if self.protocol.close_expected() and self._closer is None and not self._lost.done():
             # The closing handshake is under way: the upstream should close the TCP
             # connection; if it does not, we do.

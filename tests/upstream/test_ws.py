@@ -21,7 +21,7 @@ from proxy.core.demux import strip_stream_id
 from proxy.errors import UpstreamClosed, UpstreamProtocolError, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
 from proxy.intake.identity import USER_AGENT, identify
 from proxy.upstream.handshake import open_websocket
-from proxy.upstream.ws import UpstreamSocket
+from proxy.upstream.ws import UpstreamSocket, writelines_pauses
 
 KEY = "sk-test"
 
@@ -131,9 +131,12 @@ async def _accept_upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWr
                  b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")  # fmt: skip
 
 
-async def _raw_upstream(handler: Any) -> tuple[asyncio.Server, str]:
-    """A raw TCP upstream on 127.0.0.1 running ``handler``, and its base URL."""
+async def _raw_upstream(handler: Any, rcvbuf: int | None = None) -> tuple[asyncio.Server, str]:
+    """A raw TCP upstream on 127.0.0.1 running ``handler``, and its base URL; ``rcvbuf``: the
+    receive buffer of its connections (set on the listener, so that their window is that small)."""
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    if rcvbuf is not None:
+        server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
 
 
@@ -312,7 +315,9 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
         done.set()
         await _hold_open(writer)
 
-    server, url = await _raw_upstream(slow_reader)
+    # A small receive window: what the kernels hold (that window and at most the sender's 4 MB
+    # send buffer) is less than one 8 MB message, whatever the machine's autotuning allows.
+    server, url = await _raw_upstream(slow_reader, rcvbuf=64 * 1024)
     sock = await open_socket(settings_for(url, fragment_bytes=1024 * 1024))
     frames = {lane: orjson.dumps({"type": "response.create", "input": lane + "x" * 8_000_000}) for lane in ("u1", "u2")}
     small = b'{"type":"response.create","input":"small"}'
@@ -346,6 +351,16 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
     await sock.close()
     server.close()
     await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("version", "pauses"),
+    [((3, 11, 7), True), ((3, 12, 1), False), ((3, 12, 8), False), ((3, 12, 9), True), ((3, 13, 0), False),
+     ((3, 13, 1), False), ((3, 13, 2), True), ((3, 14, 0), True)],
+)  # fmt: skip
+def test_frames_go_through_write_where_asyncios_writelines_never_pauses(version: tuple[int, ...], pauses: bool) -> None:
+    # CVE-2024-12254: there, the test above finds the transport never paused (run on such a Python).
+    assert writelines_pauses(version) is pauses
 
 
 # -- the frame parser of the receive path (RFC 6455 §5) ------------------------------------------
