@@ -303,8 +303,12 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
     cgroup load test)."""
     received = bytearray()
     done = asyncio.Event()
+    handlers: list[asyncio.Task[Any]] = []
 
     async def slow_reader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.append(task)
         await _accept_upgrade(reader, writer)
         await asyncio.sleep(0.5)  # the kernel buffers fill: the sender's transport pauses
         while len(received) < 2 * 8_000_000 + 40:  # both payloads and the small one, at least
@@ -348,6 +352,8 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
             message = b""
     assert upstream.parser_exc is None
     assert sorted(texts) == sorted([*frames.values(), small])
+    for task in handlers:
+        task.cancel()  # the upstream ends the connection (a server waits for its connections)
     await sock.close()
     server.close()
     await server.wait_closed()
