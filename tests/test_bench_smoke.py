@@ -146,6 +146,30 @@ def test_budget_rows_follow_the_leaf_frame_and_the_innermost_python_function() -
     assert steps["other"] == 0
 
 
+def test_every_module_of_the_sidecar_is_in_a_step_of_a_turn() -> None:
+    """A sample in any of upshift's modules, interpreted or compiled, or in the standard
+    library, is placed in a named step, never in "other"."""
+    from bench import budget
+    from proxy.build import COMPILED
+
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "proxy").rglob("*.py"))
+    assert len(modules) > 50
+    rows = [f"upshift interpreted: {m}" for m in modules]
+    rows += [f"upshift compiled: {name.removeprefix('proxy.')}" for name in COMPILED]
+    rows += ["socket (stdlib, Python)", "enum (stdlib, Python)", "importlib (Python)", budget.MYPYC_RUNTIME]
+    rows += [budget.row("/usr/lib/python3.13/lib-dynload/_heapq.cpython-313-x86_64-linux-gnu.so", "heappush")]
+    unplaced = [row for row in rows if budget.steps_of({row: 1.0})["other"]]
+    assert unplaced == []
+
+    def step(row: str) -> str:
+        return next(name for name, value in budget.steps_of({row: 1.0}).items() if value)
+
+    # A module is in the same step whichever build ran it.
+    for name in COMPILED:
+        path = name.replace(".", "/") + ".py"
+        assert step(f"upshift compiled: {name.removeprefix('proxy.')}") == step(f"upshift interpreted: {path}"), name
+
+
 def _perf_allowed() -> str | None:
     import shutil
 
