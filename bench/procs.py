@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from .ports import free_port
 from .tls import LoopbackCA
 
 __all__ = [
@@ -38,13 +38,6 @@ __all__ = [
 JSON = Any
 _LIVE: list[Managed] = []
 _HELPERS: list[subprocess.Popen[bytes]] = []
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def stop_all(grace: float = 5.0) -> None:

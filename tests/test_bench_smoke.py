@@ -7,6 +7,7 @@ used continuations and that it sent fewer bytes upstream than the full-history a
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -200,3 +201,25 @@ def test_budget_samples_the_sidecar_and_the_floor_and_the_rows_add_up(tmp_path: 
         # What perf sampled during the turns is the process's CPU over them (within sampling
         # noise and perf's own cost): the rows account for the turn, nothing is left out.
         assert 0.6 * relay["cpu_us_per_turn"] <= relay["sampled_us_per_turn"] <= 1.6 * relay["cpu_us_per_turn"], relay
+
+
+def test_ports_named_before_a_server_starts_are_never_an_outgoing_connections() -> None:
+    """Ports handed out for a server to bind later come from below the kernel's ephemeral range:
+    in the moment between the check and the bind, no outgoing connection can take one (a port
+    from port 0 can: "address already in use" at the bind)."""
+    from bench.ports import free_port, free_ports
+
+    low, _high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    assert all(10_000 <= port < low for port in ports)
+    hosts = ("127.0.0.1", "127.0.0.2")
+    shared = free_ports(1, hosts)[0]
+    for host in hosts:  # free on each of them
+        with socket.socket() as sock:
+            sock.bind((host, shared))
+    # A port in use is never handed out.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", free_port()))
+        taken = held.getsockname()[1]
+        assert taken not in free_ports(200)

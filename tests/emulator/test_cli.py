@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from bench.ports import free_port
 from upshift_emulator import REALISTIC_LATENCY, load_config_file
 from upshift_emulator.__main__ import build_parser, config_from_args, parse_listen, tls_context
 
@@ -47,9 +47,7 @@ def test_help_documents_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 async def test_module_runs(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "upshift_emulator", "--listen", f"127.0.0.1:{port}", "--ws-max-age", "60",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
@@ -78,9 +76,7 @@ async def test_module_serves_tls_with_cert_and_key(tmp_path: Path) -> None:
     chain, key = tmp_path / "server.pem", tmp_path / "server.key"
     chain.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
     cert.private_key_pem.write_to_path(str(key))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "upshift_emulator", "--listen", f"127.0.0.1:{port}",
         "--tls-cert", str(chain), "--tls-key", str(key),

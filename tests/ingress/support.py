@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
+from bench.ports import free_ports
 from proxy.config import ClusterSettings, Settings, ShutdownSettings
 from proxy.core.affinity import owner_key, rank, root_digest
 from proxy.intake.identity import identify
@@ -26,45 +26,6 @@ KEY = "sk-test-cluster"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 STEPS = 5
 """Tool calls per conversation: 6 turns each."""
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports free right now on ``host`` (bound together, so distinct)."""
-    socks = []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def common_free_port(hosts: Sequence[str], tries: int = 50) -> int:
-    """A port free right now on every one of ``hosts`` (replicas on one port, several addresses).
-
-    An ephemeral port free on 127.0.0.1 may be taken on another loopback address (or by a wildcard
-    socket), so each candidate is bound on all of them before it is handed out.
-    """
-    for _ in range(tries):
-        socks: list[socket.socket] = []
-        try:
-            first = socket.socket()
-            socks.append(first)
-            first.bind((hosts[0], 0))
-            port = int(first.getsockname()[1])
-            for host in hosts[1:]:
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return port
-    raise RuntimeError(f"no port free on all of {hosts}")
 
 
 def identity_digest(upstream: str) -> str:

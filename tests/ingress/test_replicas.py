@@ -19,7 +19,6 @@ from .support import (
     STEPS,
     Conversation,
     assert_fidelity,
-    common_free_port,
     continued,
     direct,
     free_ports,
@@ -141,7 +140,7 @@ async def test_three_replicas_round_robin_and_one_sigkilled(
 
 async def test_a_fourth_replica_moves_only_its_own_conversations(emulator: Emulator) -> None:
     hosts = [f"127.0.0.{21 + i}" for i in range(4)]
-    port = common_free_port(hosts)
+    port = free_ports(1, hosts)[0]
     urls = [f"http://{host}:{port}" for host in hosts]
     members = [urls[:3]]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import ssl
 import subprocess
 from pathlib import Path
@@ -15,16 +14,10 @@ from types import TracebackType
 import pytest
 from aiohttp import web
 
+from bench.ports import free_port
 from upshift_emulator import Emulator
 
 __all__ = ["TlsEmulator", "Tinyproxy", "free_port", "require_tinyproxy"]
-
-
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1 (for servers that cannot bind port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def require_tinyproxy() -> str:

@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.ports import free_port
 from proxy import contracts
 from proxy.kernel import received_ago, tcp_socket
 from tests.reliability.helpers import auth
@@ -43,9 +44,7 @@ def _access_lines(logs: str) -> dict[str, dict[str, Any]]:
 def upstream() -> Iterator[str]:
     """The emulator in a process of its own (20 ms before ``response.created``, 30 ms to the
     first token): the app's process holds only the app."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = ["--listen", f"127.0.0.1:{port}", "--overhead-ms", "20", "--ttft-ms", "30"]
     proc = subprocess.Popen([sys.executable, "-m", "upshift_emulator", *args], cwd=ROOT, stdout=subprocess.DEVNULL)
     try:

@@ -10,7 +10,6 @@ headers; an unreachable or silent upstream is an OpenAI-style 502/504, never a h
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from bench.ports import free_port
 from proxy.upstream.pool import SocketUse
 from tests.conftest import SidecarFactory
 from tests.reliability.conftest import EmulatorFactory, SidecarFor
@@ -492,9 +492,8 @@ async def test_websocket_relay_refused_upgrade_keeps_its_status(
 
 
 def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on (and no connection of the suite can come to hold)."""
+    return free_port()
 
 
 @STREAM

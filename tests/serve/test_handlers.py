@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -19,6 +18,7 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
+from bench.ports import free_ports
 from proxy.observe.metrics import REGISTRY
 from proxy.upstream.pool import SocketUse
 from tests.conftest import SidecarFactory
@@ -343,11 +343,7 @@ async def test_drain_lets_in_flight_streams_finish(emulator: Emulator) -> None:
 
 
 async def test_run_serves_until_sigterm_and_exits_0(emulator: Emulator) -> None:
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = free_ports(2)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

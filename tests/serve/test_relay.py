@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 import pytest
@@ -11,6 +10,7 @@ from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
+from bench.ports import free_port
 from proxy.serve.relay import sendable_code
 from tests.sidecar import Sidecar
 from upshift_emulator import Emulator
@@ -56,9 +56,7 @@ async def test_refused_upstream_upgrade_answers_the_same_status(stack: tuple[Emu
 
 
 async def test_unreachable_upstream_answers_426() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     async with Sidecar(f"http://127.0.0.1:{port}/v1") as sidecar:
         with pytest.raises(InvalidStatus) as info:
             async with connect(sidecar.url.replace("http", "ws") + "/v1/responses"):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
+from bench.ports import free_port
 from tests.conftest import SidecarFactory
 from tests.sidecar import Sidecar
 from upshift_emulator import Emulator
@@ -122,15 +122,9 @@ async def test_unknown_paths_outside_v1_are_404(stack: tuple[Emulator, Sidecar])
             assert (await resp.json())["error"]["type"] == "invalid_request_error"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("path", ["/models", "/responses"])
 async def test_upstream_refused_is_502(path: str) -> None:
-    async with Sidecar(f"http://127.0.0.1:{_free_port()}/v1") as sidecar:
+    async with Sidecar(f"http://127.0.0.1:{free_port()}/v1") as sidecar:
         async with aiohttp.ClientSession() as http:
             headers = {"Authorization": f"Bearer {KEY}"}
             if path == "/models":

@@ -7,13 +7,13 @@ I/O around them: handshakes, leases that end on every path, draining, gauges, cl
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
 import pytest
 
+from bench.ports import free_port
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.conversation import HeadTable
 from proxy.core.plans import Full, Http, Plan, Ready
@@ -301,9 +301,7 @@ async def test_cancelled_connect_leaves_nothing_behind() -> None:
 
 
 async def test_unreachable_upstream_plans_http() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     settings = Settings(upstream=f"http://127.0.0.1:{port}/v1")
     pool = Pool(settings, HeadTable(max_heads=10, ttl_seconds=3600))
     plan, _ = await pool.plan(who("sk-a", settings.upstream), req("a"))

@@ -16,6 +16,7 @@ from websockets.frames import Close, Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import Protocol, Side, State
 
+from bench.ports import free_port
 from proxy.config import PoolSettings, Settings, TimeoutSettings
 from proxy.core.demux import strip_stream_id
 from proxy.errors import UpstreamClosed, UpstreamProtocolError, UpstreamRefused, UpstreamTimeout, UpstreamUnavailable
@@ -99,9 +100,7 @@ async def test_refused_upgrade_keeps_status_and_body(emulator: Any) -> None:
 
 
 async def test_unreachable_is_unavailable() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(UpstreamUnavailable) as info:
         await open_socket(settings_for(f"http://127.0.0.1:{port}/v1"))
     assert info.value.status == 502
