@@ -65,17 +65,19 @@ async def cluster(emulator: Emulator, tmp_path: Path) -> AsyncIterator[tuple[lis
     ports = free_ports(3)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     rogue = Rogue(ports[2])
-    await rogue.start()
     servers = [
         Server(replica_settings(emulator.base_url, url, urls, secret_file=str(secret), connect_timeout_seconds=5.0))
         for url in urls[:2]
     ]
-    for server in servers:
-        await server.start()
-    try:
+    begun: list[Server] = []
+    try:  # what began is stopped, also when a start fails half-way
+        await rogue.start()
+        for server in servers:
+            begun.append(server)
+            await server.start()
         yield servers, urls, rogue
     finally:
-        for server in servers:
+        for server in begun:
             await server.stop()
         await rogue.runner.cleanup()
 
