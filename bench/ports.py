@@ -51,17 +51,15 @@ def _bindable(port: int, hosts: Sequence[str]) -> bool:
 def free_ports(count: int, hosts: Sequence[str] = ("127.0.0.1",)) -> list[int]:
     """``count`` distinct ports, each free right now on every one of ``hosts``."""
     candidates = _listen_range()
-    if not candidates:
-        return _ephemeral(count, hosts[0])
     pick = random.Random()  # seeded from the OS: processes started together pick apart
     ports: list[int] = []
     for _ in range(_TRIES):
-        port = pick.choice(candidates)
+        port = pick.choice(candidates) if candidates else _ephemeral(hosts[0])
         if port not in ports and _bindable(port, hosts):
             ports.append(port)
             if len(ports) == count:
                 return ports
-    raise RuntimeError(f"no {count} free ports in {candidates.start}-{candidates.stop - 1} on {list(hosts)}")
+    raise RuntimeError(f"no {count} free ports on {list(hosts)}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,13 +67,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, (host,))[0]
 
 
-def _ephemeral(count: int, host: str) -> list[int]:
-    """The kernel's own choice (bound together, so distinct)."""
-    socks = [socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+def _ephemeral(host: str) -> int:
+    """The kernel's own choice on ``host``."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
