@@ -54,7 +54,12 @@ async def run_load(
 
     assert await check_oracle(result, record) == [], "the model saw another history than the app sent"
     if size_mb < 15:  # below the frame budget: kept bodies gave way, continuations did not
-        assert result.modes.get("continuation", 0) == conversations * (turns - 1), result.modes
+        continued = result.modes.get("continuation", 0)
+        if continued != conversations * (turns - 1):
+            # Why a later turn went in full: the sidecar's own explanation of its misses.
+            async with aiohttp.ClientSession() as session, session.get(side.admin + "/misses") as resp:
+                misses = await resp.text()
+            raise AssertionError(f"{result.modes}; the sidecar's /misses: {misses[:4000]}")
     assert probes and set(probes) == {200}, f"/readyz went red under memory pressure: {set(probes)}"
     return result, probes
 
