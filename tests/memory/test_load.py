@@ -56,10 +56,14 @@ async def run_load(
     if size_mb < 15:  # below the frame budget: kept bodies gave way, continuations did not
         continued = result.modes.get("continuation", 0)
         if continued != conversations * (turns - 1):
-            # Why a later turn went in full: the sidecar's own explanation of its misses.
+            # Why a later turn went in full: the sidecar's own explanation of its misses, and
+            # the turns it replayed in full (a continuation that failed before any output, or an
+            # HTTP continuation the upstream did not know).
             async with aiohttp.ClientSession() as session, session.get(side.admin + "/misses") as resp:
                 misses = await resp.text()
-            raise AssertionError(f"{result.modes}; the sidecar's /misses: {misses[:4000]}")
+            kinds = ("upshift_replays", "upshift_http_continuations")
+            replays = [line for line in (await scrape(side.admin)).splitlines() if line.startswith(kinds)]
+            raise AssertionError(f"{result.modes}; replays: {replays}; the sidecar's /misses: {misses[:4000]}")
     assert probes and set(probes) == {200}, f"/readyz went red under memory pressure: {set(probes)}"
     return result, probes
 
