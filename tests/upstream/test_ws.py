@@ -130,13 +130,47 @@ async def _accept_upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWr
                  b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")  # fmt: skip
 
 
-async def _raw_upstream(handler: Any, rcvbuf: int | None = None) -> tuple[asyncio.Server, str]:
-    """A raw TCP upstream on 127.0.0.1 running ``handler``, and its base URL; ``rcvbuf``: the
-    receive buffer of its connections (set on the listener, so that their window is that small)."""
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+class _RawUpstream:
+    """A raw TCP upstream's server and the handlers of its open connections."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.handlers: set[asyncio.Task[Any]] = set()
+
+    def end_connections(self) -> None:
+        """The upstream ends every connection still open (its handlers are cancelled)."""
+        for task in self.handlers:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Ends the connections, then the server (on Python 3.12+ a server's ``wait_closed``
+        waits for its connections, which a handler may hold open for seconds)."""
+        self.end_connections()
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def _raw_upstream(handler: Any, rcvbuf: int | None = None) -> tuple[_RawUpstream, str]:
+    """A raw TCP upstream on 127.0.0.1 running ``handler`` per connection, and its base URL;
+    ``rcvbuf``: the receive buffer of its connections (set on the listener, so that their window
+    is that small)."""
+    upstream = _RawUpstream()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        upstream.handlers.add(task)
+        try:
+            await handler(reader, writer)
+        finally:
+            upstream.handlers.discard(task)
+            writer.close()
+
+    server = upstream.server = await asyncio.start_server(serve, "127.0.0.1", 0)
     if rcvbuf is not None:
         server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    return upstream, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
 
 
 async def _hold_open(writer: asyncio.StreamWriter, seconds: float = 10.0) -> None:
@@ -157,15 +191,7 @@ async def _upgrade_then_close_without_fin(reader: asyncio.StreamReader, writer: 
 
 
 async def test_send_while_the_upstream_closes_is_upstream_closed() -> None:
-    handlers: list[asyncio.Task[Any]] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        handlers.append(task)
-        await _upgrade_then_close_without_fin(reader, writer)
-
-    server, url = await _raw_upstream(handler)
+    server, url = await _raw_upstream(_upgrade_then_close_without_fin)
     sock = await open_socket(settings_for(url))
     inbox = sock.open_inbox(None)
     await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"hi"}', None)
@@ -176,11 +202,9 @@ async def test_send_while_the_upstream_closes_is_upstream_closed() -> None:
     with pytest.raises(UpstreamClosed) as again:
         await sock.send(b'{"type":"response.create","model":"gpt-6.1-sol","input":"again"}', None)
     assert again.value.close_code == 1011
-    for task in handlers:
-        task.cancel()  # the upstream ends the TCP connection now
+    server.end_connections()  # the upstream ends the TCP connection now
     await asyncio.wait_for(sock.wait_closed(), 5)
-    server.close()
-    await server.wait_closed()
+    await server.close()
 
 
 async def test_keepalive_pings_are_answered(emulator: Any) -> None:
@@ -216,8 +240,7 @@ async def test_unanswered_keepalive_ping_drops_the_socket() -> None:
         await inbox.get(5)
     assert info.value.close_code == 1011 and "keepalive" in info.value.reason
     await asyncio.wait_for(sock.wait_closed(), 5)
-    server.close()
-    await server.wait_closed()
+    await server.close()
 
 
 async def test_silence_maps_to_upstream_timeout(emulator: Any) -> None:
@@ -235,7 +258,7 @@ async def test_handshake_timeout_is_unavailable() -> None:
     settings = Settings(upstream=url, timeouts=TimeoutSettings(connect_seconds=0.1))
     with pytest.raises(UpstreamUnavailable):
         await open_socket(settings)
-    server.close()
+    await server.close()
 
 
 def test_identity_parts() -> None:
@@ -302,12 +325,8 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
     cgroup load test)."""
     received = bytearray()
     done = asyncio.Event()
-    handlers: list[asyncio.Task[Any]] = []
 
     async def slow_reader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        handlers.append(task)
         await _accept_upgrade(reader, writer)
         await asyncio.sleep(0.5)  # the kernel buffers fill: the sender's transport pauses
         while len(received) < 2 * 8_000_000 + 40:  # both payloads and the small one, at least
@@ -351,11 +370,9 @@ async def test_large_frames_of_two_lanes_never_interleave_their_fragments() -> N
             message = b""
     assert upstream.parser_exc is None
     assert sorted(texts) == sorted([*frames.values(), small])
-    for task in handlers:
-        task.cancel()  # the upstream ends the connection (a server waits for its connections)
+    server.end_connections()  # first: the socket's close then waits for no closing handshake
     await sock.close()
-    server.close()
-    await server.wait_closed()
+    await server.close()
 
 
 @pytest.mark.parametrize(
@@ -396,9 +413,9 @@ def _server_frame(opcode: int, data: bytes, fin: bool = True, *, rsv1: bool = Fa
     return header + key + bytes(b ^ key[i % 4] for i, b in enumerate(data))
 
 
-async def _scripted(script: bytes, *, step: int = 0) -> tuple[UpstreamSocket, asyncio.Server, list[Frame]]:
+async def _scripted(script: bytes, *, step: int = 0) -> tuple[UpstreamSocket, _RawUpstream, list[Frame]]:
     """A raw upstream that answers the first frame with ``script`` (``step`` bytes per write, 0:
-    at once) and collects what the socket sends afterwards; the socket, the server, those frames."""
+    at once) and collects what the socket sends afterwards; the socket, the upstream, those frames."""
     sent: list[Frame] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -439,8 +456,9 @@ async def test_frames_split_anywhere_arrive_whole_and_a_ping_mid_message_gets_it
     assert await _drain(inbox, 4) == _EVENTS
     await asyncio.sleep(0.05)
     assert [(f.opcode, f.data) for f in sent] == [(Opcode.PONG, b"are you there")]
+    server.end_connections()  # first: the socket's close then waits for no closing handshake
     await sock.close()
-    server.close()
+    await server.close()
 
 
 async def test_a_close_frame_is_echoed_and_fails_the_lanes_with_its_code() -> None:
@@ -456,7 +474,7 @@ async def test_a_close_frame_is_echoed_and_fails_the_lanes_with_its_code() -> No
     assert [(f.opcode, Close.parse(f.data).code) for f in sent] == [(Opcode.CLOSE, 1013)]
     with pytest.raises(UpstreamClosed):
         await sock.send(b"{}", None)
-    server.close()
+    await server.close()
 
 
 @pytest.mark.parametrize(
@@ -482,7 +500,7 @@ async def test_a_frame_against_the_protocol_fails_the_socket(frame: bytes, said:
         await inbox.get(5)
     assert said in info.value.message
     await asyncio.wait_for(sock.wait_closed(), 5)  # dropped
-    server.close()
+    await server.close()
 
 
 async def test_a_large_message_goes_as_one_frame_by_default() -> None:
@@ -510,5 +528,6 @@ async def test_a_large_message_goes_as_one_frame_by_default() -> None:
     upstream.receive_data(bytes(received))
     (got,) = [f for f in upstream.events_received() if isinstance(f, Frame)]
     assert got.fin and got.opcode is Opcode.TEXT and got.data == frame
+    server.end_connections()  # first: the socket's close then waits for no closing handshake
     await sock.close()
-    server.close()
+    await server.close()
