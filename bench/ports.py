@@ -33,11 +33,15 @@ def _listen_range() -> range:
     return range(_LOWEST, low) if low - _LOWEST >= 1_000 else range(0)
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _bindable(port: int, hosts: Sequence[str]) -> bool:
     socks: list[socket.socket] = []
     try:
         for host in hosts:
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sock = socket.socket(_family(host))
             socks.append(sock)
             sock.bind((host, port))
         return True
@@ -69,6 +73,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _ephemeral(host: str) -> int:
     """The kernel's own choice on ``host``."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    with socket.socket(_family(host)) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
